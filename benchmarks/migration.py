@@ -1,0 +1,96 @@
+"""Planned-migration downtime vs. a checkpoint-restart baseline, measured in one run. Prints one JSON object.
+
+    python -m benchmarks.migration [--steps 40] [--migrate-at 15] [--tiny]
+
+Workload: the demo's (byte-level GPT, DDP, 2 nodes x 2 ranks, AdamW, Shakespeare), local mode.
+
+- **Our downtime**: the extra wall time of the switch step and the 5 steps after it over the median step (computed
+  by tmd from a stayer's step reports), with the phase times (prepare runs in the background), the state bytes and
+  transfer GB/s, and the stayers' RSS just before the request and after the downtime window.
+- **Cold baseline** (same run): checkpoint every rank with torch.distributed.checkpoint, stop the processes, restart
+  them with the node replaced, load, continue (benchmarks/cold_restart.py). Its downtime and the ratio to ours.
+
+Targets here (issue 2): downtime <= 0.25 s, ratio >= 30x, stayer RSS growth <= 1%. They are reported, not asserted:
+the machine is shared and noisy, and ratios within one run are what compare.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import psutil
+
+from benchmarks.cold_restart import run_cold_restart
+from examples.demo import migrate_when_ready, tmd_command, wait_for_address
+from tmctl.client import Client
+from tmd import protocol as p
+
+
+def stayer_pids(run_dir: str, nodes: tuple[str, ...]) -> list[int]:
+    pids = []
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        for line in f:
+            e = json.loads(line)
+            if e["event"] == "worker_registered" and e["node"] in nodes:
+                pids.append(e["pid"])
+    return pids
+
+
+def rss_bytes(pids: list[int]) -> int:
+    return sum(psutil.Process(pid).memory_info().rss for pid in pids)
+
+
+def run_live(steps: int, migrate_at: int, tiny: bool, run_dir: str) -> dict:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    proc = subprocess.Popen(tmd_command(run_dir, 1, steps, tiny, quiet=True), stdout=subprocess.DEVNULL)
+    try:
+        client = Client(wait_for_address(run_dir, proc), timeout_s=10.0)
+        while client.request(p.StatusRequest()).step < migrate_at:
+            time.sleep(0.2)
+        pids = stayer_pids(run_dir, ("n1",))
+        rss_before = rss_bytes(pids)
+        m = migrate_when_ready(client, proc, migrate_at, "n2", "s1")
+        rss_after = rss_bytes(pids) if proc.poll() is None else None
+        rc = proc.wait(timeout=1800)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
+    gbps = m["bytes_moved"] / m["transfer_s"] / 1e9 if m.get("transfer_s") else None
+    return {
+        "state": m["state"], "exit_code": rc, "switch_step": m["switch_step"], "median_step_s": m["median_step_s"],
+        "downtime_s": m["downtime_s"], "phases_s": m["phases_s"], "bytes_moved": m["bytes_moved"],
+        "transfer_GBps": round(gbps, 3) if gbps else None,
+        "stayer_rss_before_bytes": rss_before, "stayer_rss_after_bytes": rss_after,
+        "stayer_rss_growth": round(rss_after / rss_before - 1, 5) if rss_after else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--migrate-at", type=int, default=15)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--run-dir", default="tmrun/bench")
+    args = ap.parse_args(argv)
+    live = run_live(args.steps, args.migrate_at, args.tiny, os.path.join(args.run_dir, "live"))
+    cold = run_cold_restart(world=4, steps=args.steps, restart_at=args.migrate_at, tiny=args.tiny)
+    ours = live["downtime_s"]
+    result = {
+        "workload": {"model": "tiny" if args.tiny else "gpt-256x4", "nodes": 2, "ranks_per_node": 2, "steps": args.steps},
+        "live_migration": live,
+        "cold_restart": cold,
+        "ratio_cold_over_live": round(cold["downtime_s"] / max(ours, 1e-3), 1) if ours is not None else None,
+        "targets": {"downtime_s_max": 0.25, "ratio_min": 30, "stayer_rss_growth_max": 0.01},
+    }
+    print(json.dumps(result), flush=True)
+    return 0 if live["state"] == "committed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

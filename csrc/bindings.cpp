@@ -1,0 +1,122 @@
+// Python bindings for the mover backend: `worker._C`.
+#include <torch/extension.h>
+
+#include "mover_backend.hpp"
+
+namespace py = pybind11;
+using tmover::MoverBackend;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The base type torch._C._distributed_c10d.Backend must be registered with pybind before we
+  // derive from it; importing torch.distributed does that.
+  py::module_::import("torch.distributed");
+
+  m.doc() = "TrainMover mover backend: a c10d Backend wrapping a swappable inner backend.";
+
+  py::class_<MoverBackend, c10d::Backend, c10::intrusive_ptr<MoverBackend>>(m, "MoverBackend", R"(
+c10d backend "tmover" that forwards every op to an inner backend (gloo/NCCL) which can be
+swapped between two ops (stage() then commit()). Modes: "live" forwards; "record" forwards,
+waits, and keeps clones of every op's outputs; "replay" fills outputs from a loaded recording
+with no inner backend; "bypass" completes barrier/send/recv at once and forwards the rest.)")
+      .def(
+          py::init([](int rank, int size, std::optional<c10::intrusive_ptr<c10d::Backend>> inner) {
+            return c10::make_intrusive<MoverBackend>(rank, size, inner.value_or(nullptr));
+          }),
+          py::arg("rank"),
+          py::arg("size"),
+          py::arg("inner") = py::none(),
+          "MoverBackend(rank, size, inner=None). Raises ValueError if inner's rank/size differ.")
+      .def(
+          "stage",
+          &MoverBackend::stage,
+          py::arg("inner"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Hold `inner` (a Backend built elsewhere) for the next commit(); replaces any staged "
+          "one. Raises ValueError if its rank/size differ from this backend's.")
+      .def(
+          "commit",
+          &MoverBackend::commit,
+          py::call_guard<py::gil_scoped_release>(),
+          "Swap the staged backend in between two ops, clear the aborted state, and drop the "
+          "old inner on a background thread. Returns the new generation (number of commits). "
+          "Raises RuntimeError if nothing is staged.")
+      .def(
+          "discard_staged",
+          &MoverBackend::discardStaged,
+          py::call_guard<py::gil_scoped_release>(),
+          "Drop the staged backend (in the background). Returns whether one was staged.")
+      .def("has_staged", &MoverBackend::hasStaged, "Whether a backend is staged.")
+      .def_property_readonly(
+          "generation", &MoverBackend::generation, "Number of commits so far (int, starts at 0).")
+      .def_property_readonly(
+          "inner", &MoverBackend::currentInner, "The current inner Backend, or None.")
+      .def(
+          "set_mode",
+          [](MoverBackend& self, const std::string& mode) { self.setMode(tmover::parseMode(mode)); },
+          py::arg("mode"),
+          "Set the mode: 'live', 'record', 'replay' or 'bypass'. Raises ValueError otherwise. "
+          "Applies from the next op on.")
+      .def_property_readonly(
+          "mode",
+          [](MoverBackend& self) { return std::string(tmover::modeName(self.mode())); },
+          "The current mode (str).")
+      .def(
+          "take_recording",
+          &MoverBackend::takeRecording,
+          "Return the recording as [(op_name, [outputs...]), ...] in call order and clear it. "
+          "Raises RuntimeError if a recorded op is still in flight (nothing is cleared then) or "
+          "if one failed (the recording is discarded).")
+      .def(
+          "load_recording",
+          &MoverBackend::loadRecording,
+          py::arg("recording"),
+          "Set the replay source ([(op_name, [tensors...]), ...]) and rewind it to op #0.")
+      .def_property_readonly(
+          "replay_position",
+          &MoverBackend::replayPosition,
+          "Index of the next recorded op replay will consume (int).")
+      .def_property_readonly(
+          "replay_remaining",
+          &MoverBackend::replayRemaining,
+          "Recorded ops not yet consumed by replay (int).")
+      .def(
+          "abort",
+          &MoverBackend::abortPending,
+          py::arg("reason"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Fail every pending work now (wait() raises RuntimeError with `reason`, futures get "
+          "the error); the inner ops are abandoned. Later ops raise RuntimeError until commit(). "
+          "Returns how many works were aborted.")
+      .def_property_readonly(
+          "aborted", &MoverBackend::aborted, "True between abort() and the next commit().")
+      .def(
+          "counters",
+          [](MoverBackend& self) {
+            const auto c = self.counters();
+            py::dict d;
+            d["ops_issued"] = c.opsIssued;
+            d["ops_completed"] = c.opsCompleted;
+            d["ops_failed"] = c.opsFailed;
+            d["pending"] = c.pending;
+            d["last_op_start_s"] = c.lastOpStartS;
+            d["last_op_end_s"] = c.lastOpEndS;
+            d["busy_s"] = c.busyS;
+            d["blocked_s"] = c.blockedS;
+            d["generation"] = c.generation;
+            d["mode"] = std::string(tmover::modeName(c.mode));
+            return d;
+          },
+          "Counters as a dict: ops_issued, ops_completed, ops_failed, pending (ints; issued = "
+          "completed + failed + pending), last_op_start_s / last_op_end_s (epoch seconds, 0.0 "
+          "if none), busy_s (seconds, sum of issue->completion over completed ops), blocked_s "
+          "(seconds callers spent in Work.wait()), generation (int), mode (str).");
+
+  m.def(
+      "release_in_background",
+      &tmover::releaseInBackground,
+      py::arg("backend"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Drop `backend` on a detached thread once that thread holds its last reference (polls "
+      "for up to ~60 s), so its destructor runs off the caller's thread and without the GIL. "
+      "Delete your own references after calling this.");
+}

@@ -1,0 +1,109 @@
+"""Data-parallel byte-level GPT training on Shakespeare, run on every rank under the TrainMover runtime.
+
+Launched by the runtime on each node (active ranks and standbys alike)::
+
+    python examples/train_gpt.py --steps 40 [--batch-size 8] [--seed 0] [--tiny] [--log-every 5]
+
+``worker.init()`` blocks on a standby until it is assigned a rank, then installs
+the default process group. ``session.manage(...)`` hands the model, optimizer
+and data stream to the runtime, which can move this rank's state to a joiner
+between steps; ``session.steps(n)`` yields the step numbers this process should
+run (a joiner starts at the step where the leaver stopped).
+
+At the end each rank writes ``<run_dir>/final/rank<r>.json`` with
+``{"rank", "steps", "state_sha256", "loss"}`` and reports the state hash via
+``session.finish``. The hash is identical with and without migrations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from examples.data import ShakespeareStream  # noqa: E402
+from examples.gpt import GPT, GPTConfig, loss as lm_loss  # noqa: E402
+from examples.state_hash import final_state_hash  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=40, help="total optimizer steps of the job")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per rank per step (default 8; 4 with --tiny)")
+    p.add_argument("--seed", type=int, default=0, help="model-init and data seed")
+    p.add_argument("--tiny", action="store_true", help="d_model 32, 1 layer, 2 heads, context 32, batch 4")
+    p.add_argument("--log-every", type=int, default=5, help="print rank 0's loss every N steps")
+    args = p.parse_args(argv)
+    if args.batch_size is None:
+        args.batch_size = 4 if args.tiny else 8
+    return args
+
+
+def model_config(tiny: bool) -> GPTConfig:
+    """The demo model (``tiny=False``) or the fast-test model (``tiny=True``)."""
+    return GPTConfig.tiny() if tiny else GPTConfig()
+
+
+def write_final(run_dir: str, rank: int, steps: int, state_sha256: str, loss: float | None) -> str:
+    """Atomically write ``<run_dir>/final/rank<rank>.json``; returns its path."""
+    final_dir = os.path.join(run_dir, "final")
+    os.makedirs(final_dir, exist_ok=True)
+    path = os.path.join(final_dir, f"rank{rank}.json")
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"rank": rank, "steps": steps, "state_sha256": state_sha256, "loss": loss}, f)
+    os.replace(tmp, path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+
+    import worker  # the TrainMover runtime; imported here so this module can be imported without it
+
+    session = worker.init()  # standbys block here until they are given a rank
+
+    cfg = model_config(args.tiny)
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model = torch.nn.parallel.DistributedDataParallel(GPT(cfg))  # default group (backend "tmover")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    data = ShakespeareStream(session.rank, batch_size=args.batch_size, context=cfg.context, seed=args.seed)
+    session.manage(model=model, optimizer=opt, data=data)
+
+    last_loss: float | None = None
+    last_step = -1
+    t_log = time.perf_counter()
+    for step in session.steps(args.steps):
+        x, y = data.batch(step)  # int64 [B, T] each
+        loss = lm_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        last_loss = loss.item()
+        last_step = step
+        if session.rank == 0 and not session.is_shadow and (step + 1) % args.log_every == 0:
+            now = time.perf_counter()
+            print(
+                f"step {step + 1:5d}/{args.steps}  loss {last_loss:.4f}  "
+                f"{(now - t_log) / args.log_every:.3f} s/step",
+                flush=True,
+            )
+            t_log = now
+
+    digest = final_state_hash(model, opt)
+    if not session.is_shadow:
+        # data.next_step counts the job's completed steps, including those a leaver ran before handing over.
+        write_final(session.run_dir, session.rank, max(data.next_step, last_step + 1), digest, last_loss)
+    session.finish(digest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""Unit tests of tmctl (client, rendering, CLI) against a fake coordinator.
+
+The fake is a thread with a ZeroMQ ROUTER on a free 127.0.0.1 port that answers each request with a canned
+:mod:`tmd.protocol` message; end-to-end tests against the real tmd live elsewhere.
+"""
+import json
+import socket
+import threading
+import time
+
+import pytest
+import zmq
+from typer.testing import CliRunner
+
+from tmctl import cli
+from tmctl.client import Client, CoordinatorNotFound, CoordinatorUnreachable, find_coordinator
+from tmd.protocol import (
+    ErrorReply,
+    EventsReply,
+    EventsRequest,
+    MigrateRequest,
+    MigrationReply,
+    MigrationRequest,
+    StatusReply,
+    StatusRequest,
+    decode,
+    encode,
+)
+
+
+class FakeCoordinator:
+    """ROUTER thread: ``handler(request) -> reply`` (None: stay silent). Records every request it decodes."""
+
+    def __init__(self, handler):
+        self.handler = handler
+        self.requests = []
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(5)
+
+    def _serve(self):
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(20):
+                    continue
+                ident, frame = sock.recv_multipart()
+                request = decode(frame)
+                self.requests.append(request)
+                reply = self.handler(request)
+                if reply is not None:
+                    sock.send_multipart([ident, encode(reply)])
+        finally:
+            sock.close()
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(5)
+
+
+@pytest.fixture
+def fake():
+    started = []
+
+    def start(handler):
+        started.append(FakeCoordinator(handler))
+        return started[-1]
+
+    yield start
+    for f in started:
+        f.stop()
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    for name in ("TM_COORDINATOR", "TM_RUN_DIR", "TM_STATE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "POLL_INTERVAL_S", 0.01)
+    monkeypatch.setattr(cli, "FOLLOW_INTERVAL_S", 0.01)
+
+
+def run(*args):
+    return CliRunner().invoke(cli.app, list(args))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lines(text):
+    return [line for line in text.splitlines() if line.strip()]
+
+
+NODES = [
+    {"name": "node0", "role": "active", "ranks": [0, 1], "health": "ok", "heartbeat_age_s": 0.21, "step": 42,
+     "step_time_s": 0.137, "warm": False},
+    {"name": "node1", "role": "active", "ranks": [2, 3], "health": "late", "heartbeat_age_s": 3.5, "step": 41,
+     "step_time_s": 0.141, "warm": False},
+    {"name": "spare0", "role": "standby", "ranks": [], "health": "ok", "heartbeat_age_s": 0.4, "step": None,
+     "step_time_s": None, "warm": True},
+    {"name": "spare1", "role": "standby", "ranks": [], "health": "ok", "heartbeat_age_s": 0.3, "step": None,
+     "step_time_s": None, "warm": False},
+]
+
+
+def migration(state, reason="", **extra):
+    order = ["requested", "warming", "prepared", "switching", "transferred", "committed"]
+    reached = order[: order.index(state) + 1] if state in order else order[:3] + [state]
+    m = {"id": 7, "source": "node1", "target": "spare0", "state": state, "reason": reason, "switch_step": None,
+         "phases": {s: 1000.0 + 0.5 * i for i, s in enumerate(reached)}, "phases_s": {}, "downtime_s": None,
+         "bytes_moved": 0}
+    m.update(extra)
+    return m
+
+
+def status_reply(mig=None):
+    return StatusReply(job="local-abc", world_size=4, generation=1, step=42, nodes=NODES, migration=mig)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# status
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(10)
+def test_status_table(fake):
+    f = fake(lambda req: status_reply(migration("warming")))
+    r = run("status", "--coordinator", f.address)
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert "local-abc" in out and "world size 4" in out
+    for name in ("node0", "node1", "spare0", "spare1"):
+        assert name in out
+    assert "0-1" in out and "2-3" in out  # rank ranges
+    assert "standbys: spare0 (warm), spare1 (cold)" in out
+    assert "migration in progress" in out and "warming" in out
+    assert isinstance(f.requests[0], StatusRequest)
+
+
+@pytest.mark.timeout(10)
+def test_status_json_is_the_reply(fake):
+    f = fake(lambda req: status_reply())
+    r = run("--coordinator", f.address, "status", "--json")  # options before the command work too
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data == {"job": "local-abc", "world_size": 4, "generation": 1, "step": 42, "nodes": NODES,
+                    "migration": None}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# migrate
+# ------------------------------------------------------------------------------------------------------------
+def scripted_migration(states, final_extra=None):
+    """Handler: MigrateRequest -> 'requested'; each MigrationRequest -> the next of ``states``."""
+    script = list(states)
+
+    def handler(req):
+        if isinstance(req, MigrateRequest):
+            return MigrationReply(migration=migration("requested", source=req.source, target=req.target))
+        if isinstance(req, MigrationRequest):
+            state = script.pop(0) if len(script) > 1 else script[0]
+            extra = final_extra if state in ("committed", "aborted") else {}
+            return MigrationReply(migration=migration(state, **(extra or {})))
+        return ErrorReply(code="bad_request", message="unexpected")
+
+    return handler
+
+
+@pytest.mark.timeout(10)
+def test_migrate_success_prints_phases(fake):
+    done = {"switch_step": 50, "phases_s": {"warming": 0.5, "switching": 0.2}, "downtime_s": 0.31,
+            "bytes_moved": 3 * 1024 ** 2}
+    f = fake(scripted_migration(["warming", "prepared", "switching", "committed"], done))
+    r = run("migrate", "--from", "node1", "--to", "spare0", "--coordinator", f.address)
+    assert r.exit_code == 0, r.output
+    out = lines(r.stdout)
+    assert out[0] == "migration 7: node1 -> spare0"
+    phase_lines = [line for line in out if line.startswith("[")]
+    assert [line.split("] ")[1] for line in phase_lines] == [
+        "requested", "warming", "prepared", "switching", "transferred", "committed"]
+    assert phase_lines[1] == "[   0.50 s] warming"
+    assert "committed" in out[-1] and "downtime 0.31 s" in out[-1] and "3.0 MiB" in out[-1]
+    assert r.stderr == ""
+    assert f.requests[0] == MigrateRequest(source="node1", target="spare0")
+    assert all(req == MigrationRequest(migration_id=7) for req in f.requests[1:])
+
+
+@pytest.mark.timeout(10)
+def test_migrate_no_wait_prints_id(fake):
+    f = fake(scripted_migration(["warming"]))
+    r = run("migrate", "--from", "node1", "--to", "spare0", "--no-wait", "--coordinator", f.address)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == "7"
+    assert len(f.requests) == 1
+
+
+@pytest.mark.timeout(10)
+def test_migrate_refused_exits_2_with_one_line(fake):
+    f = fake(lambda req: ErrorReply(code="busy_standby", message="standby spare0 is busy"))
+    r = run("migrate", "--from", "node1", "--to", "spare0", "--coordinator", f.address)
+    assert r.exit_code == 2
+    assert lines(r.stderr) == ["error: standby spare0 is busy"]
+    assert r.stdout == ""
+
+
+@pytest.mark.timeout(10)
+def test_migrate_aborted_exits_1_with_reason(fake):
+    f = fake(scripted_migration(["warming", "aborted"], {"reason": "joiner checksum mismatch"}))
+    r = run("migrate", "--from", "node1", "--to", "spare0", "--coordinator", f.address)
+    assert r.exit_code == 1, r.output
+    assert lines(r.stderr) == ["error: migration 7 aborted: joiner checksum mismatch"]
+    assert "] aborted" in r.stdout
+
+
+@pytest.mark.timeout(10)
+def test_migrate_gives_up_after_timeout_s(fake):
+    f = fake(scripted_migration(["warming"]))
+    r = run("migrate", "--from", "node1", "--to", "spare0", "--timeout-s", "0.2", "--coordinator", f.address)
+    assert r.exit_code == 1
+    assert lines(r.stderr) == ["error: migration 7 still warming after 0.2 s (it goes on in tmd; watch it with "
+                               "tmctl status)"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# events
+# ------------------------------------------------------------------------------------------------------------
+EVENTS = [{"seq": i, "ts": 1000.0 + i, "event": "heartbeat_late" if i % 2 else "migration_requested",
+           "node": f"node{i}"} for i in range(1, 6)]
+
+
+def events_handler(req):
+    if not isinstance(req, EventsRequest):
+        return ErrorReply(code="bad_request", message="unexpected")
+    return EventsReply(events=[e for e in EVENTS if e["seq"] > req.after][: req.limit])
+
+
+@pytest.mark.timeout(10)
+def test_events_table_and_json(fake):
+    f = fake(events_handler)
+    r = run("events", "--after", "2", "--coordinator", f.address)
+    assert r.exit_code == 0, r.output
+    assert "node3" in r.stdout and "node5" in r.stdout and "node2" not in r.stdout
+    r = run("events", "--json", "--limit", "2", "--coordinator", f.address)
+    assert r.exit_code == 0, r.output
+    assert [json.loads(line) for line in lines(r.stdout)] == EVENTS[:2]
+
+
+@pytest.mark.timeout(10)
+def test_events_follow_pages_through_until_interrupted(fake, monkeypatch):
+    polls = []
+
+    def handler(req):
+        polls.append(req.after)
+        return events_handler(req)
+
+    f = fake(handler)
+    real_sleep = time.sleep
+
+    def sleep(s):  # an idle wait once every event was seen stands in for Ctrl-C
+        if polls[-1] >= 5:
+            raise KeyboardInterrupt
+        real_sleep(s)
+
+    monkeypatch.setattr(cli.time, "sleep", sleep)
+    r = run("events", "--follow", "--limit", "2", "--coordinator", f.address)
+    assert r.exit_code == 0, r.output
+    assert [line.split()[0] for line in lines(r.stdout)] == ["1", "2", "3", "4", "5"]
+    assert polls == [0, 2, 4, 5]  # full pages are fetched back to back
+
+
+# ------------------------------------------------------------------------------------------------------------
+# unreachable coordinator, address resolution
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(10)
+def test_unreachable_coordinator_exits_2_with_one_line():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    r = run("status", "--coordinator", address, "--timeout", "0.3")
+    assert time.monotonic() - t0 < 3
+    assert r.exit_code == 2
+    assert lines(r.stderr) == [f"error: no coordinator reachable at {address} (no reply in 0.3 s)"]
+
+
+@pytest.mark.timeout(10)
+def test_client_raises_unreachable_on_silence(fake):
+    f = fake(lambda req: None)
+    with Client(f.address, timeout_s=0.2) as client, pytest.raises(CoordinatorUnreachable) as e:
+        client.request(StatusRequest())
+    assert e.value.address == f.address and e.value.timeout_s == 0.2
+
+
+def write_tmd_json(directory, address):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tmd.json").write_text(json.dumps({"address": address, "pid": 1, "job": "j", "run_dir": "x"}))
+
+
+@pytest.mark.timeout(10)
+def test_resolution_order(monkeypatch, tmp_path):
+    state = tmp_path / "state"
+    monkeypatch.setenv("TM_STATE_DIR", str(state))
+    write_tmd_json(state / "jobs" / "job1", "tcp://10.0.0.1:1001")
+    write_tmd_json(tmp_path / "run", "tcp://10.0.0.2:1002")
+    write_tmd_json(tmp_path / "envrun", "tcp://10.0.0.3:1003")
+    write_tmd_json(tmp_path / "tmrun", "tcp://10.0.0.4:1004")  # the default ./tmrun (cwd is tmp_path)
+
+    assert find_coordinator(None, None, None) == "tcp://10.0.0.4:1004"
+    monkeypatch.setenv("TM_RUN_DIR", str(tmp_path / "envrun"))
+    assert find_coordinator(None, None, None) == "tcp://10.0.0.3:1003"
+    assert find_coordinator(None, str(tmp_path / "run"), None) == "tcp://10.0.0.2:1002"
+    assert find_coordinator(None, str(tmp_path / "run"), "job1") == "tcp://10.0.0.1:1001"
+    monkeypatch.setenv("TM_COORDINATOR", "tcp://10.0.0.5:1005")
+    assert find_coordinator(None, str(tmp_path / "run"), "job1") == "tcp://10.0.0.5:1005"
+    assert find_coordinator("10.0.0.6:1006", str(tmp_path / "run"), "job1") == "tcp://10.0.0.6:1006"
+
+
+@pytest.mark.timeout(10)
+def test_job_file_under_home_by_default(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    write_tmd_json(tmp_path / "home" / ".trainmover" / "jobs" / "j9", "tcp://10.0.0.9:1009")
+    assert find_coordinator(None, None, "j9") == "tcp://10.0.0.9:1009"
+
+
+@pytest.mark.timeout(10)
+def test_missing_file_names_the_path(tmp_path):
+    with pytest.raises(CoordinatorNotFound) as e:
+        find_coordinator(None, str(tmp_path / "nowhere"), None)
+    assert str(tmp_path / "nowhere" / "tmd.json") in str(e.value) and "--coordinator" in str(e.value)
+
+    r = run("status")  # nothing at ./tmrun/tmd.json
+    assert r.exit_code == 2
+    (line,) = lines(r.stderr)
+    assert line.startswith("error: no tmd.json at ") and str(tmp_path / "tmrun" / "tmd.json") in line
+    assert "--run-dir" in line and "--job" in line
+
+
+@pytest.mark.timeout(10)
+def test_cli_uses_run_dir_and_env(fake, monkeypatch, tmp_path):
+    f = fake(lambda req: status_reply())
+    write_tmd_json(tmp_path / "r", f.address)
+    assert run("status", "--json", "--run-dir", str(tmp_path / "r")).exit_code == 0
+    monkeypatch.setenv("TM_RUN_DIR", str(tmp_path / "r"))
+    assert run("status", "--json").exit_code == 0
+    # --coordinator beats TM_RUN_DIR: a dead address wins and fails
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    r = run("status", "--coordinator", dead, "--timeout", "0.2")
+    assert r.exit_code == 2 and dead in r.stderr
+    assert len(f.requests) == 2
+
+
+@pytest.mark.timeout(10)
+def test_bad_reply_is_one_line_not_a_traceback(fake):
+    f = fake(lambda req: EventsReply(events=[]))  # wrong reply type for a StatusRequest
+    r = run("status", "--coordinator", f.address)
+    assert r.exit_code == 2
+    assert lines(r.stderr) == ["error: unexpected reply from tmd: EventsReply (wanted StatusReply)"]

@@ -1,0 +1,259 @@
+"""tmctl: the command line for a running TrainMover job (status, migrate, events).
+
+Every command asks the coordinator (tmd) over ZeroMQ; see :func:`tmctl.client.find_coordinator` for how its
+address is found. Exit codes: 0 success; 1 a migration aborted or did not finish in time; 2 the request was
+refused, no coordinator answered, or anything else went wrong (always one ``error: ...`` line on stderr).
+"""
+import dataclasses
+import functools
+import json
+import time
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from tmctl import render
+from tmctl.client import Client, TmctlError, find_coordinator
+from tmd.protocol import (
+    ErrorReply,
+    EventsReply,
+    EventsRequest,
+    MigrateRequest,
+    MigrationReply,
+    MigrationRequest,
+    Message,
+    ProtocolError,
+    StatusReply,
+    StatusRequest,
+)
+
+DEFAULT_TIMEOUT_S = 2.0
+POLL_INTERVAL_S = 0.2  # migrate: seconds between MigrationRequests
+FOLLOW_INTERVAL_S = 0.5  # events --follow: seconds between EventsRequests when caught up
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Inspect a TrainMover job and live-migrate its ranks to standby nodes.",
+)
+
+CoordinatorOpt = Annotated[Optional[str], typer.Option(
+    "--coordinator", metavar="ADDR", help="tmd address, e.g. tcp://host:5555 (env TM_COORDINATOR).")]
+RunDirOpt = Annotated[Optional[str], typer.Option(
+    "--run-dir", metavar="DIR", help="Run directory whose tmd.json names tmd (env TM_RUN_DIR; default ./tmrun).")]
+JobOpt = Annotated[Optional[str], typer.Option(
+    "--job", metavar="JOBID", help="Job id: read $TM_STATE_DIR/jobs/JOBID/tmd.json (default ~/.trainmover).")]
+TimeoutOpt = Annotated[Optional[float], typer.Option(
+    "--timeout", min=0.001, metavar="SECONDS",
+    help=f"Seconds to wait for each reply (default {DEFAULT_TIMEOUT_S:g}).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+
+
+class _Fail(TmctlError):
+    """Ends a command with ``error: <message>`` on stderr and exit code ``code``."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _error(message: str) -> None:
+    typer.echo(f"error: {' '.join(message.split())}", err=True)
+
+
+def _guarded(fn: Callable[..., int]) -> Callable[..., None]:
+    """Run a command body that returns an exit code; turn every exception into one error line."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            code = fn(*args, **kwargs)
+        except _Fail as e:
+            _error(str(e))
+            code = e.code
+        except TmctlError as e:
+            _error(str(e))
+            code = 2
+        except ProtocolError as e:
+            _error(f"bad reply from tmd: {e}")
+            code = 2
+        except KeyboardInterrupt:
+            _error("interrupted")
+            code = 130
+        except Exception as e:  # noqa: BLE001 - the CLI promises one line, never a traceback
+            _error(f"{type(e).__name__}: {e}")
+            code = 2
+        raise typer.Exit(code)
+
+    return wrapper
+
+
+@app.callback()
+def _global_options(ctx: typer.Context, coordinator: CoordinatorOpt = None, run_dir: RunDirOpt = None,
+                    job: JobOpt = None, timeout: TimeoutOpt = None) -> None:
+    """Inspect a TrainMover job and live-migrate its ranks to standby nodes.
+
+    The connection options may be given before the command or after it.
+    """
+    ctx.obj = {"coordinator": coordinator, "run_dir": run_dir, "job": job, "timeout": timeout}
+
+
+def _connect(ctx: typer.Context, coordinator: Optional[str], run_dir: Optional[str], job: Optional[str],
+             timeout: Optional[float]) -> Client:
+    """A Client for the options given after the command, falling back to those given before it."""
+    before = ctx.obj or {}
+
+    def pick(name: str, value: Any) -> Any:
+        return value if value is not None else before.get(name)
+
+    address = find_coordinator(pick("coordinator", coordinator), pick("run_dir", run_dir), pick("job", job))
+    timeout_s = pick("timeout", timeout)
+    return Client(address, DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+
+
+def _expect(reply: Message, cls: type) -> Any:
+    """``reply`` if it is a ``cls``; an ErrorReply or any other message ends the command with exit code 2."""
+    if isinstance(reply, ErrorReply):
+        raise _Fail(reply.message or reply.code)
+    if not isinstance(reply, cls):
+        raise _Fail(f"unexpected reply from tmd: {reply.TYPE} (wanted {cls.__name__})")
+    return reply
+
+
+def _console() -> Console:
+    return Console(highlight=False)
+
+
+@app.command()
+@_guarded
+def status(ctx: typer.Context, json_: JsonOpt = False, coordinator: CoordinatorOpt = None,
+           run_dir: RunDirOpt = None, job: JobOpt = None, timeout: TimeoutOpt = None) -> int:
+    """Show the job's nodes, standbys and the current (or last) migration."""
+    with _connect(ctx, coordinator, run_dir, job, timeout) as client:
+        reply = _expect(client.request(StatusRequest()), StatusReply)
+    if json_:
+        typer.echo(json.dumps(dataclasses.asdict(reply)))
+        return 0
+    console = _console()
+    console.print(f"job [bold]{escape(reply.job)}[/]  world size {reply.world_size}  "
+                  f"generation {reply.generation}  step {reply.step}")
+    console.print(render.nodes_table(reply.nodes))
+    standbys = [f"{n.get('name')} ({'warm' if n.get('warm') else 'cold'})"
+                for n in reply.nodes if n.get("role") == "standby"]
+    console.print("standbys: " + escape(", ".join(standbys) if standbys else "none"))
+    if reply.migration:
+        console.print(render.migration_panel(reply.migration))
+    else:
+        console.print("no migration")
+    return 0
+
+
+def _print_new_phases(m: dict, shown: set, t_start: float) -> None:
+    """Print the phases of ``m`` not yet in ``shown``, in order, timed from the request (seconds)."""
+    phases = {k: v for k, v in (m.get("phases") or {}).items() if isinstance(v, (int, float))}
+    t0 = phases.get("requested", min(phases.values(), default=t_start))
+    reached = sorted(phases.items(), key=lambda kv: kv[1])
+    state = m.get("state")
+    if state and state not in phases:
+        reached.append((state, time.time()))
+    for name, ts in reached:
+        if name not in shown:
+            shown.add(name)
+            typer.echo(render.phase_line(ts - t0, name))
+
+
+@app.command()
+@_guarded
+def migrate(
+    ctx: typer.Context,
+    source: Annotated[str, typer.Option("--from", metavar="NODE", help="Node whose ranks move.")],
+    target: Annotated[str, typer.Option("--to", metavar="STANDBY", help="Standby node that takes them.")],
+    no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the migration id and return at once.")] = False,
+    timeout_s: Annotated[float, typer.Option(
+        "--timeout-s", min=0.0, metavar="SECONDS", help="Give up waiting after this long (exit 1).")] = 300.0,
+    json_: JsonOpt = False,
+    coordinator: CoordinatorOpt = None, run_dir: RunDirOpt = None, job: JobOpt = None,
+    timeout: TimeoutOpt = None,
+) -> int:
+    """Move every rank of node --from to standby node --to and follow the migration until it ends.
+
+    Exit 0 once committed; 1 if it aborted or is still running after --timeout-s; 2 if tmd refused it.
+    With --json, prints the final migration as one JSON object instead of the phase lines.
+    """
+    t_start = time.time()
+    with _connect(ctx, coordinator, run_dir, job, timeout) as client:
+        m = _expect(client.request(MigrateRequest(source=source, target=target)), MigrationReply).migration
+        mid = m.get("id")
+        if not isinstance(mid, int) or isinstance(mid, bool):
+            raise _Fail(f"tmd accepted the migration but gave no usable id: {mid!r}")
+        if no_wait:
+            typer.echo(json.dumps(m) if json_ else str(mid))
+            return 0
+        if not json_:
+            typer.echo(f"migration {mid}: {source} -> {target}")
+        deadline = time.monotonic() + timeout_s
+        shown: set = set()
+        try:
+            while True:
+                if not json_:
+                    _print_new_phases(m, shown, t_start)
+                if m.get("state") in render.FINAL_STATES:
+                    break
+                if time.monotonic() >= deadline:
+                    raise _Fail(f"migration {mid} still {m.get('state')} after {timeout_s:g} s "
+                                f"(it goes on in tmd; watch it with tmctl status)", code=1)
+                time.sleep(POLL_INTERVAL_S)
+                m = _expect(client.request(MigrationRequest(migration_id=mid)), MigrationReply).migration
+        except KeyboardInterrupt:
+            raise _Fail(f"interrupted; migration {mid} goes on in tmd (watch it with tmctl status)", code=130)
+    if json_:
+        typer.echo(json.dumps(m))
+    if m.get("state") == "aborted":
+        raise _Fail(f"migration {mid} aborted: {m.get('reason') or 'no reason given'}", code=1)
+    if not json_:
+        typer.echo(render.migration_line(m))
+    return 0
+
+
+@app.command()
+@_guarded
+def events(
+    ctx: typer.Context,
+    after: Annotated[int, typer.Option("--after", metavar="N", help="Only events with seq > N.")] = 0,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many events per request.")] = 100,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON object per event per line.")] = False,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events until Ctrl-C.")] = False,
+    coordinator: CoordinatorOpt = None, run_dir: RunDirOpt = None, job: JobOpt = None,
+    timeout: TimeoutOpt = None,
+) -> int:
+    """Show tmd's event log (a table; one line per event with --follow or --json)."""
+    with _connect(ctx, coordinator, run_dir, job, timeout) as client:
+        batch = _expect(client.request(EventsRequest(after=after, limit=limit)), EventsReply).events
+        if not follow and not json_:
+            _console().print(render.events_table(batch) if batch else f"no events after {after}")
+            return 0
+        try:
+            while True:
+                for ev in batch:
+                    typer.echo(json.dumps(ev) if json_ else render.event_line(ev))
+                    if isinstance(ev.get("seq"), int):
+                        after = max(after, ev["seq"])
+                if not follow:
+                    return 0
+                if len(batch) < limit:
+                    time.sleep(FOLLOW_INTERVAL_S)
+                batch = _expect(client.request(EventsRequest(after=after, limit=limit)), EventsReply).events
+        except KeyboardInterrupt:
+            return 0
+
+
+def main() -> None:
+    """Console-script entry point (``tmctl``)."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Rich renderings of what tmd reports: the nodes table, a migration (panel or one line) and events.
+
+Inputs are the plain dicts of :mod:`tmd.protocol` replies; any field may be missing or None (shown as ``-``).
+Durations are seconds, wall-clock times are epoch seconds, sizes are bytes.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from rich.markup import escape
+from rich.panel import Panel
+from rich.table import Table
+
+FINAL_STATES = ("committed", "aborted")
+
+_HEALTH_STYLE = {"ok": "green", "healthy": "green", "late": "yellow", "suspect": "yellow", "dead": "red"}
+_STATE_STYLE = {"committed": "green", "aborted": "red"}
+
+
+def seconds(value: Any, digits: int = 2) -> str:
+    """``1.23`` for a number of seconds, ``-`` for None."""
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else str(value)
+
+
+def _with_unit(value: Any) -> str:
+    return "-" if value is None else f"{seconds(value)} s"
+
+
+def size(n: Any) -> str:
+    """Human-readable byte count: ``512 B``, ``1.5 MiB``; ``-`` for None."""
+    if not isinstance(n, (int, float)):
+        return _dash(n)
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            break
+        value /= 1024
+    return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def ranks(values: Any) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    if not values:
+        return "-"
+    if not isinstance(values, list) or not all(isinstance(r, int) for r in values):
+        return ",".join(map(str, values)) if isinstance(values, list) else str(values)
+    out: list[str] = []
+    nums = sorted(values)
+    start = prev = nums[0]
+    for r in nums[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(out)
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _cell(value: Any) -> str:
+    """``_dash`` escaped for rich markup (names and free text may contain brackets)."""
+    return escape(_dash(value))
+
+
+def nodes_table(nodes: list[dict]) -> Table:
+    """One row per node; a standby's role reads ``standby (warm)`` or ``standby (cold)``."""
+    table = Table(title="nodes", title_justify="left")
+    for name in ("node", "role", "ranks", "health"):
+        table.add_column(name, no_wrap=name in ("role", "health"))
+    for name in ("hb age (s)", "step", "step time (s)"):  # hb age: seconds since the node's last heartbeat
+        table.add_column(name, justify="right")
+    for n in nodes:
+        role = _dash(n.get("role"))
+        if role == "standby":
+            role += " (warm)" if n.get("warm") else " (cold)"
+        health = _dash(n.get("health"))
+        style = _HEALTH_STYLE.get(health, "")
+        table.add_row(_cell(n.get("name")), escape(role), ranks(n.get("ranks")),
+                      f"[{style}]{escape(health)}[/]" if style else escape(health),
+                      seconds(n.get("heartbeat_age_s"), 1), _dash(n.get("step")), seconds(n.get("step_time_s"), 3))
+    return table
+
+
+def _phases(m: dict) -> str:
+    return ", ".join(f"{k} {seconds(v)} s" for k, v in (m.get("phases_s") or {}).items()) or "-"
+
+
+def migration_line(m: dict) -> str:
+    """The migration in one plain line: id, source -> target, state, switch step, phases, downtime, bytes."""
+    parts = [f"migration {_dash(m.get('id'))}: {_dash(m.get('source'))} -> {_dash(m.get('target'))}",
+             _dash(m.get("state"))]
+    if m.get("state") == "aborted" and m.get("reason"):
+        parts[-1] += f" ({m['reason']})"
+    if m.get("switch_step") is not None:
+        parts.append(f"switch step {m['switch_step']}")
+    if m.get("phases_s"):
+        parts.append(f"phases: {_phases(m)}")
+    parts.append(f"downtime {_with_unit(m.get('downtime_s'))}")
+    parts.append(f"moved {size(m.get('bytes_moved'))}")
+    return "; ".join(parts)
+
+
+def migration_panel(m: dict) -> Panel:
+    """A panel titled ``migration in progress`` (or ``last migration`` once committed or aborted)."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    state = _dash(m.get("state"))
+    style = _STATE_STYLE.get(state, "yellow")
+    grid.add_row("id", _cell(m.get("id")))
+    grid.add_row("move", f"{_cell(m.get('source'))} → {_cell(m.get('target'))}")
+    grid.add_row("state", f"[{style}]{escape(state)}[/]")
+    if state == "aborted":
+        grid.add_row("reason", _cell(m.get("reason")))
+    grid.add_row("switch step", _cell(m.get("switch_step")))
+    grid.add_row("phases", escape(_phases(m)))
+    grid.add_row("downtime", _with_unit(m.get("downtime_s")))
+    moved = m.get("bytes_moved")
+    exact = isinstance(moved, int) and moved >= 1024
+    grid.add_row("bytes moved", f"{size(moved)} ({moved} B)" if exact else size(moved))
+    title = "last migration" if state in FINAL_STATES else "migration in progress"
+    return Panel(grid, title=title, title_align="left", expand=False)
+
+
+def phase_line(elapsed_s: float, state: str) -> str:
+    """``[  1.23 s] warming``: a phase reached ``elapsed_s`` seconds after the migration was requested."""
+    return f"[{elapsed_s:7.2f} s] {state}"
+
+
+def clock(ts: Any) -> str:
+    """Local wall-clock time ``HH:MM:SS.mmm`` of epoch seconds ``ts``."""
+    if not isinstance(ts, (int, float)):
+        return _dash(ts)
+    return time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts * 1000) % 1000:03d}"
+
+
+def _details(ev: dict) -> str:
+    return " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+                    for k, v in ev.items() if k not in ("seq", "ts", "event"))
+
+
+def event_line(ev: dict) -> str:
+    """One event as ``seq time event k=v ...`` (for ``tmctl events --follow``)."""
+    return f"{_dash(ev.get('seq')):>6} {clock(ev.get('ts'))} {_dash(ev.get('event'))} {_details(ev)}".rstrip()
+
+
+def events_table(events: list[dict]) -> Table:
+    """Columns seq, time (local), event, details (the event's other fields as ``key=value``)."""
+    table = Table(title="events", title_justify="left")
+    table.add_column("seq", justify="right")
+    table.add_column("time")
+    table.add_column("event")
+    table.add_column("details")
+    for ev in events:
+        table.add_row(_cell(ev.get("seq")), escape(clock(ev.get("ts"))), _cell(ev.get("event")),
+                      escape(_details(ev)))
+    return table

@@ -1,0 +1,286 @@
+"""tmd: the per-job coordinator. One ZeroMQ ROUTER serves the worker agents and tmctl (one protocol module).
+
+Single-threaded by design: one loop receives messages, and between messages runs the ticks (health, the
+local launcher's process exits, migration deadlines). All state lives in this thread, so nothing is locked.
+tmd hosts the job's TCPStore, so the store outlives any rank, leavers included.
+
+Assumption (as in torchft's lighthouse): tmd is a single point of coordination, not of training. If it dies the
+ranks keep training; they just cannot migrate until it is back (re-learning the job is a later issue).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Optional
+
+import zmq
+
+from tmd import protocol as p
+from tmd.journal import Journal
+from tmd.local import LocalLauncher
+from tmd.migration import MigrationError, Migrations
+from tmd.registry import Registry, Worker
+
+TICK_S = 0.05
+
+
+class Daemon:
+    def __init__(
+        self,
+        job: str,
+        run_dir: str,
+        nodes: list[str],
+        ranks_per_node: int,
+        standbys: list[str],
+        bind_host: str = "127.0.0.1",
+        store_host: str = "127.0.0.1",
+        port: int = 0,
+        record_steps: int = 3,
+        heartbeat_timeout_s: float = 5.0,
+        echo: bool = True,
+    ) -> None:
+        """``record_steps``: steps whose collective outputs the active ranks record for joiners' replay (and
+        the joiners' number of shadow iterations). ``heartbeat_timeout_s``: silence after which a process's
+        node is marked unhealthy (seconds)."""
+        import torch.distributed as dist  # only tmd pays for torch: it hosts the job's store
+
+        self.job = job
+        self.run_dir = os.path.abspath(run_dir)
+        os.makedirs(os.path.join(self.run_dir, "record"), exist_ok=True)
+        self.record_steps = record_steps
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.journal = Journal(os.path.join(self.run_dir, "events.jsonl"), echo=echo)
+        self.registry = Registry(nodes, ranks_per_node, standbys)
+        self.migrations = Migrations(self.registry, self.journal, self._send, self._assign_joiner,
+                                     record_steps=record_steps)
+        self.store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False)
+        self.store_host = store_host
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker may reuse its identity
+        self.sock.bind(f"tcp://{bind_host}:{port or '*'}")
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT).replace("0.0.0.0", socket.gethostname())
+        self.launcher: Optional[LocalLauncher] = None
+        self.exit_code: Optional[int] = None
+        self._released = False
+        with open(os.path.join(self.run_dir, "tmd.json"), "w") as f:
+            json.dump({"address": self.address, "pid": os.getpid(), "job": job, "run_dir": self.run_dir}, f)
+        self.journal.record("tmd_started", job=job, address=self.address, world_size=self.registry.world_size,
+                            nodes=nodes, standbys=standbys, store_port=self.store.port)
+
+    # ---------------------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Serve until the job ends. Returns the job's exit code (0: every rank finished)."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while self.exit_code is None:
+                if poller.poll(int(TICK_S * 1000)):
+                    while True:
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames)
+                self._tick()
+        finally:
+            if self.launcher:
+                self.launcher.terminate_all()
+            self.journal.record("tmd_stopped", exit_code=self.exit_code)
+            self.journal.close()
+            self.sock.close()
+        return self.exit_code
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.journal.record("bad_message", error=f"expected 2 frames, got {len(frames)}")
+            return
+        identity, frame = frames
+        try:
+            msg = p.decode(frame)
+        except p.ProtocolError as e:
+            self.journal.record("bad_message", sender=identity.decode(errors="replace"), error=str(e))
+            return
+        handler = getattr(self, "_on_" + msg.TYPE, None)
+        if handler is None:
+            self.journal.record("bad_message", sender=identity.decode(errors="replace"),
+                                error=f"{msg.TYPE} is not a request tmd serves")
+            return
+        try:
+            handler(identity, msg)
+        except MigrationError as e:
+            self._reply(identity, p.ErrorReply(e.code, str(e)))
+
+    def _reply(self, identity: bytes, msg: p.Message) -> None:
+        self.sock.send_multipart([identity, p.encode(msg)])
+
+    def _send(self, w: Worker, msg: p.Message) -> None:
+        self._reply(w.identity, msg)
+
+    def _worker(self, identity: bytes, msg: p.Message) -> Optional[Worker]:
+        w = self.registry.by_identity.get(identity)
+        if w is None:
+            self.journal.record("bad_message", sender=identity.decode(errors="replace"),
+                                error=f"{msg.TYPE} from a process that never registered")
+            return None
+        w.last_heartbeat = time.monotonic()
+        return w
+
+    # --- worker messages ----------------------------------------------------------------------------------------
+    def _on_Register(self, identity: bytes, msg: p.Register) -> None:
+        w = Worker(identity, msg.node, msg.local_rank, msg.pid, msg.host)
+        try:
+            node = self.registry.add_worker(w)
+        except (KeyError, ValueError) as e:
+            reason = f"unknown node '{msg.node}'" if isinstance(e, KeyError) else str(e)
+            self.journal.record("register_refused", node=msg.node, local_rank=msg.local_rank, reason=reason)
+            self._reply(identity, p.Release(reason, 2))
+            return
+        self.journal.record("worker_registered", node=msg.node, local_rank=msg.local_rank, pid=msg.pid,
+                            rank=w.rank, role=node.role)
+        if w.rank is not None:
+            self._send(w, p.Assign("active", w.rank, self.registry.world_size, self.store_host, self.store.port,
+                                   0, self.record_steps, os.path.join(self.run_dir, "record"), 0))
+        if node.role == "standby" and node.warm:
+            self.journal.record("standby_warm", node=node.name)
+
+    def _assign_joiner(self, joiner: Worker, rank: int, migration_id: int) -> None:
+        self._send(joiner, p.Assign("joiner", rank, self.registry.world_size, self.store_host, self.store.port,
+                                    self.migrations.generation, self.record_steps,
+                                    os.path.join(self.run_dir, "record"), migration_id))
+
+    def _on_Heartbeat(self, identity: bytes, msg: p.Heartbeat) -> None:
+        w = self._worker(identity, msg)
+        if w:
+            w.counters = msg.counters
+
+    def _on_StepReport(self, identity: bytes, msg: p.StepReport) -> None:
+        w = self._worker(identity, msg)
+        if w is None:
+            return
+        w.step = msg.step + 1  # the step it is on now
+        if msg.shadow:
+            return
+        w.step_time_s = msg.step_time_s
+        if self.registry.rank_owner.get(msg.rank) is w:
+            self.registry.record_step(msg.rank, msg.step, msg.step_time_s)
+            self.migrations.on_step(msg.rank, msg.step)
+
+    def _on_PhaseDone(self, identity: bytes, msg: p.PhaseDone) -> None:
+        w = self._worker(identity, msg)
+        if w:
+            self.migrations.on_phase(w, msg)
+
+    def _on_Done(self, identity: bytes, msg: p.Done) -> None:
+        w = self._worker(identity, msg)
+        if w is None:
+            return
+        w.done = True
+        self.journal.record("rank_left" if msg.left else "rank_done", node=w.node, local_rank=w.local_rank,
+                            rank=msg.rank, final_step=msg.final_step)
+
+    # --- tmctl requests -----------------------------------------------------------------------------------------
+    def _on_StatusRequest(self, identity: bytes, msg: p.StatusRequest) -> None:
+        now = time.monotonic()
+        nodes = []
+        for n in self.registry.nodes.values():
+            workers = [w for w in n.workers.values() if not w.exited]
+            ages = [now - w.last_heartbeat for w in workers]
+            steps = [w.step for w in workers]
+            times = [w.step_time_s for w in workers if w.step_time_s is not None]
+            nodes.append({
+                "name": n.name, "role": n.role, "ranks": n.ranks, "health": n.health, "reason": n.reason,
+                "processes": len(workers), "expected_processes": n.expected_workers,
+                "heartbeat_age_s": round(max(ages), 3) if ages else None,
+                "step": max(steps) if steps else None,
+                "step_time_s": round(max(times), 6) if times else None,
+                "warm": n.warm,
+            })
+        m = self.migrations.all[-1] if self.migrations.all else None
+        self._reply(identity, p.StatusReply(self.job, self.registry.world_size, self.migrations.generation,
+                                            self.registry.current_step(), nodes, m.to_dict() if m else None))
+
+    def _on_MigrateRequest(self, identity: bytes, msg: p.MigrateRequest) -> None:
+        try:
+            m = self.migrations.request(msg.source, msg.target)
+        except MigrationError as e:
+            self.journal.record("migrate_refused", source=msg.source, target=msg.target, code=e.code, reason=str(e))
+            raise
+        self._reply(identity, p.MigrationReply(m.to_dict()))
+
+    def _on_MigrationRequest(self, identity: bytes, msg: p.MigrationRequest) -> None:
+        self._reply(identity, p.MigrationReply(self.migrations.get(msg.migration_id).to_dict()))
+
+    def _on_EventsRequest(self, identity: bytes, msg: p.EventsRequest) -> None:
+        self._reply(identity, p.EventsReply(self.journal.since(msg.after, msg.limit)))
+
+    # --- ticks ----------------------------------------------------------------------------------------------------
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self._check_heartbeats(now)
+        if self.launcher:
+            self._check_processes()
+        self.migrations.tick(now)
+        self._check_finished()
+
+    def _check_heartbeats(self, now: float) -> None:
+        for n in self.registry.nodes.values():
+            if n.role in ("left", "failed"):
+                continue
+            live = [w for w in n.workers.values() if not w.exited and not w.done]
+            silent = [w for w in live if now - w.last_heartbeat > self.heartbeat_timeout_s]
+            if silent and n.health != "unhealthy":
+                n.health, n.reason = "unhealthy", f"no heartbeat for {self.heartbeat_timeout_s:.1f} s"
+                self.journal.record("node_unhealthy", node=n.name, reason=n.reason,
+                                    processes=[f"{w.node}/{w.local_rank}" for w in silent])
+                for w in silent:
+                    self.migrations.on_worker_lost(w, n.reason)
+            elif not silent and n.health == "unhealthy" and live and len(n.workers) == n.expected_workers \
+                    and not any(w.exited for w in n.workers.values()):
+                n.health, n.reason = "healthy", ""
+                self.journal.record("node_healthy", node=n.name)
+
+    def _check_processes(self) -> None:
+        for proc in self.launcher.poll():
+            node = self.registry.nodes[proc.node]
+            w = node.workers.get(proc.local_rank)
+            if w is not None:
+                w.exited = True
+            expected = w is not None and w.done
+            self.journal.record("process_exit", node=proc.node, local_rank=proc.local_rank, returncode=proc.returncode,
+                                expected=expected)
+            if w is not None and not expected:
+                self.migrations.on_worker_lost(w, f"exited with code {proc.returncode}")
+            if node.role == "active" and not expected:
+                # Failure recovery with a general standby is a later issue: end the job cleanly and loudly.
+                node.health, node.reason = "unhealthy", f"{proc.node}/{proc.local_rank} exited with {proc.returncode}"
+                self.journal.record("node_unhealthy", node=node.name, reason=node.reason)
+                self.journal.record("job_failed", reason=node.reason)
+                self.exit_code = 1
+            elif node.role == "standby" and not self._released:
+                node.health = "unhealthy" if node.workers else node.health
+                if not self.launcher.running(node.name):
+                    node.workers.clear()
+                    node.health = "unknown"
+                    self.journal.record("standby_restarted", node=node.name)
+                    self.launcher.start_node(node.name, standby=True)
+
+    def _check_finished(self) -> None:
+        reg = self.registry
+        if self.exit_code is not None or not reg.all_ranks_assigned():
+            return
+        if not all(w.done for w in reg.rank_owner.values()):
+            return
+        if not self._released:
+            self._released = True
+            self.journal.record("job_finished", step=reg.current_step())
+            for n in reg.nodes.values():
+                if n.role in ("standby", "joining"):
+                    for w in n.workers.values():
+                        if not w.exited:
+                            self._send(w, p.Release("job finished", 0))
+        if self.launcher is None or not self.launcher.running():
+            self.exit_code = 0

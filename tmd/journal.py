@@ -1,0 +1,45 @@
+"""The events journal: every state change tmd makes, as JSON lines in ``<run_dir>/events.jsonl``.
+
+Each event is ``{"seq": int, "ts": epoch seconds, "event": name, ...fields}``. The file is appended and flushed
+per event so a crash loses nothing already reported; the last ``keep`` events stay in memory for ``tmctl events``.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import time
+from typing import Any, Optional
+
+
+class Journal:
+    def __init__(self, path: Optional[str], keep: int = 10_000, echo: bool = False) -> None:
+        """``path``: the JSON-lines file (None: memory only). ``echo``: also print each event to stdout."""
+        self._file = open(path, "a", buffering=1) if path else None
+        self._recent: collections.deque[dict] = collections.deque(maxlen=keep)
+        self._seq = 0
+        self._echo = echo
+
+    def record(self, event: str, **fields: Any) -> dict:
+        """Append one event and return it."""
+        self._seq += 1
+        entry = {"seq": self._seq, "ts": time.time(), "event": event, **fields}
+        self._recent.append(entry)
+        line = json.dumps(entry, default=str)
+        if self._file:
+            self._file.write(line + "\n")
+        if self._echo:
+            print(f"[tmd] {event} " + " ".join(f"{k}={v}" for k, v in fields.items()), file=sys.stdout, flush=True)
+        return entry
+
+    def since(self, after: int, limit: int) -> list[dict]:
+        """Events with ``seq > after``, oldest first, at most ``limit``."""
+        return [e for e in self._recent if e["seq"] > after][: max(0, limit)]
+
+    def close(self) -> None:
+        if self._file:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None

@@ -1,0 +1,282 @@
+"""The messages every party exchanges: tmd, the worker agents and tmctl import this one module.
+
+Wire format: one ZeroMQ frame per message, UTF-8 JSON ``{"v": PROTOCOL_VERSION, "type": NAME, ...fields}``.
+Decoding is strict: an unknown version or type, a missing or extra field, or a field of the wrong type raises
+:class:`ProtocolError`, and the receiver logs the message and drops it (it never crashes on bad input).
+
+Socket roles: tmd binds a ROUTER; every worker agent and every tmctl call connects a DEALER. A worker's ZeroMQ
+identity is ``"<node>/<local_rank>"``; tmctl uses a random one.
+
+Units: times are seconds (``*_s``) as floats; wall-clock times are epoch seconds; sizes are bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from typing import Any, ClassVar, Optional
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol version (raised by :func:`decode`)."""
+
+
+_REGISTRY: dict[str, type["Message"]] = {}
+
+
+@dataclasses.dataclass
+class Message:
+    """Base class: subclasses are registered under their class name, which is the wire ``type``."""
+
+    TYPE: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.TYPE = cls.__name__
+        _REGISTRY[cls.TYPE] = cls
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Worker agent -> tmd
+# --------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Register(Message):
+    """First message of a worker process. ``standby`` is true for processes started on a standby node."""
+
+    node: str
+    local_rank: int
+    pid: int
+    host: str
+    standby: bool
+
+
+@dataclasses.dataclass
+class Heartbeat(Message):
+    """Sent every ``heartbeat_interval_s`` (0.5 s by default). ``counters`` is the mover Backend's counters()
+    dict (ops issued/completed, last op start/end in epoch seconds, busy_s, blocked_s); empty before init."""
+
+    step: int
+    counters: dict
+
+
+@dataclasses.dataclass
+class StepReport(Message):
+    """A rank finished ``step``; ``step_time_s`` is the wall time from the previous boundary to this one."""
+
+    rank: int
+    step: int
+    step_time_s: float
+    shadow: bool
+
+
+@dataclasses.dataclass
+class PhaseDone(Message):
+    """A worker finished its part of a migration phase.
+
+    ``phase`` is one of ``warmed`` (joiner: shadow iterations done), ``prepared`` (phase 1: next-generation
+    groups built and staged), ``armed`` (switch step accepted; ``step`` is the step the rank is on now),
+    ``sent`` (leaver: state sent, ``seconds`` is the send time), ``transferred`` (joiner: state received and
+    checksums verified, ``bytes_moved`` and ``seconds`` set),
+    ``committed`` (phase 2 done at the switch step). ``ok`` false means the phase failed; ``error`` says why.
+    """
+
+    migration_id: int
+    rank: int
+    phase: str
+    ok: bool
+    error: str
+    step: int
+    bytes_moved: int
+    seconds: float
+
+
+@dataclasses.dataclass
+class Done(Message):
+    """A rank finished its training loop (``final_step`` is the last step it ran) or, as a leaver, left."""
+
+    rank: int
+    final_step: int
+    left: bool
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tmd -> worker agent
+# --------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Assign(Message):
+    """Gives a worker its rank. ``role`` is ``active`` (a rank at job start) or ``joiner`` (a standby that
+    replaces ``rank`` in ``migration_id``). ``store_host``/``store_port`` locate the job's TCPStore (hosted by
+    tmd). Active ranks record their first ``record_steps`` steps' collective outputs to ``record_dir``;
+    joiners replay ``record_dir``'s file for their rank during that many shadow iterations."""
+
+    role: str
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    generation: int
+    record_steps: int
+    record_dir: str
+    migration_id: int
+
+
+@dataclasses.dataclass
+class Prepare(Message):
+    """Phase 1: build generation ``generation`` of the groups that contain a leaver, in the background.
+
+    ``role`` is ``stayer``, ``leaver`` or ``joiner`` for this rank. Each rank rebuilds exactly those of its
+    groups whose ranks intersect ``leaver_ranks`` (delta-based setup: other groups are untouched). Leavers and
+    joiners also build a 2-rank transfer group (leaver = 0, joiner = 1) under ``transfer_prefix``."""
+
+    migration_id: int
+    generation: int
+    role: str
+    leaver_ranks: list
+    transfer_prefix: str
+
+
+@dataclasses.dataclass
+class Switch(Message):
+    """Phase 2 is armed for the boundary before ``step`` (the switch step). Each party answers ``armed``."""
+
+    migration_id: int
+    step: int
+
+
+@dataclasses.dataclass
+class Decide(Message):
+    """The outcome at the switch step: ``commit`` true swaps groups in, false keeps the old ones."""
+
+    migration_id: int
+    commit: bool
+    reason: str
+
+
+@dataclasses.dataclass
+class Release(Message):
+    """The job is over (or this standby is no longer needed): the worker exits with ``exit_code``."""
+
+    reason: str
+    exit_code: int
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tmctl <-> tmd (request / reply)
+# --------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class StatusRequest(Message):
+    pass
+
+
+@dataclasses.dataclass
+class StatusReply(Message):
+    """``nodes``: one dict per node (name, role, ranks, health, heartbeat_age_s, step, step_time_s, warm).
+    ``migration``: the migration in progress or the last one (dict, see :class:`MigrationReply`) or None."""
+
+    job: str
+    world_size: int
+    generation: int
+    step: int
+    nodes: list
+    migration: Optional[dict]
+
+
+@dataclasses.dataclass
+class MigrateRequest(Message):
+    """Move every rank of node ``source`` to standby node ``target``."""
+
+    source: str
+    target: str
+
+
+@dataclasses.dataclass
+class MigrationRequest(Message):
+    """Ask for one migration's state (``migration_id`` < 0: the latest)."""
+
+    migration_id: int
+
+
+@dataclasses.dataclass
+class MigrationReply(Message):
+    """``migration``: id, source, target, state, reason, switch_step, phases (state -> epoch s), phases_s,
+    downtime_s (None until known), bytes_moved."""
+
+    migration: dict
+
+
+@dataclasses.dataclass
+class EventsRequest(Message):
+    """Events with sequence number > ``after``, at most ``limit``."""
+
+    after: int
+    limit: int
+
+
+@dataclasses.dataclass
+class EventsReply(Message):
+    events: list
+
+
+@dataclasses.dataclass
+class ErrorReply(Message):
+    """A refused request. ``code``: unknown_node, unknown_standby, busy_standby, migration_running,
+    bad_request, not_ready, unknown_migration."""
+
+    code: str
+    message: str
+
+
+# --------------------------------------------------------------------------------------------------------------
+def encode(msg: Message) -> bytes:
+    """Serialise ``msg`` to one frame."""
+    body = dataclasses.asdict(msg)
+    body["v"] = PROTOCOL_VERSION
+    body["type"] = msg.TYPE
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union:  # Optional[X]
+        return any(_type_ok(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+_HINTS: dict[str, dict[str, Any]] = {}
+
+
+def decode(frame: bytes) -> Message:
+    """Parse one frame. Raises :class:`ProtocolError` on anything that is not an exact, current message."""
+    try:
+        body = json.loads(frame)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("message is not a JSON object")
+    version = body.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not {PROTOCOL_VERSION}")
+    name = body.pop("type", None)
+    cls = _REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {name!r}")
+    hints = _HINTS.get(name)
+    if hints is None:
+        hints = _HINTS[name] = typing.get_type_hints(cls)
+        hints.pop("TYPE", None)
+    missing = hints.keys() - body.keys()
+    extra = body.keys() - hints.keys()
+    if missing or extra:
+        raise ProtocolError(f"{name}: missing fields {sorted(missing)}, unexpected fields {sorted(extra)}")
+    for field, annotation in hints.items():
+        if not _type_ok(body[field], annotation):
+            raise ProtocolError(f"{name}.{field}: {body[field]!r} is not {annotation}")
+    return cls(**body)

@@ -1,0 +1,146 @@
+"""Generations of the job's process groups, set up in two phases (TrainMover, arXiv 2412.12636, section 4).
+
+Every group is a mover Backend (csrc/) whose inner backend carries a generation number; generation ``g`` of the
+world group lives under the store prefix ``tm/g<g>/world`` (a prefix is never reused).
+
+- Phase 1, :meth:`GroupManager.prepare`, runs on a background thread while training goes on: it builds the next
+  generation of only the groups that contain a leaver (delta-based: a group without a leaver is not touched) and
+  stages it on the mover; leaver and joiner also build their 2-rank transfer group.
+- Phase 2, :meth:`GroupManager.commit`, runs at the switch step, between two iterations: the mover swaps the staged
+  inner in atomically and drops the old one on a C++ thread (destroying a gloo group costs ~10 ms per peer).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Callable, Optional
+
+from worker import backend as mb
+
+log = logging.getLogger("worker.groups")
+
+
+@dataclasses.dataclass
+class _Pending:
+    migration_id: int
+    cancelled: bool = False
+    ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: str = ""
+    transfer: Optional[object] = None  # the 2-rank transfer group (leaver 0, joiner 1)
+    staged: bool = False
+
+
+class GroupManager:
+    def __init__(self, store, rank: int, world_size: int, host: Optional[str], timeout_s: float = 120.0) -> None:
+        """``timeout_s``: gloo timeout (seconds) of every group built here, so a dead peer cannot block forever."""
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.host = host
+        self.timeout_s = timeout_s
+        self.world: Optional[mb.MoverBackend] = None
+        self.world_ranks = list(range(world_size))
+        self._lock = threading.Lock()
+        self._pending: Optional[_Pending] = None
+
+    def init_world(self, generation: int, mode: str, connect: bool) -> mb.MoverBackend:
+        """Install the mover-backed world group as the default group. ``connect`` false leaves it without an
+        inner backend (a joiner's sandbox: every collective is replayed)."""
+        inner = mb.build_gloo(self.store, f"tm/g{generation}/world", self.rank, self.world_size,
+                              self.timeout_s, self.host) if connect else None
+        self.world = mb.init_mover_world(self.store, self.rank, self.world_size, inner, mode)
+        return self.world
+
+    # --- phase 1 -----------------------------------------------------------------------------------------------
+    def prepare(self, migration_id: int, generation: int, role: str, leaver_ranks: list[int], transfer_prefix: str,
+                on_done: Callable[[bool, str], None]) -> None:
+        """Build generation ``generation`` in the background, then call ``on_done(ok, error)`` (from that
+        thread). ``role``: stayer, leaver or joiner."""
+        pending = _Pending(migration_id)
+        with self._lock:
+            if self._pending is not None:
+                self._pending.cancelled = True
+            self._pending = pending
+        rebuild_world = role != "leaver" and bool(set(self.world_ranks) & set(leaver_ranks))
+
+        def build() -> None:
+            inner = transfer = None
+            try:
+                if rebuild_world:
+                    inner = mb.build_gloo(self.store, f"tm/g{generation}/world", self.rank, self.world_size,
+                                          self.timeout_s, self.host)
+                if role in ("leaver", "joiner"):
+                    transfer = mb.build_gloo(self.store, transfer_prefix, 0 if role == "leaver" else 1, 2,
+                                             self.timeout_s, self.host)
+                with self._lock:
+                    if pending.cancelled:
+                        raise RuntimeError("migration aborted while its groups were being built")
+                    if inner is not None:
+                        self.world.stage(inner)
+                        pending.staged = True
+                    pending.transfer = transfer
+                    inner = transfer = None  # owned by the mover / the pending record now
+            except Exception as e:  # noqa: BLE001 - reported to tmd, never raised into training
+                pending.error = f"{type(e).__name__}: {e}"
+                for g in (inner, transfer):
+                    if g is not None:
+                        mb.release_in_background(g)
+            finally:
+                pending.ready.set()
+            on_done(not pending.error, pending.error)
+
+        threading.Thread(target=build, daemon=True, name=f"tm-prepare-g{generation}").start()
+
+    def transfer_group(self, migration_id: int, timeout_s: float) -> object:
+        """The transfer group of ``migration_id`` once phase 1 built it. Raises RuntimeError if it failed, was
+        cancelled, or is not ready within ``timeout_s`` seconds."""
+        pending = self._pending
+        if pending is None or pending.migration_id != migration_id:
+            raise RuntimeError(f"no groups prepared for migration {migration_id}")
+        if not pending.ready.wait(timeout_s):
+            raise RuntimeError(f"transfer group not ready after {timeout_s:.0f} s")
+        if pending.error or pending.transfer is None:
+            raise RuntimeError(pending.error or "no transfer group was built")
+        return pending.transfer
+
+    def has_staged(self, migration_id: int) -> bool:
+        pending = self._pending
+        return pending is not None and pending.migration_id == migration_id and pending.staged
+
+    # --- phase 2 -----------------------------------------------------------------------------------------------
+    def commit(self, migration_id: int) -> int:
+        """Swap the staged generation in (between two iterations). Returns the mover's new generation."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+            if pending is None or pending.migration_id != migration_id or not pending.staged:
+                raise RuntimeError(f"nothing staged for migration {migration_id}")
+            generation = self.world.commit()
+        self._retire(pending)
+        return generation
+
+    def discard(self, migration_id: int) -> None:
+        """Drop what phase 1 built for ``migration_id`` (abort); the current groups stay as they are."""
+        with self._lock:
+            pending = self._pending
+            if pending is None or pending.migration_id != migration_id:
+                return
+            pending.cancelled = True
+            self._pending = None
+            if pending.staged:
+                self.world.discard_staged()
+        self._retire(pending)
+
+    def finish_transfer(self, migration_id: int) -> None:
+        """Drop the transfer group after the state moved (off the hot path)."""
+        with self._lock:
+            pending = self._pending
+            if pending is not None and pending.migration_id == migration_id and pending.transfer is not None:
+                self._retire(_Pending(migration_id, transfer=pending.transfer))
+                pending.transfer = None
+
+    @staticmethod
+    def _retire(pending: _Pending) -> None:
+        if pending.transfer is not None:
+            mb.release_in_background(pending.transfer)
+            pending.transfer = None

@@ -1,0 +1,56 @@
+"""Record at job start, replay in a joiner's shadow iterations (TrainMover, arXiv 2412.12636, section 5).
+
+Active ranks run their first ``record_steps`` steps with the mover in ``record`` mode: each collective's outputs are
+kept in call order. At the boundary after those steps the recording is written to ``<record_dir>/rank<r>.pt`` (on a
+background thread; the file appears atomically). A joiner that takes rank r loads that file and runs the same
+script with the mover in ``replay`` mode: every collective is filled with the real recorded values (zeros could
+produce NaNs), barriers and sends complete at once, and nothing touches the network. Those shadow iterations warm
+up the allocator, DDP's buckets (DDP regroups them after the first step) and the optimizer state.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+FORMAT_VERSION = 1
+
+
+def recording_path(record_dir: str, rank: int) -> str:
+    return os.path.join(record_dir, f"rank{rank}.pt")
+
+
+def save_recording_async(mover, record_dir: str, rank: int) -> threading.Thread:
+    """Stop recording on ``mover`` (mode becomes ``live``) and write what it recorded, on a background thread.
+    The recorded tensors are freed once written: stayers keep no extra memory."""
+    mover.set_mode("live")
+    entries = mover.take_recording()
+    path = recording_path(record_dir, rank)
+
+    def write() -> None:
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save({"version": FORMAT_VERSION, "rank": rank, "entries": entries}, tmp)
+        os.replace(tmp, path)
+
+    t = threading.Thread(target=write, daemon=True, name="tm-record-writer")
+    t.start()
+    return t
+
+
+def start_replay(mover, record_dir: str, rank: int, wait_s: float = 60.0) -> int:
+    """Load rank ``rank``'s recording into ``mover`` and switch it to ``replay``. Returns the number of recorded
+    ops. The recording is written by another process, so a missing file is awaited up to ``wait_s`` seconds;
+    raises FileNotFoundError after that, ValueError on a foreign format."""
+    path = recording_path(record_dir, rank)
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)  # written by another process: no event to wait on
+    data = torch.load(path, weights_only=True)
+    if data.get("version") != FORMAT_VERSION or data.get("rank") != rank:
+        raise ValueError(f"recording {recording_path(record_dir, rank)} is not a v{FORMAT_VERSION} file of rank {rank}")
+    entries = [(op, list(tensors)) for op, tensors in data["entries"]]
+    mover.load_recording(entries)
+    mover.set_mode("replay")
+    return len(entries)
