@@ -26,12 +26,13 @@ from tmctl.client import Client, CoordinatorUnreachable
 from tmd import protocol as p
 
 
-def tmd_command(run_dir: str, standbys: int, steps: int, tiny: bool, quiet: bool) -> list[str]:
+def tmd_command(run_dir: str, standbys: int, steps: int, tiny: bool, quiet: bool, script_args: tuple = ()) -> list[str]:
+    """``tmd local`` for 2 nodes x 2 ranks running examples.train_gpt (``script_args`` are appended to it)."""
     cmd = [sys.executable, "-m", "tmd.cli", "local", "--nodes", "2", "--ranks-per-node", "2",
            "--standbys", str(standbys), "--run-dir", run_dir]
     if quiet:
         cmd.append("--quiet")
-    cmd += ["--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps)]
+    cmd += ["--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps), *script_args]
     return cmd + (["--tiny"] if tiny else [])
 
 

@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model-init and data seed")
     p.add_argument("--tiny", action="store_true", help="d_model 32, 1 layer, 2 heads, context 32, batch 4")
     p.add_argument("--log-every", type=int, default=5, help="print rank 0's loss every N steps")
+    p.add_argument("--min-step-time-s", type=float, default=0.0,
+                   help="pad each step to at least this many seconds (stands in for a bigger model; numerics unchanged)")
     args = p.parse_args(argv)
     if args.batch_size is None:
         args.batch_size = 4 if args.tiny else 8
@@ -82,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     last_step = -1
     t_log = time.perf_counter()
     for step in session.steps(args.steps):
+        t_step = time.perf_counter()
         x, y = data.batch(step)  # int64 [B, T] each
         loss = lm_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
@@ -89,6 +92,9 @@ def main(argv: list[str] | None = None) -> None:
         opt.step()
         last_loss = loss.item()
         last_step = step
+        pad = args.min_step_time_s - (time.perf_counter() - t_step)
+        if pad > 0 and not session.is_shadow:
+            time.sleep(pad)
         if session.rank == 0 and not session.is_shadow and (step + 1) % args.log_every == 0:
             now = time.perf_counter()
             print(

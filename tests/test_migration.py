@@ -1,0 +1,163 @@
+"""End to end, in local mode with real processes: tmd, 2 nodes x 2 ranks and a standby node, a tiny GPT.
+
+One job serves the tests of this module, in order (each test leaves the job running and healthy):
+bad tmctl input and malformed messages are refused without harm, a joiner killed during warm-up aborts its
+migration, a second migration to the restarted standby commits, and the final state is bit-identical to an
+uninterrupted run of the same seed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from examples.demo import final_hashes, tmd_command, wait_for_address
+from tmctl.client import Client
+from tmd import protocol as p
+
+STEPS = 1500
+PACE = ("--min-step-time-s", "0.03")  # pads each step (numerics unchanged) so the job outlives the tests
+
+
+def run_tmctl(run_dir: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tmctl.cli", *args, "--run-dir", run_dir],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def events(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)  # polling another process's state: there is no event to wait on
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, str]:
+    run_dir = str(tmp_path_factory.mktemp("reference"))
+    subprocess.run(tmd_command(run_dir, 0, STEPS, True, True), check=True, timeout=300, stdout=subprocess.DEVNULL)
+    return final_hashes(run_dir)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("job"))
+    proc = subprocess.Popen(tmd_command(run_dir, 1, STEPS, True, True, PACE), stdout=subprocess.DEVNULL)
+    client = Client(wait_for_address(run_dir, proc), timeout_s=10.0)
+    status = lambda: client.request(p.StatusRequest())  # noqa: E731
+    wait_until(lambda: status().step > 5 and any(n["warm"] for n in status().nodes), 120, "training and a warm s1")
+    yield {"proc": proc, "run_dir": run_dir, "client": client, "status": status}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, message", [
+    (("--from", "n9", "--to", "s1"), "unknown node 'n9'"),
+    (("--from", "s1", "--to", "s1"), "unknown node 's1'"),
+    (("--from", "n2", "--to", "s7"), "unknown standby 's7'"),
+    (("--from", "n2", "--to", "n1"), "unknown standby 'n1'"),
+])
+def test_bad_migrate_requests_fail_with_one_line(job, args, message):
+    before = job["status"]().step
+    r = run_tmctl(job["run_dir"], "migrate", *args)
+    assert r.returncode == 2, r
+    assert r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr
+    wait_until(lambda: job["status"]().step > before, 30, "training to go on")
+
+
+@pytest.mark.timeout(30)
+def test_no_coordinator_reachable(tmp_path):
+    (tmp_path / "tmd.json").write_text(json.dumps({"address": "tcp://127.0.0.1:9"}))
+    r = run_tmctl(str(tmp_path), "status", "--timeout", "0.3")
+    assert r.returncode == 2 and r.stderr.startswith("error: no coordinator reachable at tcp://127.0.0.1:9"), r
+
+
+@pytest.mark.timeout(60)
+def test_malformed_and_unknown_messages_are_logged_and_ignored(job):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(json.load(open(os.path.join(job["run_dir"], "tmd.json")))["address"])
+    for frame in [b"\x00garbage", b'{"v": 1, "type": "Reboot"}', b'{"v": 1, "type": "Switch", "migration_id": 1}',
+                  p.encode(p.Switch(1, 5)), p.encode(p.StepReport(0, 1, 0.1, False))]:
+        sock.send(frame)
+    sock.send_multipart([b"two", b"frames"])
+    sock.close()
+    bad = wait_until(lambda: [e for e in events(job["run_dir"]) if e["event"] == "bad_message"] if len(
+        [e for e in events(job["run_dir"]) if e["event"] == "bad_message"]) >= 6 else None, 20, "6 bad_message events")
+    reasons = " | ".join(e["error"] for e in bad)
+    for needle in ["not JSON", "unknown message type 'Reboot'", "missing fields ['step']", "not a request tmd serves",
+                   "never registered", "expected 2 frames"]:
+        assert needle in reasons
+    st = job["status"]()  # tmd is still up and the job still healthy
+    assert all(n["health"] == "healthy" for n in st.nodes if n["role"] == "active")
+
+
+@pytest.mark.timeout(120)
+def test_joiner_killed_during_warm_up_aborts_and_training_goes_on(job):
+    client = job["client"]
+    reply = client.request(p.MigrateRequest("n2", "s1"))
+    assert isinstance(reply, p.MigrationReply) and reply.migration["state"] == "warming"
+    mid = reply.migration["id"]
+    # while it warms up: a second request is refused, and the job is not harmed
+    again = client.request(p.MigrateRequest("n1", "s1"))
+    assert isinstance(again, p.ErrorReply) and again.code == "migration_running"
+    joiner_pid = next(e["pid"] for e in reversed(events(job["run_dir"]))
+                      if e["event"] == "worker_registered" and e["node"] == "s1" and e["local_rank"] == 0)
+    os.kill(joiner_pid, signal.SIGKILL)
+    m = wait_until(lambda: (lambda m: m if m["state"] in ("aborted", "committed") else None)(
+        client.request(p.MigrationRequest(mid)).migration), 60, "the migration to end")
+    assert m["state"] == "aborted"
+    assert m["reason"].startswith("joiner s1/0 exited with code -9 during warming"), m["reason"]
+    aborted = [e for e in events(job["run_dir"]) if e["event"] == "migration_aborted"]
+    assert aborted and "exited with code -9" in aborted[-1]["reason"]
+    step = job["status"]().step
+    wait_until(lambda: job["status"]().step > step + 10, 30, "training to go on")
+    assert job["proc"].poll() is None
+
+
+@pytest.mark.timeout(120)
+def test_cold_standby_is_busy_then_a_second_migration_commits(job):
+    client = job["client"]
+    st = job["status"]()
+    s1 = next(n for n in st.nodes if n["name"] == "s1")
+    if not s1["warm"]:
+        busy = run_tmctl(job["run_dir"], "migrate", "--from", "n2", "--to", "s1")
+        assert busy.returncode == 2 and "standby 's1' is busy" in busy.stderr, busy
+    wait_until(lambda: any(n["name"] == "s1" and n["warm"] for n in job["status"]().nodes), 90, "s1 warm again")
+    r = run_tmctl(job["run_dir"], "migrate", "--from", "n2", "--to", "s1", "--json", "--timeout-s", "90")
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    assert m["state"] == "committed" and m["switch_step"] > 0
+    assert set(m["phases"]) >= {"requested", "warming", "prepared", "switching", "transferred", "committed"}
+    assert m["bytes_moved"] > 100_000
+    st = job["status"]()
+    roles = {n["name"]: (n["role"], n["ranks"]) for n in st.nodes}
+    assert roles["s1"] == ("active", [2, 3]) and roles["n2"][0] == "left"
+    assert st.world_size == 4 and st.generation == 2
+
+
+@pytest.mark.timeout(300)
+def test_final_state_is_bit_identical_to_an_uninterrupted_run(job, reference):
+    assert job["proc"].wait(timeout=240) == 0
+    got = final_hashes(job["run_dir"])
+    assert len(reference) == 4 and len(set(reference.values())) == 1
+    assert got == reference
+    names = [e["event"] for e in events(job["run_dir"])]
+    assert names.count("migration_committed") == 1 and names.count("migration_aborted") == 1
+    left = [e for e in events(job["run_dir"]) if e["event"] == "process_exit" and e["node"] == "n2"]
+    assert [e["returncode"] for e in left] == [0, 0] and all(e["expected"] for e in left)
