@@ -15,7 +15,7 @@ from rich.table import Table
 
 FINAL_STATES = ("committed", "aborted")
 
-_HEALTH_STYLE = {"ok": "green", "healthy": "green", "late": "yellow", "suspect": "yellow", "dead": "red"}
+_HEALTH_STYLE = {"healthy": "green", "unknown": "yellow", "unhealthy": "red"}  # tmd.registry.Node.health
 _STATE_STYLE = {"committed": "green", "aborted": "red"}
 
 

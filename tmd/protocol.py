@@ -173,7 +173,8 @@ class StatusRequest(Message):
 @dataclasses.dataclass
 class StatusReply(Message):
     """``nodes``: one dict per node (name, role, ranks, health, heartbeat_age_s, step, step_time_s, warm).
-    ``migration``: the migration in progress or the last one (dict, see :class:`MigrationReply`) or None."""
+    ``health`` is unknown, healthy or unhealthy. ``migration``: the migration in progress or the last one
+    (dict, see :class:`MigrationReply`) or None."""
 
     job: str
     world_size: int
@@ -185,7 +186,8 @@ class StatusReply(Message):
 
 @dataclasses.dataclass
 class MigrateRequest(Message):
-    """Move every rank of node ``source`` to standby node ``target``."""
+    """Move every rank of node ``source`` to standby node ``target``. Answered by MigrationReply (the new
+    migration) or ErrorReply."""
 
     source: str
     target: str
