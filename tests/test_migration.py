@@ -132,7 +132,6 @@ def test_joiner_killed_during_warm_up_aborts_and_training_goes_on(job):
 
 @pytest.mark.timeout(120)
 def test_cold_standby_is_busy_then_a_second_migration_commits(job):
-    client = job["client"]
     st = job["status"]()
     s1 = next(n for n in st.nodes if n["name"] == "s1")
     if not s1["warm"]:

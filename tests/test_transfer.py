@@ -116,9 +116,7 @@ def test_corrupt_buffer_is_refused_and_nothing_is_loaded():
 
 
 def test_peer_dying_mid_transfer_raises_instead_of_hanging():
-    src = trained(1)
     a, b = pair()
-    length = torch.zeros(1, dtype=torch.int64)
     with cf.ThreadPoolExecutor(1) as ex:
         fut = ex.submit(transfer.recv_state, b, 0)
         # the sender sends only the length, then its group goes away (the process died)

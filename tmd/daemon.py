@@ -24,6 +24,7 @@ from tmd.migration import MigrationError, Migrations
 from tmd.registry import Registry, Worker
 
 TICK_S = 0.05
+RELEASE_GRACE_S = 30.0  # processes still running this long after the job finished are terminated
 
 
 class Daemon:
@@ -66,6 +67,7 @@ class Daemon:
         self.launcher: Optional[LocalLauncher] = None
         self.exit_code: Optional[int] = None
         self._released = False
+        self._release_deadline = float("inf")
         with open(os.path.join(self.run_dir, "tmd.json"), "w") as f:
             json.dump({"address": self.address, "pid": os.getpid(), "job": job, "run_dir": self.run_dir}, f)
         self.journal.record("tmd_started", job=job, address=self.address, world_size=self.registry.world_size,
@@ -276,6 +278,7 @@ class Daemon:
             return
         if not self._released:
             self._released = True
+            self._release_deadline = time.monotonic() + RELEASE_GRACE_S
             self.journal.record("job_finished", step=reg.current_step())
             for n in reg.nodes.values():
                 if n.role in ("standby", "joining"):
@@ -283,4 +286,9 @@ class Daemon:
                         if not w.exited:
                             self._send(w, p.Release("job finished", 0))
         if self.launcher is None or not self.launcher.running():
+            self.exit_code = 0
+        elif time.monotonic() > self._release_deadline:
+            stuck = [f"{proc.node}/{proc.local_rank}" for proc in self.launcher.running()]
+            self.journal.record("processes_terminated", processes=stuck, reason=f"still running {RELEASE_GRACE_S:.0f} s after the job finished")
+            self.launcher.terminate_all()
             self.exit_code = 0

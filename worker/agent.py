@@ -14,7 +14,7 @@ import queue
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import zmq
 

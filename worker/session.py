@@ -18,7 +18,6 @@ import datetime
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Any, Iterator, Optional
