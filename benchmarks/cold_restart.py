@@ -8,15 +8,19 @@ DDP and seed) but runs on a plain gloo default group, without the runtime:
    ``torch.distributed.checkpoint`` (DCP) into a temporary directory, and the
    processes exit ("stop the job");
 3. the launcher starts ``world`` fresh processes ("restart with the node
-   replaced") on a new rendezvous port; they rebuild the model, load the
-   checkpoint and train steps ``restart_at .. steps-1``.
+   replaced") on a new rendezvous port; they rebuild the model, warm DDP up
+   with one throw-away forward/backward (so its gradient buckets match the
+   uninterrupted run's, see ``_rank_main``), load the checkpoint and train
+   steps ``restart_at .. steps-1``.
 
 Every rank records wall-clock timestamps (``time.time()``, seconds) of each step
 end and of the checkpoint / restart / load phases. The launcher prints one JSON
 object as the last stdout line::
 
-    {"world", "steps", "restart_at", "median_step_s", "downtime_s", "checkpoint_s",
-     "restart_s", "load_s", "first_step_s", "state_sha256", ...}
+    {"world", "steps", "restart_at", "tiny", "median_step_s", "downtime_s", "checkpoint_s",
+     "restart_s", "warmup_s", "load_s", "first_step_s", "checkpoint_bytes", "state_sha256",
+     "ranks_agree", "final_loss"}   (+ "reference_sha256", "bit_identical",
+                                       "reference_median_step_s" with --verify)
 
 * ``median_step_s``: median step time of steady-state steps (rank 0; the first step of
   each process is excluded);
@@ -24,6 +28,7 @@ object as the last stdout line::
 * ``restart_s``: from the end of the checkpoint (last rank) until every new process has
   started, joined the process group and rebuilt model + optimizer (process exit,
   spawn, Python/torch import, rendezvous);
+* ``warmup_s``: the DDP warm-up forward/backward (slowest rank);
 * ``load_s``: ``dcp.load`` + ``set_state_dict`` time (slowest rank);
 * ``first_step_s``: duration of step ``restart_at`` on the new processes;
 * ``downtime_s``: (end of step ``restart_at`` on the new processes) - (end of step
@@ -97,6 +102,19 @@ def _rank_main(args: argparse.Namespace) -> None:
     rec["t_ready"] = time.time()
 
     if args.load:
+        # DDP warm-up. A fresh DDP reduces its first backward in one bucket holding every parameter and
+        # re-buckets at the next forward by the order gradients became ready. An uninterrupted run did that
+        # re-bucketing at step 1, so without the warm-up, step `restart_at` would reduce with a different
+        # bucket layout; with gloo's ring allreduce (world >= 3) the float summation order depends on an
+        # element's offset in the bucket, so the result would not be bit-identical. One throw-away
+        # forward/backward (gradients discarded, no optimizer step, before the weights are loaded) records
+        # the ready order, so the first real step already uses the uninterrupted run's layout.
+        rec["warmup_start"] = time.time()
+        dummy = torch.zeros(args.batch_size, cfg.context, dtype=torch.long)
+        lm_loss(model(dummy), dummy).backward()
+        opt.zero_grad(set_to_none=True)  # get_state_dict() below needs grad-free params to init optimizer state
+        rec["warmup_end"] = time.time()
+
         rec["load_start"] = time.time()
         msd, osd = get_state_dict(model, opt)
         # The data position differs per rank: key it by rank so DCP does not deduplicate it.
@@ -258,8 +276,9 @@ def run_cold_restart(
 ) -> dict[str, Any]:
     """Run the checkpoint-restart baseline and return its report (all times in seconds).
 
-    Keys: world, steps, restart_at, median_step_s, downtime_s, checkpoint_s, restart_s, load_s,
-    first_step_s, state_sha256, ranks_agree; with ``verify``: reference_sha256, bit_identical.
+    Keys: see the module docstring. ``state_sha256`` is rank 0's final state hash; ``ranks_agree``
+    says all ranks ended with the same hash. With ``verify`` the uninterrupted job runs too, and
+    ``bit_identical`` is true when its hash equals ``state_sha256``.
     """
     if not 1 <= restart_at < steps:
         raise ValueError(f"need 1 <= restart_at < steps, got restart_at={restart_at}, steps={steps}")
@@ -284,6 +303,7 @@ def run_cold_restart(
             "downtime_s": first_new_step_end - last_old_step_end - median_step,
             "checkpoint_s": max(r["ckpt_end"] - r["ckpt_start"] for r in old),
             "restart_s": max(r["t_ready"] for r in new) - ckpt_end,
+            "warmup_s": max(r["warmup_end"] - r["warmup_start"] for r in new),
             "load_s": max(r["load_end"] - r["load_start"] for r in new),
             "first_step_s": first_new_step_end - max(r["load_end"] for r in new),
             "checkpoint_bytes": sum(

@@ -45,24 +45,44 @@ with no inner backend; "bypass" completes barrier/send/recv at once and forwards
           &MoverBackend::discardStaged,
           py::call_guard<py::gil_scoped_release>(),
           "Drop the staged backend (in the background). Returns whether one was staged.")
-      .def("has_staged", &MoverBackend::hasStaged, "Whether a backend is staged.")
+      .def("has_staged", &MoverBackend::hasStaged, py::call_guard<py::gil_scoped_release>(), "Whether a backend is staged.")
       .def_property_readonly(
-          "generation", &MoverBackend::generation, "Number of commits so far (int, starts at 0).")
+          "generation",
+          [](MoverBackend& self) {
+            py::gil_scoped_release nogil;
+            return self.generation();
+          }, "Number of commits so far (int, starts at 0).")
       .def_property_readonly(
-          "inner", &MoverBackend::currentInner, "The current inner Backend, or None.")
+          "inner",
+          [](MoverBackend& self) {
+            py::gil_scoped_release nogil;
+            return self.currentInner();
+          }, "The current inner Backend, or None.")
       .def(
           "set_mode",
-          [](MoverBackend& self, const std::string& mode) { self.setMode(tmover::parseMode(mode)); },
+          [](MoverBackend& self, const std::string& mode) {
+            const auto parsed = tmover::parseMode(mode);
+            py::gil_scoped_release nogil;
+            self.setMode(parsed);
+          },
           py::arg("mode"),
           "Set the mode: 'live', 'record', 'replay' or 'bypass'. Raises ValueError otherwise. "
           "Applies from the next op on.")
       .def_property_readonly(
           "mode",
-          [](MoverBackend& self) { return std::string(tmover::modeName(self.mode())); },
+          [](MoverBackend& self) {
+            tmover::Mode mode;
+            {
+              py::gil_scoped_release nogil;
+              mode = self.mode();
+            }
+            return std::string(tmover::modeName(mode));
+          },
           "The current mode (str).")
       .def(
           "take_recording",
           &MoverBackend::takeRecording,
+          py::call_guard<py::gil_scoped_release>(),
           "Return the recording as [(op_name, [outputs...]), ...] in call order and clear it. "
           "Raises RuntimeError if a recorded op is still in flight (nothing is cleared then) or "
           "if one failed (the recording is discarded).")
@@ -70,29 +90,46 @@ with no inner backend; "bypass" completes barrier/send/recv at once and forwards
           "load_recording",
           &MoverBackend::loadRecording,
           py::arg("recording"),
+          py::call_guard<py::gil_scoped_release>(),
           "Set the replay source ([(op_name, [tensors...]), ...]) and rewind it to op #0.")
       .def_property_readonly(
           "replay_position",
-          &MoverBackend::replayPosition,
+          [](MoverBackend& self) {
+            py::gil_scoped_release nogil;
+            return self.replayPosition();
+          },
           "Index of the next recorded op replay will consume (int).")
       .def_property_readonly(
           "replay_remaining",
-          &MoverBackend::replayRemaining,
+          [](MoverBackend& self) {
+            py::gil_scoped_release nogil;
+            return self.replayRemaining();
+          },
           "Recorded ops not yet consumed by replay (int).")
       .def(
           "abort",
           &MoverBackend::abortPending,
-          py::arg("reason"),
+          py::arg("reason") = "abort() called",
           py::call_guard<py::gil_scoped_release>(),
           "Fail every pending work now (wait() raises RuntimeError with `reason`, futures get "
           "the error); the inner ops are abandoned. Later ops raise RuntimeError until commit(). "
           "Returns how many works were aborted.")
       .def_property_readonly(
-          "aborted", &MoverBackend::aborted, "True between abort() and the next commit().")
+          "aborted",
+          [](MoverBackend& self) {
+            py::gil_scoped_release nogil;
+            return self.aborted();
+          }, "True between abort() and the next commit().")
       .def(
           "counters",
           [](MoverBackend& self) {
-            const auto c = self.counters();
+            tmover::Counters c;
+            {
+              // Never wait for the backend's mutex while holding the GIL: a thread holding that mutex
+              // may need the GIL (dropping a tensor that has a Python object), which would deadlock.
+              py::gil_scoped_release nogil;
+              c = self.counters();
+            }
             py::dict d;
             d["ops_issued"] = c.opsIssued;
             d["ops_completed"] = c.opsCompleted;
@@ -119,4 +156,16 @@ with no inner backend; "bypass" completes barrier/send/recv at once and forwards
       "Drop `backend` on a detached thread once that thread holds its last reference (polls "
       "for up to ~60 s), so its destructor runs off the caller's thread and without the GIL. "
       "Delete your own references after calling this.");
+
+  m.def(
+      "wait_for_background",
+      [](double timeoutS) {
+        return tmover::waitForBackground(
+            std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000.0)));
+      },
+      py::arg("timeout_s") = 10.0,
+      py::call_guard<py::gil_scoped_release>(),
+      "Wait up to `timeout_s` seconds until no background release is running and no op "
+      "abandoned by abort() is still in flight in its inner backend. Returns True if so, "
+      "False on timeout. Call before the interpreter exits: those threads may need the GIL.");
 }

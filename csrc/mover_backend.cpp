@@ -64,7 +64,7 @@ std::vector<c10::Device> devicesOf(const std::vector<at::Tensor>& tensors) {
 }
 
 std::exception_ptr abortError(const std::string& reason) {
-  return std::make_exception_ptr(c10::Error("mover backend aborted: " + reason, ""));
+  return std::make_exception_ptr(c10::Error("mover backend aborted: " + reason));
 }
 
 bool isP2POrBarrier(OpType t) {
@@ -103,14 +103,41 @@ Mode parseMode(const std::string& name) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Background activity
+
+namespace {
+std::mutex gBackgroundMu;
+std::condition_variable gBackgroundCv;
+int64_t gBackgroundCount = 0;
+} // namespace
+
+BackgroundToken::BackgroundToken() {
+  std::lock_guard<std::mutex> lock(gBackgroundMu);
+  ++gBackgroundCount;
+}
+
+BackgroundToken::~BackgroundToken() {
+  {
+    std::lock_guard<std::mutex> lock(gBackgroundMu);
+    --gBackgroundCount;
+  }
+  gBackgroundCv.notify_all();
+}
+
+bool waitForBackground(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(gBackgroundMu);
+  return gBackgroundCv.wait_for(lock, timeout, [] { return gBackgroundCount == 0; });
+}
+
+// ---------------------------------------------------------------------------------------------
 // MoverState
 
 void MoverState::onSettled(
     uint64_t workId,
     bool ok,
+    bool recordedOk,
     Clock::time_point start,
-    int64_t recordSlot,
-    std::vector<at::Tensor> recorded) {
+    std::vector<RecordTarget> recorded) {
   c10::intrusive_ptr<MoverWork> dropped; // released after the lock
   std::lock_guard<std::mutex> lock(mu);
   auto it = pending.find(workId);
@@ -125,10 +152,12 @@ void MoverState::onSettled(
     ++counters.opsFailed;
   }
   counters.lastOpEndS = wallNow();
-  if (recordSlot >= 0 && static_cast<size_t>(recordSlot) < recording.size()) {
-    auto& entry = recording[recordSlot];
-    entry.status = ok ? RecordEntry::Status::kDone : RecordEntry::Status::kFailed;
-    entry.outputs = std::move(recorded);
+  for (auto& target : recorded) {
+    if (target.slot >= 0 && static_cast<size_t>(target.slot) < recording.size()) {
+      auto& entry = recording[target.slot];
+      entry.status = recordedOk ? RecordEntry::Status::kDone : RecordEntry::Status::kFailed;
+      entry.outputs = std::move(target.tensors);
+    }
   }
 }
 
@@ -148,7 +177,7 @@ MoverWork::MoverWork(
     std::shared_ptr<MoverState> state,
     c10::intrusive_ptr<Work> inner,
     const c10::intrusive_ptr<c10::ivalue::Future>& innerFuture,
-    int64_t recordSlot)
+    std::vector<RecordTarget> recordTargets)
     : Work(rank, opType),
       op_(std::move(op)),
       outputs_(std::move(outputs)),
@@ -161,13 +190,13 @@ MoverWork::MoverWork(
                             innerFuture->elementType(), innerFuture->devices())
                       : c10::make_intrusive<c10::ivalue::Future>(
                             c10::ListType::ofTensors(), devicesOf(outputs_))),
-      recordSlot_(recordSlot),
+      recordTargets_(std::move(recordTargets)),
       start_(Clock::now()) {}
 
 bool MoverWork::settle(
     std::exception_ptr error,
     std::optional<c10::IValue> value,
-    std::optional<std::vector<c10::WeakStorage>> storages) {
+    std::optional<std::vector<c10::ivalue::Future::WeakStorage>> storages) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (claimed_) {
@@ -175,14 +204,22 @@ bool MoverWork::settle(
     }
     claimed_ = true;
   }
-  // Fill the record slot before waking waiters: a caller whose wait() returned sees it.
-  std::vector<at::Tensor> recorded;
-  if (!error && recordSlot_ >= 0) {
-    for (const auto& t : outputs_) {
-      recorded.push_back(t.clone());
+  // Fill the record slots before waking waiters: a caller whose wait() returned sees them.
+  std::vector<RecordTarget> recorded;
+  bool recordedOk = !error;
+  try {
+    for (const auto& target : recordTargets_) {
+      recorded.push_back({target.slot, {}});
+      for (const auto& t : target.tensors) {
+        if (!error) {
+          recorded.back().tensors.push_back(t.clone());
+        }
+      }
     }
+  } catch (const std::exception&) {
+    recordedOk = false; // e.g. out of memory: the op succeeded, its recording did not
   }
-  state_->onSettled(id_, !error, start_, recordSlot_, std::move(recorded));
+  state_->onSettled(id_, !error, recordedOk, start_, std::move(recorded));
   {
     std::lock_guard<std::mutex> lock(mutex_);
     completed_ = true;
@@ -197,6 +234,20 @@ bool MoverWork::settle(
     future_->markCompleted(c10::IValue(c10::List<at::Tensor>(outputs_)));
   }
   return true;
+}
+
+void MoverWork::onInnerDone() {
+  std::unique_ptr<BackgroundToken> token; // released after the lock
+  std::lock_guard<std::mutex> lock(mutex_);
+  innerDone_ = true;
+  token = std::move(abandoned_);
+}
+
+void MoverWork::markAbandoned() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (inner_ && !innerDone_ && !abandoned_) {
+    abandoned_ = std::make_unique<BackgroundToken>();
+  }
 }
 
 bool MoverWork::wait(std::chrono::milliseconds timeout) {
@@ -244,7 +295,9 @@ void MoverWork::synchronize() {
 }
 
 void MoverWork::abort() {
-  settle(abortError("work " + op_ + " aborted"));
+  if (settle(abortError("work " + op_ + " aborted"))) {
+    markAbandoned();
+  }
   if (inner_) {
     try {
       inner_->abort();
@@ -397,9 +450,12 @@ void MoverBackend::loadRecording(
   for (auto& [op, outputs] : entries) {
     replay.push_back({std::move(op), std::move(outputs), RecordEntry::Status::kDone});
   }
-  std::lock_guard<std::mutex> lock(state_->mu);
-  state_->replay = std::move(replay);
-  state_->replayPos = 0;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->replay.swap(replay);
+    state_->replayPos = 0;
+  }
+  // The old entries die here, outside the mutex: dropping a tensor may need the GIL.
 }
 
 int64_t MoverBackend::replayPosition() {
@@ -424,7 +480,10 @@ int64_t MoverBackend::abortPending(const std::string& reason) {
   const auto error = abortError(reason);
   int64_t count = 0;
   for (auto& entry : victims) {
-    count += entry.second->settle(error) ? 1 : 0;
+    if (entry.second->settle(error)) {
+      entry.second->markAbandoned();
+      ++count;
+    }
   }
   return count;
 }
@@ -472,9 +531,12 @@ void MoverBackend::startCoalescing() {
   if (mode() != Mode::kReplay) {
     requireInner()->startCoalescing();
   }
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->coalescing = true;
 }
 
 c10::intrusive_ptr<Work> MoverBackend::endCoalescing() {
+  // run() hands the block's record slots to this work (and clears the coalescing state).
   return run(OpType::COALESCED, "coalesced", {}, [](c10d::Backend& b) {
     return b.endCoalescing();
   });
@@ -509,9 +571,10 @@ void MoverBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
 c10::intrusive_ptr<MoverWork> MoverBackend::completedWork(
     OpType opType,
     const char* op,
-    std::vector<at::Tensor> outputs) {
+    std::vector<at::Tensor> outputs,
+    std::vector<RecordTarget> targets) {
   auto work = c10::make_intrusive<MoverWork>(
-      rank_, opType, op, std::move(outputs), state_, nullptr, nullptr, -1);
+      rank_, opType, op, std::move(outputs), state_, nullptr, nullptr, std::move(targets));
   work->settle(nullptr);
   return work;
 }
@@ -562,12 +625,19 @@ c10::intrusive_ptr<Work> MoverBackend::run(
   Mode mode;
   c10::intrusive_ptr<c10d::Backend> inner;
   bool lacksFuture;
+  bool inCoalescingBlock;
+  std::vector<RecordTarget> targets; // record slots the returned work fills when it completes
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     TORCH_CHECK(!state_->aborted, "mover backend aborted: ", state_->abortReason);
     mode = state_->mode;
     inner = state_->inner; // a commit() after this point affects the next op, not this one
     lacksFuture = state_->innerLacksFuture[static_cast<size_t>(opType) % 128];
+    inCoalescingBlock = state_->coalescing;
+    if (opType == OpType::COALESCED) { // endCoalescing(): the block's slots ride on this work
+      targets.swap(state_->coalescedTargets);
+      state_->coalescing = false;
+    }
     ++state_->counters.opsIssued;
     state_->counters.lastOpStartS = wallNow();
   }
@@ -577,8 +647,11 @@ c10::intrusive_ptr<Work> MoverBackend::run(
     std::lock_guard<std::mutex> lock(state_->mu);
     ++state_->counters.opsFailed;
     state_->counters.lastOpEndS = wallNow();
-    if (slot >= 0) {
-      state_->recording[slot].status = RecordEntry::Status::kFailed;
+    targets.push_back({slot, {}});
+    for (const auto& target : targets) {
+      if (target.slot >= 0) {
+        state_->recording[target.slot].status = RecordEntry::Status::kFailed;
+      }
     }
   };
 
@@ -591,11 +664,10 @@ c10::intrusive_ptr<Work> MoverBackend::run(
         throw;
       }
     }
-    return completedWork(opType, op, std::move(outputs));
+    return completedWork(opType, op, std::move(outputs), std::move(targets));
   }
 
   c10::intrusive_ptr<Work> innerWork;
-  c10::intrusive_ptr<c10::ivalue::Future> innerFuture;
   try {
     TORCH_CHECK(inner, "mover backend has no inner backend; stage() and commit() one first");
     if (mode == Mode::kRecord && recorded) {
@@ -608,11 +680,35 @@ c10::intrusive_ptr<Work> MoverBackend::run(
     failIssue();
     throw;
   }
-  if (!innerWork) {
-    // NCCL returns no work for ops issued inside a coalescing block; the end op carries it.
-    auto work = completedWork(opType, op, std::move(outputs));
-    return work;
+  if (slot >= 0 && inCoalescingBlock) {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->coalescedTargets.push_back({slot, outputs});
+  } else if (slot >= 0) {
+    targets.push_back({slot, outputs});
   }
+  if (!innerWork) {
+    // NCCL may return no work for an op inside a coalescing block; its end op carries it.
+    return completedWork(opType, op, std::move(outputs), std::move(targets));
+  }
+
+  auto work = wrap(opType, op, std::move(outputs), innerWork, lacksFuture, std::move(targets));
+  // Record mode waits so the recording is complete whenever the caller is between ops. recv
+  // stays asynchronous: waiting there would deadlock irecv/isend pairs issued in that order.
+  if (mode == Mode::kRecord && work->hasRecordTargets() && opType != OpType::RECV &&
+      opType != OpType::RECVANYSOURCE) {
+    work->wait();
+  }
+  return work;
+}
+
+c10::intrusive_ptr<MoverWork> MoverBackend::wrap(
+    OpType opType,
+    const char* op,
+    std::vector<at::Tensor> outputs,
+    const c10::intrusive_ptr<Work>& innerWork,
+    bool lacksFuture,
+    std::vector<RecordTarget> targets) {
+  c10::intrusive_ptr<c10::ivalue::Future> innerFuture;
   if (!lacksFuture) {
     try {
       innerFuture = innerWork->getFuture();
@@ -622,23 +718,23 @@ c10::intrusive_ptr<Work> MoverBackend::run(
       state_->innerLacksFuture[static_cast<size_t>(opType) % 128] = true;
     }
   }
-
   auto work = c10::make_intrusive<MoverWork>(
-      rank_, opType, op, std::move(outputs), state_, innerWork, innerFuture, slot);
-  bool abortedMeanwhile = false;
-  std::string reason;
+      rank_, opType, op, std::move(outputs), state_, innerWork, innerFuture, std::move(targets));
+
+  // Registered as pending before completion is wired, so that abort() cannot miss it.
+  std::string abortedWith;
+  bool abortedNow = false;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     work->setId(++state_->nextWorkId);
-    abortedMeanwhile = state_->aborted;
-    reason = state_->abortReason;
-    if (!abortedMeanwhile) {
+    abortedNow = state_->aborted;
+    abortedWith = state_->abortReason;
+    if (!abortedNow) {
       state_->pending.emplace(work->id(), work);
     }
   }
-  if (abortedMeanwhile) {
-    work->settle(abortError(reason));
-    return work;
+  if (abortedNow && work->settle(abortError(abortedWith))) {
+    work->markAbandoned();
   }
 
   if (innerFuture) {
@@ -648,6 +744,7 @@ c10::intrusive_ptr<Work> MoverBackend::run(
       } else {
         work->settle(nullptr, f.value(), f.storages());
       }
+      work->onInnerDone();
     });
   } else {
     std::thread([work] {
@@ -657,14 +754,8 @@ c10::intrusive_ptr<Work> MoverBackend::run(
       } catch (...) {
         work->settle(std::current_exception());
       }
+      work->onInnerDone();
     }).detach();
-  }
-
-  // Record mode waits so the recording is complete whenever the caller is between ops. recv
-  // stays asynchronous: waiting there would deadlock irecv/isend pairs issued in that order.
-  if (mode == Mode::kRecord && recorded && opType != OpType::RECV &&
-      opType != OpType::RECVANYSOURCE) {
-    work->wait();
   }
   return work;
 }
@@ -847,14 +938,22 @@ void releaseInBackground(c10::intrusive_ptr<c10d::Backend> backend) {
   if (!backend) {
     return;
   }
-  std::thread([backend = std::move(backend)]() mutable {
-    // Others (e.g. a Python variable) may still hold it; wait until ours is the last
-    // reference so that the destructor runs here. Past the bound, the last holder destroys it.
-    const auto deadline = Clock::now() + std::chrono::seconds(60);
-    while (backend.use_count() > 1 && Clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  // Taken before the thread starts so that waitForBackground() cannot miss this release.
+  auto token = std::make_unique<BackgroundToken>();
+  std::thread([backend = std::move(backend), token = std::move(token)]() mutable {
+    if (backend.use_count() > 1) {
+      // Others (e.g. a Python variable) still hold it: wait until ours is the last reference
+      // so that the destructor runs here; past the bound, the last holder destroys it. Not
+      // counted as background work meanwhile: nothing of ours runs until they let go.
+      token.reset();
+      const auto deadline = Clock::now() + std::chrono::seconds(60);
+      while (backend.use_count() > 1 && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      token = std::make_unique<BackgroundToken>();
     }
     backend.reset();
+    token.reset();
   }).detach();
 }
 

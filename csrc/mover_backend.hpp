@@ -36,6 +36,12 @@ struct RecordEntry {
   Status status = Status::kInFlight;
 };
 
+// Where a completing work writes clones of its outputs: a slot of the recording.
+struct RecordTarget {
+  int64_t slot;
+  std::vector<at::Tensor> tensors;
+};
+
 // Snapshot of the counters (see MoverBackend::counters()).
 struct Counters {
   uint64_t opsIssued = 0;
@@ -51,6 +57,21 @@ struct Counters {
 };
 
 class MoverWork;
+
+// Counts background activity that still touches communicators and tensors: releases running on
+// their own thread and inner ops abandoned by abort(). Such a thread may drop the last reference
+// to a tensor that Python created, which takes the GIL; at interpreter shutdown that aborts the
+// process, so exit paths call waitForBackground() first (worker/backend.py does, at exit).
+class BackgroundToken {
+ public:
+  BackgroundToken();
+  ~BackgroundToken();
+  BackgroundToken(const BackgroundToken&) = delete;
+  BackgroundToken& operator=(const BackgroundToken&) = delete;
+};
+
+// True once no BackgroundToken is alive, false if `timeout` passed first.
+bool waitForBackground(std::chrono::milliseconds timeout);
 
 // Everything the backend and its works share. A MoverWork can outlive its backend (DDP keeps
 // only the future), so this lives behind a shared_ptr. One mutex guards all of it: ops take it
@@ -73,16 +94,21 @@ struct MoverState {
   Counters counters;
 
   std::vector<RecordEntry> recording;
+  // Between startCoalescing() and endCoalescing(): ops' outputs are only final when the end
+  // op's work completes (NCCL launches the group then), so their slots ride on that work.
+  bool coalescing = false;
+  std::vector<RecordTarget> coalescedTargets;
   std::vector<RecordEntry> replay;
   size_t replayPos = 0;
 
-  // Called once per work when it completes or fails: counters, pending set, record slot.
+  // Called once per work when it completes or fails: counters, pending set, record slots
+  // (`recorded` holds clones of the targets' tensors when `recordedOk`).
   void onSettled(
       uint64_t workId,
       bool ok,
+      bool recordedOk,
       std::chrono::steady_clock::time_point start,
-      int64_t recordSlot,
-      std::vector<at::Tensor> recorded);
+      std::vector<RecordTarget> recorded);
   void addBlocked(double seconds);
 };
 
@@ -98,7 +124,7 @@ class MoverWork : public c10d::Work {
       std::shared_ptr<MoverState> state,
       c10::intrusive_ptr<c10d::Work> inner,
       const c10::intrusive_ptr<c10::ivalue::Future>& innerFuture,
-      int64_t recordSlot);
+      std::vector<RecordTarget> recordTargets);
 
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
@@ -107,12 +133,18 @@ class MoverWork : public c10d::Work {
   void synchronize() override;
   void abort() override;
 
+  // Called once the inner op finished (whether or not this work was still waiting for it).
+  void onInnerDone();
+  // abort(): this work was failed while its inner op still runs; keep the process from
+  // exiting under it (see BackgroundToken) until the inner op ends.
+  void markAbandoned();
+
   // First call wins; later calls (a late inner completion after abort) return false.
   // `value` is the future's value on success; nullopt means "the outputs as a tensor list".
   bool settle(
       std::exception_ptr error,
       std::optional<c10::IValue> value = std::nullopt,
-      std::optional<std::vector<c10::WeakStorage>> storages = std::nullopt);
+      std::optional<std::vector<c10::ivalue::Future::WeakStorage>> storages = std::nullopt);
 
   uint64_t id() const {
     return id_;
@@ -129,6 +161,9 @@ class MoverWork : public c10d::Work {
   const std::string& op() const {
     return op_;
   }
+  bool hasRecordTargets() const {
+    return !recordTargets_.empty();
+  }
 
  private:
   const std::string op_;
@@ -136,10 +171,12 @@ class MoverWork : public c10d::Work {
   const std::shared_ptr<MoverState> state_;
   const c10::intrusive_ptr<c10d::Work> inner_;
   const c10::intrusive_ptr<c10::ivalue::Future> future_;
-  const int64_t recordSlot_;
+  const std::vector<RecordTarget> recordTargets_;
   const std::chrono::steady_clock::time_point start_;
   uint64_t id_ = 0;
   bool claimed_ = false; // guarded by mutex_; set by the first settle()
+  bool innerDone_ = false; // guarded by mutex_
+  std::unique_ptr<BackgroundToken> abandoned_; // guarded by mutex_
 };
 
 class MoverBackend : public c10d::Backend {
@@ -254,10 +291,21 @@ class MoverBackend : public c10d::Backend {
       const char* op,
       std::vector<at::Tensor> outputs,
       const IssueFn& issue);
+  // A MoverWork around an issued inner work: pending until the inner completes (via its future,
+  // or a helper thread where the inner has none).
+  c10::intrusive_ptr<MoverWork> wrap(
+      c10d::OpType opType,
+      const char* op,
+      std::vector<at::Tensor> outputs,
+      const c10::intrusive_ptr<c10d::Work>& innerWork,
+      bool lacksFuture,
+      std::vector<RecordTarget> targets);
+  // A MoverWork that completed already (replay, bypass, no inner work).
   c10::intrusive_ptr<MoverWork> completedWork(
       c10d::OpType opType,
       const char* op,
-      std::vector<at::Tensor> outputs);
+      std::vector<at::Tensor> outputs,
+      std::vector<RecordTarget> targets = {});
   void replayInto(const char* op, const std::vector<at::Tensor>& outputs);
   c10::intrusive_ptr<c10d::Backend> requireInner();
 

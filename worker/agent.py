@@ -81,7 +81,10 @@ class Agent:
                     break
                 now = time.monotonic()
                 if now >= next_beat:
-                    sock.send(p.encode(self._heartbeat()))
+                    try:
+                        sock.send(p.encode(self._heartbeat()))
+                    except Exception:  # a failing probe must not stop the agent: tmd sees the silence
+                        log.exception("heartbeat failed")
                     next_beat = now + self.heartbeat_interval_s
                 events = dict(poller.poll(max(0, int((next_beat - time.monotonic()) * 1000)) + 1))
                 if self._wake_rx in events:

@@ -1,0 +1,107 @@
+"""Thin Python helpers around the mover Backend (``worker._C``, built from csrc/).
+
+The mover is a c10d backend named ``tmover`` that wraps a swappable inner backend (gloo here, NCCL on GPU
+clusters). :func:`init_mover_world` installs it as the default process group, so DDP, FSDP2, DeviceMesh and
+functional collectives all run through it; :func:`build_gloo` builds inner backends to stage on it.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from worker import _C
+
+CBackend = torch._C._distributed_c10d.Backend  # the c10d Backend type (dist.Backend is the name enum)
+MoverBackend = _C.MoverBackend
+release_in_background = _C.release_in_background
+
+BACKEND_NAME = "tmover"
+
+# At exit, wait this long (seconds, env TM_EXIT_DRAIN_S) for retired groups still being destroyed on C++ threads
+# and for ops abandoned by abort(): those threads can drop the last reference to a tensor Python created, which
+# takes the GIL, and doing that while the interpreter finalizes aborts the process.
+EXIT_DRAIN_S = float(os.environ.get("TM_EXIT_DRAIN_S", "5"))
+
+wait_for_background = _C.wait_for_background
+
+__all__ = ["BACKEND_NAME", "MoverBackend", "build_gloo", "init_mover_world", "mover_of", "release_in_background",
+           "wait_for_background"]
+
+# init_process_group calls the registered creator with (store, rank, size, timeout) only, so the inner backend
+# and mode for the next creator call travel through this module-level slot (set and cleared by
+# init_mover_world, which is not meant to be called concurrently).
+_pending_config: Optional[tuple[Optional[CBackend], str]] = None
+_registered = False
+
+
+def build_gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float = 60.0,
+               host: Optional[str] = None) -> dist.ProcessGroupGloo:
+    """A gloo backend over ``PrefixStore(prefix, store)``; it does not touch the default group.
+
+    Blocks until all ``size`` ranks built theirs with the same ``prefix`` (never reuse a prefix: the store keys
+    of an earlier group would be picked up). ``timeout_s`` (seconds) bounds every op of the group. ``host``
+    (or env ``TM_GLOO_HOST``) pins the address gloo binds to and advertises.
+    """
+    prefixed = dist.PrefixStore(prefix, store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    host = host or os.environ.get("TM_GLOO_HOST")
+    if not host:
+        return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(prefixed, rank, size, opts)
+
+
+def _create_mover(store, rank: int, size: int, timeout) -> MoverBackend:
+    """Creator registered for ``tmover``: builds the mover with the inner/mode that init_mover_world left."""
+    if _pending_config is None:
+        raise RuntimeError("the tmover backend is created through worker.backend.init_mover_world()")
+    inner, mode = _pending_config
+    mover = MoverBackend(rank, size, inner)
+    mover.set_mode(mode)
+    return mover
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        dist.Backend.register_backend(BACKEND_NAME, _create_mover, devices=["cpu", "cuda"])
+        _registered = True
+
+
+def init_mover_world(store: dist.Store, rank: int, size: int, inner: Optional[CBackend] = None,
+                     mode: str = "live") -> MoverBackend:
+    """Make a mover-backed group the default process group and return its MoverBackend.
+
+    ``inner`` is the initial inner backend (None: no network, e.g. a joiner replaying); ``mode`` is one of live,
+    record, replay, bypass. Raises ValueError on a bad mode, an inner of another rank/size, or if a default group
+    already exists.
+    """
+    global _pending_config
+    _register()
+    _pending_config = (inner, mode)
+    try:
+        dist.init_process_group(backend=BACKEND_NAME, store=store, rank=rank, world_size=size)
+    finally:
+        _pending_config = None
+    return mover_of()
+
+
+def mover_of(group: Optional[dist.ProcessGroup] = None) -> MoverBackend:
+    """The MoverBackend behind ``group`` (default: the default group). Raises TypeError if it has none."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    backend = pg._get_backend(torch.device("cpu"))
+    if not isinstance(backend, MoverBackend):
+        raise TypeError(f"process group backend is {type(backend).__name__}, not a MoverBackend")
+    return backend
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    wait_for_background(EXIT_DRAIN_S)
