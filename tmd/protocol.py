@@ -231,6 +231,21 @@ class ErrorReply(Message):
 
 
 # --------------------------------------------------------------------------------------------------------------
+# SLURM hooks -> tmd (one way: tmd answers nothing)
+# --------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class NodeNotice(Message):
+    """A SLURM hook on ``node`` reports on SLURM job ``job_id`` (the job's own id, or that of one of its standby
+    jobs). ``hook`` is ``epilog`` (the node left that job: the job ended, or the node was released from it).
+    ``detail`` is free text for the journal, e.g. what the epilog cleaned up."""
+
+    node: str
+    job_id: str
+    hook: str
+    detail: str
+
+
+# --------------------------------------------------------------------------------------------------------------
 def encode(msg: Message) -> bytes:
     """Serialise ``msg`` to one frame."""
     body = dataclasses.asdict(msg)
