@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model-init and data seed")
     p.add_argument("--tiny", action="store_true", help="d_model 32, 1 layer, 2 heads, context 32, batch 4")
     p.add_argument("--log-every", type=int, default=5, help="print rank 0's loss every N steps")
+    p.add_argument("--group-size", type=int, default=0,
+                   help="also make subgroups of this many consecutive ranks (e.g. one per node) and average the "
+                        "loss over them each step: a subgroup collective that migrations must keep working")
     p.add_argument("--min-step-time-s", type=float, default=0.0,
                    help="pad each step to at least this many seconds (stands in for a bigger model; numerics unchanged)")
     args = p.parse_args(argv)
@@ -79,6 +82,11 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     data = ShakespeareStream(session.rank, batch_size=args.batch_size, context=cfg.context, seed=args.seed)
     session.manage(model=model, optimizer=opt, data=data)
+    subgroup = None
+    if args.group_size:
+        for first in range(0, session.world_size, args.group_size):  # every process makes every group, in order
+            pg = session.new_group(list(range(first, min(first + args.group_size, session.world_size))))
+            subgroup = pg if pg is not None else subgroup
 
     last_loss: float | None = None
     last_step = -1
@@ -90,6 +98,10 @@ def main(argv: list[str] | None = None) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if subgroup is not None:  # the loss averaged over this rank's subgroup (logging only)
+            group_loss = loss.detach().clone()
+            torch.distributed.all_reduce(group_loss, group=subgroup)
+            loss = group_loss / torch.distributed.get_world_size(subgroup)
         last_loss = loss.item()
         last_step = step
         pad = args.min_step_time_s - (time.perf_counter() - t_step)

@@ -22,7 +22,8 @@ from tmctl.client import Client
 from tmd import protocol as p
 
 STEPS = 1500
-PACE = ("--min-step-time-s", "0.03")  # pads each step (numerics unchanged) so the job outlives the tests
+# Per-node subgroups (a collective in them every step), and steps padded so the job outlives the tests.
+ARGS = ("--group-size", "2", "--min-step-time-s", "0.03")  # neither changes the numerics
 
 
 def run_tmctl(run_dir: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -55,7 +56,7 @@ def reference(tmp_path_factory) -> dict[int, str]:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("job"))
-    proc = subprocess.Popen(tmd_command(run_dir, 1, STEPS, True, True, PACE), stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(tmd_command(run_dir, 1, STEPS, True, True, ARGS), stdout=subprocess.DEVNULL)
     client = Client(wait_for_address(run_dir, proc), timeout_s=10.0)
     status = lambda: client.request(p.StatusRequest())  # noqa: E731
     wait_until(lambda: status().step > 5 and any(n["warm"] for n in status().nodes), 120, "training and a warm s1")
@@ -144,6 +145,10 @@ def test_cold_standby_is_busy_then_a_second_migration_commits(job):
     assert m["state"] == "committed" and m["switch_step"] > 0
     assert set(m["phases"]) >= {"requested", "warming", "prepared", "switching", "transferred", "committed"}
     assert m["bytes_moved"] > 100_000
+    # delta-based setup: stayers rebuilt only the world group (n1's node group has no leaver); n2's node group
+    # [2, 3] was rebuilt by the joiners alone; the leavers built no group
+    assert m["rebuilt"] == {"n1/0": ["world"], "n1/1": ["world"], "n2/0": [], "n2/1": [],
+                            "s1/0": ["world", "group1"], "s1/1": ["world", "group1"]}
     st = job["status"]()
     roles = {n["name"]: (n["role"], n["ranks"]) for n in st.nodes}
     assert roles["s1"] == ("active", [2, 3]) and roles["n2"][0] == "left"

@@ -32,7 +32,7 @@ def world():
 def ack(migs, reg, who, phase, mid=1, step=-1, ok=True, error=""):
     for ident in who:
         w = reg.by_identity[ident.encode()]
-        migs.on_phase(w, p.PhaseDone(mid, w.rank if w.rank is not None else -1, phase, ok, error, step, 10, 0.01))
+        migs.on_phase(w, p.PhaseDone(mid, w.rank if w.rank is not None else -1, phase, ok, error, step, 10, 0.01, []))
 
 
 ALL = ["n1/0", "n1/1", "n2/0", "n2/1", "s1/0", "s1/1"]
@@ -92,7 +92,7 @@ def test_a_rank_already_past_the_switch_step_aborts_before_anyone_switches(world
     ack(migs, reg, ALL, "prepared")
     sent.clear()
     w = reg.by_identity[b"n1/0"]
-    migs.on_phase(w, p.PhaseDone(1, 0, "armed", False, "already at step 99", 99, 0, 0.0))
+    migs.on_phase(w, p.PhaseDone(1, 0, "armed", False, "already at step 99", 99, 0, 0.0, []))
     assert m.state == "aborted" and "already at step 99" in m.reason
     assert {ident for ident, msg in sent if isinstance(msg, p.Decide) and not msg.commit} == set(ALL)
     assert reg.nodes["s1"].role == "standby" and reg.rank_owner[2].identity == b"n2/0"

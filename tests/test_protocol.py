@@ -13,7 +13,7 @@ def test_every_message_round_trips():
         p.Register("n1", 0, 123, "host", False),
         p.Heartbeat(3, {"ops_issued": 5, "mode": "live"}),
         p.StepReport(2, 7, 0.125, False),
-        p.PhaseDone(1, 2, "transferred", True, "", -1, 1024, 0.5),
+        p.PhaseDone(1, 2, "transferred", True, "", -1, 1024, 0.5, []),
         p.Assign("joiner", 2, 4, "127.0.0.1", 29500, 1, 3, "/tmp/r", 1),
         p.Prepare(1, 2, "stayer", [2, 3], ""),
         p.Switch(1, 20),

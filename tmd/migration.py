@@ -65,6 +65,7 @@ class Migration:
     acks: dict[str, set[bytes]] = dataclasses.field(default_factory=dict)  # phase -> identities that acked
     bytes_moved: int = 0
     transfer_s: float = 0.0
+    rebuilt: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # "node/local_rank" -> group names
     downtime_s: Optional[float] = None
     median_step_s: Optional[float] = None
     deadline: float = math.inf  # time.monotonic()
@@ -107,6 +108,7 @@ class Migration:
             "median_step_s": self.median_step_s,
             "bytes_moved": self.bytes_moved,
             "transfer_s": self.transfer_s,
+            "rebuilt": self.rebuilt,
         }
 
 
@@ -211,8 +213,9 @@ class Migrations:
             if len(acks) == len(m.joiners):
                 self._prepare(m)
         elif msg.phase == "prepared" and m.state == "warming" and "prepare_started" in m.phases:
+            m.rebuilt[f"{w.node}/{w.local_rank}"] = list(msg.groups)
             if len(acks) == len(m.parties()):
-                self._enter(m, "prepared")
+                self._enter(m, "prepared", rebuilt=m.rebuilt)
                 self._arm(m)
         elif msg.phase == "armed" and m.state == "prepared":
             if msg.step >= (m.switch_step or 0):
@@ -229,6 +232,8 @@ class Migrations:
             if len(acks) == len(m.joiners):
                 self._enter(m, "transferred")
                 self._broadcast(m, p.Decide(m.id, True, "transferred"))
+                for leaver in m.leavers.values():
+                    leaver.done = True  # from here on a leaver exiting is the plan, whether or not its Done arrives
         elif msg.phase == "committed" and m.state == "transferred":
             if all(j.identity in acks for j in m.joiners.values()):
                 self._commit(m)

@@ -90,6 +90,7 @@ class PhaseDone(Message):
     step: int
     bytes_moved: int
     seconds: float
+    groups: list  # ``prepared``: the names of the groups this rank rebuilt (delta-based: only those with a leaver)
 
 
 @dataclasses.dataclass

@@ -29,7 +29,7 @@ EXIT_DRAIN_S = float(os.environ.get("TM_EXIT_DRAIN_S", "5"))
 
 wait_for_background = _C.wait_for_background
 
-__all__ = ["BACKEND_NAME", "MoverBackend", "build_gloo", "init_mover_world", "mover_of", "release_in_background",
+__all__ = ["new_mover_group", "BACKEND_NAME", "MoverBackend", "build_gloo", "init_mover_world", "mover_of", "release_in_background",
            "wait_for_background"]
 
 # init_process_group calls the registered creator with (store, rank, size, timeout) only, so the inner backend
@@ -91,6 +91,20 @@ def init_mover_world(store: dist.Store, rank: int, size: int, inner: Optional[CB
     finally:
         _pending_config = None
     return mover_of()
+
+
+def new_mover_group(ranks: list[int], inner: Optional[CBackend] = None,
+                    mode: str = "live") -> Optional[dist.ProcessGroup]:
+    """A mover-backed subgroup of the default group over global ``ranks`` (``dist.new_group``: every process
+    calls it, in the same order). Returns the ProcessGroup on members and None elsewhere. ``inner`` must be
+    built over the group's ranks (group rank = index in ``ranks``), or None for a replaying joiner."""
+    global _pending_config
+    _pending_config = (inner, mode)
+    try:
+        pg = dist.new_group(ranks, backend=BACKEND_NAME)
+    finally:
+        _pending_config = None
+    return pg if dist.get_rank() in ranks else None
 
 
 def mover_of(group: Optional[dist.ProcessGroup] = None) -> MoverBackend:

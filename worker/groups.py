@@ -1,7 +1,8 @@
 """Generations of the job's process groups, set up in two phases (TrainMover, arXiv 2412.12636, section 4).
 
-Every group is a mover Backend (csrc/) whose inner backend carries a generation number; generation ``g`` of the
-world group lives under the store prefix ``tm/g<g>/world`` (a prefix is never reused).
+Every group (the world group, which is the default group, and subgroups made with ``Session.new_group``) is a
+mover Backend (csrc/) whose inner backend carries a generation number; generation ``g`` of group ``name`` lives
+under the store prefix ``tm/g<g>/<name>`` (a prefix is never reused).
 
 - Phase 1, :meth:`GroupManager.prepare`, runs on a background thread while training goes on: it builds the next
   generation of only the groups that contain a leaver (delta-based: a group without a leaver is not touched) and
@@ -22,13 +23,22 @@ log = logging.getLogger("worker.groups")
 
 
 @dataclasses.dataclass
+class Group:
+    """One of this rank's process groups: its name (the same on every process), global ranks, mover."""
+
+    name: str
+    ranks: list[int]
+    mover: "mb.MoverBackend"
+
+
+@dataclasses.dataclass
 class _Pending:
     migration_id: int
     cancelled: bool = False
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: str = ""
     transfer: Optional[object] = None  # the 2-rank transfer group (leaver 0, joiner 1)
-    staged: bool = False
+    staged: list[str] = dataclasses.field(default_factory=list)  # names of the groups with a staged generation
 
 
 class GroupManager:
@@ -40,55 +50,76 @@ class GroupManager:
         self.host = host
         self.timeout_s = timeout_s
         self.world: Optional[mb.MoverBackend] = None
-        self.world_ranks = list(range(world_size))
+        self.groups: dict[str, Group] = {}  # this rank's groups by name, the world group included
         self._lock = threading.Lock()
         self._pending: Optional[_Pending] = None
+
+    def _inner(self, generation: int, group: str, ranks: list[int]):
+        return mb.build_gloo(self.store, f"tm/g{generation}/{group}", ranks.index(self.rank), len(ranks),
+                             self.timeout_s, self.host)
 
     def init_world(self, generation: int, mode: str, connect: bool) -> mb.MoverBackend:
         """Install the mover-backed world group as the default group. ``connect`` false leaves it without an
         inner backend (a joiner's sandbox: every collective is replayed)."""
-        inner = mb.build_gloo(self.store, f"tm/g{generation}/world", self.rank, self.world_size,
-                              self.timeout_s, self.host) if connect else None
+        ranks = list(range(self.world_size))
+        inner = self._inner(generation, "world", ranks) if connect else None
         self.world = mb.init_mover_world(self.store, self.rank, self.world_size, inner, mode)
+        self.groups["world"] = Group("world", ranks, self.world)
         return self.world
+
+    def new_group(self, name: str, ranks: list[int], generation: int, mode: str, connect: bool):
+        """A mover-backed subgroup over global ``ranks`` (every process calls this in the same order, as
+        with ``dist.new_group``). Returns the ProcessGroup on members, None elsewhere. Raises ValueError for
+        duplicate or out-of-range ranks."""
+        ranks = list(ranks)
+        if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise ValueError(f"bad ranks for group {name}: {ranks}")
+        member = self.rank in ranks
+        inner = self._inner(generation, name, ranks) if member and connect else None
+        pg = mb.new_mover_group(ranks, inner, mode)
+        if member:
+            self.groups[name] = Group(name, ranks, mb.mover_of(pg))
+        return pg
 
     # --- phase 1 -----------------------------------------------------------------------------------------------
     def prepare(self, migration_id: int, generation: int, role: str, leaver_ranks: list[int], transfer_prefix: str,
-                on_done: Callable[[bool, str], None]) -> None:
-        """Build generation ``generation`` in the background, then call ``on_done(ok, error)`` (from that
-        thread). ``role``: stayer, leaver or joiner."""
+                on_done: Callable[[bool, str, list], None]) -> None:
+        """Build generation ``generation`` of the groups that contain a leaver, in the background, then call
+        ``on_done(ok, error, rebuilt_group_names)`` from that thread. ``role``: stayer, leaver or joiner."""
         pending = _Pending(migration_id)
         with self._lock:
             if self._pending is not None:
                 self._pending.cancelled = True
             self._pending = pending
-        rebuild_world = role != "leaver" and bool(set(self.world_ranks) & set(leaver_ranks))
+        # Delta-based: only the groups that contain a leaver get a new generation; the leaver builds none.
+        # A group made only of leaver ranks is rebuilt by the joiners alone (nobody else is a member).
+        affected = [] if role == "leaver" else [g for g in self.groups.values() if set(g.ranks) & set(leaver_ranks)]
 
         def build() -> None:
-            inner = transfer = None
+            built: dict[str, object] = {}
+            transfer = None
             try:
-                if rebuild_world:
-                    inner = mb.build_gloo(self.store, f"tm/g{generation}/world", self.rank, self.world_size,
-                                          self.timeout_s, self.host)
+                for g in affected:
+                    built[g.name] = self._inner(generation, g.name, g.ranks)
                 if role in ("leaver", "joiner"):
                     transfer = mb.build_gloo(self.store, transfer_prefix, 0 if role == "leaver" else 1, 2,
                                              self.timeout_s, self.host)
                 with self._lock:
                     if pending.cancelled:
                         raise RuntimeError("migration aborted while its groups were being built")
-                    if inner is not None:
-                        self.world.stage(inner)
-                        pending.staged = True
+                    for name, inner in built.items():
+                        self.groups[name].mover.stage(inner)
+                        pending.staged.append(name)
                     pending.transfer = transfer
-                    inner = transfer = None  # owned by the mover / the pending record now
+                    built, transfer = {}, None  # owned by the movers / the pending record now
             except Exception as e:  # noqa: BLE001 - reported to tmd, never raised into training
                 pending.error = f"{type(e).__name__}: {e}"
-                for g in (inner, transfer):
+                for g in (*built.values(), transfer):
                     if g is not None:
                         mb.release_in_background(g)
             finally:
                 pending.ready.set()
-            on_done(not pending.error, pending.error)
+            on_done(not pending.error, pending.error, list(pending.staged))
 
         threading.Thread(target=build, daemon=True, name=f"tm-prepare-g{generation}").start()
 
@@ -104,9 +135,10 @@ class GroupManager:
             raise RuntimeError(pending.error or "no transfer group was built")
         return pending.transfer
 
-    def has_staged(self, migration_id: int) -> bool:
+    def staged(self, migration_id: int) -> list[str]:
+        """Names of the groups with a next generation staged for ``migration_id``."""
         pending = self._pending
-        return pending is not None and pending.migration_id == migration_id and pending.staged
+        return list(pending.staged) if pending is not None and pending.migration_id == migration_id else []
 
     # --- phase 2 -----------------------------------------------------------------------------------------------
     def commit(self, migration_id: int) -> int:
@@ -115,9 +147,10 @@ class GroupManager:
             pending, self._pending = self._pending, None
             if pending is None or pending.migration_id != migration_id or not pending.staged:
                 raise RuntimeError(f"nothing staged for migration {migration_id}")
-            generation = self.world.commit()
+            for name in pending.staged:
+                self.groups[name].mover.commit()
         self._retire(pending)
-        return generation
+        return self.world.generation
 
     def discard(self, migration_id: int) -> None:
         """Drop what phase 1 built for ``migration_id`` (abort); the current groups stay as they are."""
@@ -127,9 +160,14 @@ class GroupManager:
                 return
             pending.cancelled = True
             self._pending = None
-            if pending.staged:
-                self.world.discard_staged()
+            for name in pending.staged:
+                self.groups[name].mover.discard_staged()
         self._retire(pending)
+
+    def set_mode(self, mode: str) -> None:
+        """Set every group's mover to ``mode`` (live, record, replay, bypass)."""
+        for g in self.groups.values():
+            g.mover.set_mode(mode)
 
     def finish_transfer(self, migration_id: int) -> None:
         """Drop the transfer group after the state moved (off the hot path)."""

@@ -18,38 +18,43 @@ import torch
 FORMAT_VERSION = 1
 
 
-def recording_path(record_dir: str, rank: int) -> str:
-    return os.path.join(record_dir, f"rank{rank}.pt")
+def recording_path(record_dir: str, rank: int, group: str = "world") -> str:
+    return os.path.join(record_dir, f"rank{rank}.{group}.pt")
 
 
-def save_recording_async(mover, record_dir: str, rank: int) -> threading.Thread:
-    """Stop recording on ``mover`` (mode becomes ``live``) and write what it recorded, on a background thread.
-    The recorded tensors are freed once written: stayers keep no extra memory."""
-    mover.set_mode("live")
-    entries = mover.take_recording()
-    path = recording_path(record_dir, rank)
+def save_recordings_async(movers: dict, record_dir: str, rank: int) -> threading.Thread:
+    """Stop recording on every group's mover (``{name: mover}``; mode becomes ``live``) and write what each
+    recorded, on a background thread. The recorded tensors are freed once written: stayers keep no extra
+    memory."""
+    taken = {}
+    for name, mover in movers.items():
+        mover.set_mode("live")
+        taken[name] = mover.take_recording()
 
     def write() -> None:
-        tmp = f"{path}.tmp{os.getpid()}"
-        torch.save({"version": FORMAT_VERSION, "rank": rank, "entries": entries}, tmp)
-        os.replace(tmp, path)
+        for name, entries in taken.items():
+            path = recording_path(record_dir, rank, name)
+            tmp = f"{path}.tmp{os.getpid()}"
+            torch.save({"version": FORMAT_VERSION, "rank": rank, "group": name, "entries": entries}, tmp)
+            os.replace(tmp, path)
+        taken.clear()
 
     t = threading.Thread(target=write, daemon=True, name="tm-record-writer")
     t.start()
     return t
 
 
-def start_replay(mover, record_dir: str, rank: int, wait_s: float = 60.0) -> int:
-    """Load rank ``rank``'s recording into ``mover`` and switch it to ``replay``. Returns the number of recorded
-    ops. The recording is written by another process, so a missing file is awaited up to ``wait_s`` seconds;
-    raises FileNotFoundError after that, ValueError on a foreign format."""
-    path = recording_path(record_dir, rank)
+def start_replay(mover, record_dir: str, rank: int, group: str = "world", wait_s: float = 60.0) -> int:
+    """Load rank ``rank``'s recording of ``group`` into ``mover`` and switch it to ``replay``. Returns the number
+    of recorded ops. The recording is written by another process, so a missing file is awaited up to ``wait_s``
+    seconds; raises FileNotFoundError after that, ValueError on a foreign format."""
+    path = recording_path(record_dir, rank, group)
     deadline = time.monotonic() + wait_s
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.05)  # written by another process: no event to wait on
     data = torch.load(path, weights_only=True)
-    if data.get("version") != FORMAT_VERSION or data.get("rank") != rank:
-        raise ValueError(f"recording {recording_path(record_dir, rank)} is not a v{FORMAT_VERSION} file of rank {rank}")
+    if data.get("version") != FORMAT_VERSION or data.get("rank") != rank or data.get("group") != group:
+        raise ValueError(f"{path} is not a v{FORMAT_VERSION} recording of rank {rank}, group {group}")
     entries = [(op, list(tensors)) for op, tensors in data["entries"]]
     mover.load_recording(entries)
     mover.set_mode("replay")

@@ -76,6 +76,7 @@ class Session:
         self._decision: Optional[p.Decide] = None
         self._decided = threading.Event()
         self._record_writer: Optional[threading.Thread] = None
+        self._group_names: list[str] = []
 
     # --- messages from tmd (agent thread) -----------------------------------------------------------------------
     def _on_message(self, msg: p.Message) -> None:
@@ -93,8 +94,8 @@ class Session:
             self._decision = None
             self._decided.clear()
 
-            def done(ok: bool, error: str) -> None:
-                self._report(msg.migration_id, "prepared", ok, error)
+            def done(ok: bool, error: str, rebuilt: list) -> None:
+                self._report(msg.migration_id, "prepared", ok, error, groups=rebuilt)
 
             self.groups.prepare(msg.migration_id, msg.generation, msg.role, msg.leaver_ranks, msg.transfer_prefix, done)
         elif isinstance(msg, p.Switch):
@@ -120,8 +121,9 @@ class Session:
                     os._exit(0)  # the sandboxed process is thrown away; tmd starts a fresh standby
 
     def _report(self, migration_id: int, phase: str, ok: bool = True, error: str = "", step: int = -1,
-                bytes_moved: int = 0, seconds: float = 0.0) -> None:
-        self.agent.send(p.PhaseDone(migration_id, self.rank, phase, ok, error, step, bytes_moved, seconds))
+                bytes_moved: int = 0, seconds: float = 0.0, groups: Optional[list] = None) -> None:
+        self.agent.send(p.PhaseDone(migration_id, self.rank, phase, ok, error, step, bytes_moved, seconds,
+                                    groups or []))
 
     def _heartbeat(self) -> p.Heartbeat:
         mover = self.groups.world if self.groups is not None else None
@@ -143,8 +145,23 @@ class Session:
             self.groups.init_world(a.generation, "record" if a.record_steps > 0 else "live", connect=True)
         else:
             self.groups.init_world(a.generation, "replay", connect=False)
-            sandbox.start_replay(self.groups.world, a.record_dir, a.rank)
+            sandbox.start_replay(self.groups.world, a.record_dir, a.rank, "world")
             self._migration_id = a.migration_id
+
+    def new_group(self, ranks: list[int]) -> Optional[dist.ProcessGroup]:
+        """A subgroup over global ``ranks`` (e.g. a node's tensor-parallel ranks), backed by a mover like the
+        world group, so migrations rebuild it when it contains a leaver and leave it alone otherwise. Every
+        process must call this in the same order before the training loop (as with ``dist.new_group``).
+        Returns the ProcessGroup on members and None elsewhere. Raises ValueError for bad ranks."""
+        a = self._assign
+        name = f"group{len(self._group_names)}"
+        self._group_names.append(name)
+        joiner = self.role == "joiner"
+        mode = "replay" if joiner else self.groups.world.mode  # record while the world group records
+        pg = self.groups.new_group(name, ranks, a.generation, mode, connect=not joiner)
+        if joiner and pg is not None:
+            sandbox.start_replay(self.groups.groups[name].mover, a.record_dir, self.rank, name)
+        return pg
 
     def manage(self, **objects: Any) -> None:
         """Hand over the state that moves with this rank: objects with ``state_dict()``/``load_state_dict()``
@@ -175,7 +192,8 @@ class Session:
                 self._step = step
                 switch = self._switch if self._switch is not None and self._switch.step == step else None
             if self.role == "active" and step == a.record_steps and self._record_writer is None:
-                self._record_writer = sandbox.save_recording_async(self.groups.world, a.record_dir, self.rank)
+                self._record_writer = sandbox.save_recordings_async(
+                    {g.name: g.mover for g in self.groups.groups.values()}, a.record_dir, self.rank)
             if switch is not None:
                 self._switch_boundary(switch)
             yield step
@@ -195,7 +213,8 @@ class Session:
             self.agent.send(p.StepReport(self.rank, step, now - prev, True))
             prev = now
         self.is_shadow = False
-        self.groups.world.load_recording([])  # free the recording
+        for g in self.groups.groups.values():
+            g.mover.load_recording([])  # free the recordings
         self._prealloc = transfer.pretouch(transfer.plan_buffers(self.objects))
         self._report(self._migration_id, "warmed")
 
@@ -218,7 +237,7 @@ class Session:
         transfer.load_state(self.objects, states)
         torch.set_rng_state(extra["rng"])
         self.groups.commit(mid)
-        self.groups.world.set_mode("live")
+        self.groups.set_mode("live")
         self.role = "active"
         self._report(mid, "committed", step=switch.step)
         return extra["step"]
@@ -235,7 +254,7 @@ class Session:
                 self._report(mid, "sent", bytes_moved=moved, seconds=seconds)
             except Exception as e:  # noqa: BLE001 - the joiner or its group failed: tmd aborts, we go on
                 self._report(mid, "sent", False, f"{type(e).__name__}: {e}")
-        elif not self.groups.has_staged(mid):
+        elif not self.groups.staged(mid):
             self._clear_switch(mid)
             return  # none of this rank's groups contains a leaver: nothing to swap
         decided = self._decided.wait(DECISION_TIMEOUT_S)
@@ -283,8 +302,9 @@ def init(coordinator: Optional[str] = None, store_timeout_s: float = 120.0) -> S
     ``TM_RUN_DIR`` from the environment (set by ``tmd local`` or the SLURM scripts). Raises KeyError when
     ``TM_COORDINATOR`` is missing."""
     address = coordinator or os.environ["TM_COORDINATOR"]
-    node = os.environ.get("TM_NODE", socket.gethostname())
-    local_rank = int(os.environ.get("TM_LOCAL_RANK", "0"))
+    # Under srun without TM_NODE/TM_LOCAL_RANK: SLURM's node name (hostnames may repeat) and local task id.
+    node = os.environ.get("TM_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    local_rank = int(os.environ.get("TM_LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or "0")
     standby = os.environ.get("TM_STANDBY", "0") == "1"
     run_dir = os.environ.get("TM_RUN_DIR", os.getcwd())
     session: Session
