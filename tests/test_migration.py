@@ -61,9 +61,9 @@ def job(tmp_path_factory):
     status = lambda: client.request(p.StatusRequest())  # noqa: E731
     wait_until(lambda: status().step > 5 and any(n["warm"] for n in status().nodes), 120, "training and a warm s1")
     yield {"proc": proc, "run_dir": run_dir, "client": client, "status": status}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    if proc.poll() is None:  # a failed test: tmd terminates its processes on SIGTERM
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 @pytest.mark.timeout(60)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 from typing import Optional
@@ -65,6 +66,8 @@ class Daemon:
         self.sock.bind(f"tcp://{bind_host}:{port or '*'}")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT).replace("0.0.0.0", socket.gethostname())
         self.launcher: Optional[LocalLauncher] = None
+        # SLURM mode (tmd.slurm.SlurmCluster): ticked from the loop; resolves migrate targets; gets NodeNotices.
+        self.cluster = None
         self.exit_code: Optional[int] = None
         self._released = False
         self._release_deadline = float("inf")
@@ -78,6 +81,13 @@ class Daemon:
         """Serve until the job ends. Returns the job's exit code (0: every rank finished)."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+
+        def stop(signum, frame) -> None:  # SIGTERM/SIGINT: end the loop so local-mode processes are terminated
+            self.journal.record("tmd_signalled", signal=signal.Signals(signum).name)
+            self.exit_code = 128 + signum
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, stop)
         try:
             while self.exit_code is None:
                 if poller.poll(int(TICK_S * 1000)):
@@ -201,13 +211,16 @@ class Daemon:
                 "step_time_s": round(max(times), 6) if times else None,
                 "warm": n.warm,
             })
+        if self.cluster is not None:
+            self.cluster.decorate(nodes)
         m = self.migrations.all[-1] if self.migrations.all else None
         self._reply(identity, p.StatusReply(self.job, self.registry.world_size, self.migrations.generation,
                                             self.registry.current_step(), nodes, m.to_dict() if m else None))
 
     def _on_MigrateRequest(self, identity: bytes, msg: p.MigrateRequest) -> None:
         try:
-            m = self.migrations.request(msg.source, msg.target)
+            target = self.cluster.resolve_target(msg.target) if self.cluster is not None else msg.target
+            m = self.migrations.request(msg.source, target)
         except MigrationError as e:
             self.journal.record("migrate_refused", source=msg.source, target=msg.target, code=e.code, reason=str(e))
             raise
@@ -215,6 +228,12 @@ class Daemon:
 
     def _on_MigrationRequest(self, identity: bytes, msg: p.MigrationRequest) -> None:
         self._reply(identity, p.MigrationReply(self.migrations.get(msg.migration_id).to_dict()))
+
+    def _on_NodeNotice(self, identity: bytes, msg: p.NodeNotice) -> None:
+        if self.cluster is not None:
+            self.cluster.on_notice(msg)
+        else:
+            self.journal.record("node_notice", node=msg.node, slurm_job=msg.job_id, hook=msg.hook, detail=msg.detail)
 
     def _on_EventsRequest(self, identity: bytes, msg: p.EventsRequest) -> None:
         self._reply(identity, p.EventsReply(self.journal.since(msg.after, msg.limit)))
@@ -226,6 +245,8 @@ class Daemon:
         if self.launcher:
             self._check_processes()
         self.migrations.tick(now)
+        if self.cluster is not None:
+            self.cluster.tick(now)
         self._check_finished()
 
     def _check_heartbeats(self, now: float) -> None:
