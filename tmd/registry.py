@@ -68,6 +68,17 @@ class Registry:
         )
 
     # ---------------------------------------------------------------------------------------------------------
+    def add_node(self, name: str, role: str = "standby") -> Node:
+        """Add a node learned at run time (SLURM mode: a node of a standby job) with ``ranks_per_node`` process
+        slots. Only ``standby`` nodes can be added: the world size never changes. Raises ValueError for another
+        role or a name already known."""
+        if role != "standby":
+            raise ValueError(f"only standby nodes can be added at run time, not {role!r}")
+        if name in self.nodes:
+            raise ValueError(f"node '{name}' is already part of this job (it is {self.nodes[name].role})")
+        node = self.nodes[name] = Node(name, role, [], self.ranks_per_node)
+        return node
+
     def add_worker(self, w: Worker) -> Node:
         """Register a worker process on its node. Raises KeyError for an unknown node and ValueError for a
         local rank out of range or already taken by a live process."""
