@@ -1,0 +1,312 @@
+"""TrainMover's SLURM node hooks: a fast health check (Prolog) and cleanup plus a notice to tmd (Epilog).
+
+slurmd runs them as root with a bare environment (no PATH; SLURM_JOB_ID, SLURM_JOB_UID, SLURM_JOB_USER,
+SLURMD_NODENAME, SLURM_JOB_NODELIST, ...), through the wrappers ``slurm/install-hooks.sh`` writes, which call this
+file with an absolute interpreter path. Each hook finishes in well under 1 s: the prolog imports psutil (and
+pynvml), the epilog only pyzmq, neither torch; as root they raise their priority a little (nice -5) so that a node
+busy training does not stretch them.
+
+    hooks.py prolog [--state-dir DIR] [--log FILE] [--min-free-mem-mb N] [--min-free-disk-mb N] [--max-load-per-cpu X]
+    hooks.py epilog [--state-dir DIR] [--log FILE]
+
+prolog: memory available, free disk on / and the temp dir, 1-minute load per CPU, and every GPU through NVML where
+NVML and GPUs exist (no pynvml, no driver or no GPU: the GPU check is skipped). Exit 1 when the node is unfit (SLURM
+then drains it with reason "Prolog error"), else 0.
+epilog: kills TrainMover worker processes of the job left on this node (by their environment), then tells the
+job's tmd that this node left the job (a one-way :class:`tmd.protocol.NodeNotice`, if the job has a tmd.json).
+Exit 1 only when a leftover process survives SIGKILL (the node is unfit), else 0.
+
+Both write a JSON report to ``<state>/jobs/<SLURM_JOB_ID>/hooks/<hook>.<node>.json`` (as the job's user; tmd
+journals the prolog reports of its own and its standby jobs) and append one JSON line to ``--log``. ``<state>``
+is ``--state-dir`` or ``~<job user>/.trainmover``. A failure of the hook itself (a bug, a missing module) is
+logged and exits 0: it never drains a node.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pwd
+import signal
+import sys
+import tempfile
+import time
+
+T0 = time.monotonic()
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUDGET_S = 0.8  # the whole hook; a GPU query still running then counts as a failed GPU
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started (the wrapper's exec included; 10 ms resolution), from /proc."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - T0
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _on_alarm(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise _Timeout()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# prolog checks: each returns (details, problems)
+# ----------------------------------------------------------------------------------------------------------------
+def check_memory(min_free_mb: float) -> tuple[dict, list[str]]:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    free_mb = vm.available / 2**20
+    problems = [f"only {free_mb:.0f} MiB memory available (< {min_free_mb:.0f} MiB)"] if free_mb < min_free_mb else []
+    return {"mem_available_mb": round(free_mb), "mem_total_mb": round(vm.total / 2**20)}, problems
+
+
+def check_disk(paths: list[str], min_free_mb: float) -> tuple[dict, list[str]]:
+    import psutil
+
+    details, problems = {}, []
+    for path in dict.fromkeys(paths):  # unique, in order
+        try:
+            free_mb = psutil.disk_usage(path).free / 2**20
+        except OSError as e:
+            problems.append(f"cannot stat {path}: {e.strerror}")
+            continue
+        details[path] = round(free_mb)
+        if free_mb < min_free_mb:
+            problems.append(f"only {free_mb:.0f} MiB free on {path} (< {min_free_mb:.0f} MiB)")
+    return {"disk_free_mb": details}, problems
+
+
+def check_load(max_per_cpu: float) -> tuple[dict, list[str]]:
+    import psutil
+
+    cpus = psutil.cpu_count() or 1
+    load1 = os.getloadavg()[0]
+    problems = [f"1-minute load {load1:.1f} on {cpus} CPUs (> {max_per_cpu:g} per CPU)"] if load1 > max_per_cpu * cpus else []
+    return {"load1": round(load1, 2), "cpus": cpus}, problems
+
+
+def check_gpus() -> tuple[dict, list[str]]:
+    """Every GPU answers NVML queries (memory, temperature) and has no pending retired pages. No pynvml, no
+    driver, or no GPU: skipped."""
+    try:
+        import pynvml
+    except ImportError:
+        return {"gpus": "skipped: no pynvml"}, []
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...: no GPUs here
+        return {"gpus": f"skipped: {type(e).__name__}"}, []
+    problems, gpus = [], []
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        for i in range(count):
+            try:
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+                temp = pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)
+                gpus.append({"index": i, "mem_used_mb": round(mem.used / 2**20), "temp_c": temp})
+                try:
+                    if pynvml.nvmlDeviceGetRetiredPagesPendingStatus(h):
+                        problems.append(f"GPU {i} has retired pages pending (needs a reset)")
+                except pynvml.NVMLError:
+                    pass  # not supported on this GPU
+            except pynvml.NVMLError as e:
+                problems.append(f"GPU {i} does not answer NVML: {e}")
+    except _Timeout:
+        problems.append("an NVML query did not return in time")
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+    return {"gpus": gpus if count else "none"}, problems
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# epilog
+# ----------------------------------------------------------------------------------------------------------------
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        raw = f.read()
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+def kill_leftovers(job_id: str, node: str, uid: int | None) -> tuple[dict, list[str]]:
+    """SIGKILL TrainMover worker processes (env TM_COORDINATOR) of SLURM job ``job_id`` on ``node`` (several
+    nodes may share a host: SLURMD_NODENAME tells them apart). Reads /proc directly: no psutil import here."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        pid = int(entry)
+        try:
+            if uid is not None and os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+            env = _environ(pid)
+        except OSError:
+            continue  # gone, or not readable
+        if env.get("SLURM_JOB_ID") == job_id and env.get("SLURMD_NODENAME", node) == node and "TM_COORDINATOR" in env:
+            found.append(pid)
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 0.2
+    alive = found
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.01)  # a killed process vanishes from /proc once reaped; nothing to wait on for non-children
+        alive = [pid for pid in alive if os.path.exists(f"/proc/{pid}") and _state(pid) != "Z"]
+    problems = [f"processes {alive} of job {job_id} survive SIGKILL"] if alive else []
+    return {"killed": [pid for pid in found if pid not in alive]}, problems
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def notify_tmd(state_dir: str | None, job_id: str, node: str, detail: str) -> str:
+    """Send NodeNotice(epilog) to the tmd named by the job's tmd.json; returns what happened (for the report)."""
+    if state_dir is None:
+        return "no state dir"
+    path = os.path.join(state_dir, "jobs", job_id, "tmd.json")
+    try:
+        with open(path) as f:
+            address = json.load(f)["address"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no tmd for this job"
+    sys.path.insert(0, REPO)
+    import zmq
+
+    from tmd import protocol as p
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 200)  # ms: deliver if tmd is up; never wait longer when it is gone
+    sock.setsockopt(zmq.SNDTIMEO, 200)
+    try:
+        sock.connect(address)
+        sock.send(p.encode(p.NodeNotice(node, job_id, "epilog", detail)))
+        return f"notice sent to {address}"
+    except zmq.ZMQError as e:
+        return f"notice to {address} failed: {e}"
+    finally:
+        sock.close()
+        ctx.term()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def _user_state_dir(args: argparse.Namespace, uid: int | None) -> str | None:
+    if args.state_dir:
+        return args.state_dir
+    try:
+        return os.path.join(pwd.getpwuid(uid).pw_dir, ".trainmover") if uid is not None else None
+    except KeyError:
+        return None
+
+
+def _as_user(uid: int | None, gid: int | None, fn) -> None:
+    """Run ``fn`` with the job user's effective ids (root writes nothing into a user's directory as root)."""
+    drop = os.geteuid() == 0 and uid not in (None, 0)
+    if drop:
+        os.setegid(gid if gid is not None else uid)
+        os.seteuid(uid)
+    try:
+        fn()
+    finally:
+        if drop:
+            os.seteuid(0)
+            os.setegid(0)
+
+
+def _write_report(state_dir: str | None, report: dict) -> None:
+    if state_dir is None:
+        return
+    d = os.path.join(state_dir, "jobs", report["job_id"], "hooks")
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(report, f)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, os.path.join(d, f"{report['hook']}.{report['node']}.json"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="TrainMover SLURM prolog/epilog")
+    ap.add_argument("hook", choices=["prolog", "epilog"])
+    ap.add_argument("--state-dir", help="TrainMover state dir (default ~<job user>/.trainmover)")
+    ap.add_argument("--log", help="append one JSON line per run to this file")
+    ap.add_argument("--min-free-mem-mb", type=float, default=256.0)
+    ap.add_argument("--min-free-disk-mb", type=float, default=512.0)
+    ap.add_argument("--max-load-per-cpu", type=float, default=8.0)
+    args = ap.parse_args(argv)
+    if os.geteuid() == 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, -5)
+        except OSError:
+            pass
+    env = os.environ
+    job_id = env.get("SLURM_JOB_ID", "")
+    node = env.get("SLURMD_NODENAME", "") or os.uname().nodename
+    uid = int(env["SLURM_JOB_UID"]) if env.get("SLURM_JOB_UID", "").isdigit() else None
+    gid = int(env["SLURM_JOB_GID"]) if env.get("SLURM_JOB_GID", "").isdigit() else None
+    report: dict = {"hook": args.hook, "node": node, "job_id": job_id, "ts": time.time(), "ok": True,
+                    "problems": [], "checks": {}}
+    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(0.05, BUDGET_S - _process_age_s()))
+    code = 0
+    try:
+        if args.hook == "prolog":
+            for details, problems in (check_memory(args.min_free_mem_mb),
+                                      check_disk(["/", tempfile.gettempdir()], args.min_free_disk_mb),
+                                      check_load(args.max_load_per_cpu), check_gpus()):
+                report["checks"].update(details)
+                report["problems"] += problems
+        else:
+            # The notice first: it is what tmd needs soonest; then the cleanup.
+            state_dir = _user_state_dir(args, uid)
+            report["notice"] = notify_tmd(state_dir, job_id, node, "node left the job") if job_id else "no job"
+            details, problems = kill_leftovers(job_id, node, uid) if job_id else ({}, [])
+            report["checks"].update(details)
+            report["problems"] += problems
+        report["ok"] = not report["problems"]
+        code = 0 if report["ok"] else 1
+    except _Timeout:
+        report["error"] = f"hook ran out of its {BUDGET_S} s budget"
+    except Exception as e:  # noqa: BLE001 - a broken hook must never drain a node
+        report["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    report["duration_s"] = round(_process_age_s(), 3)  # wall time since the hook started, interpreter start-up included
+    try:
+        state_dir = _user_state_dir(args, uid)
+        if job_id:
+            _as_user(uid, gid, lambda: _write_report(state_dir, report))
+    except Exception as e:  # noqa: BLE001 - the report is best effort
+        report["report_error"] = f"{type(e).__name__}: {e}"
+    if args.log:
+        try:
+            with open(args.log, "a") as f:
+                f.write(json.dumps(report) + "\n")
+        except OSError:
+            pass
+    if code:
+        print(f"trainmover {args.hook} on {node}: node unfit: {'; '.join(report['problems'])}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
