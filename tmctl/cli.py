@@ -165,6 +165,22 @@ def _print_new_phases(m: dict, shown: set, t_start: float) -> None:
             typer.echo(render.phase_line(ts - t0, name))
 
 
+RETRY_CODES = ("busy_standby", "not_ready")  # refusals that time can cure
+
+
+def _request_migration(client: Client, source: str, target: str, wait_s: float) -> Message:
+    """Send the MigrateRequest; while tmd answers a RETRY_CODES refusal, ask again for up to ``wait_s`` seconds.
+    Raises _Fail (exit 1) with tmd's last reason when the wait runs out."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        reply = client.request(MigrateRequest(source=source, target=target))
+        if not (isinstance(reply, ErrorReply) and reply.code in RETRY_CODES and wait_s > 0):
+            return reply
+        if time.monotonic() >= deadline:
+            raise _Fail(f"timed out after {wait_s:g} s waiting for standby '{target}': {reply.message}", code=1)
+        time.sleep(POLL_INTERVAL_S * 2.5)  # tmd has no event to wait on for a standby to come up: ask again
+
+
 @app.command()
 @_guarded
 def migrate(
@@ -172,6 +188,10 @@ def migrate(
     source: Annotated[str, typer.Option("--from", metavar="NODE", help="Node whose ranks move.")],
     target: Annotated[str, typer.Option("--to", metavar="STANDBY", help="Standby node that takes them.")],
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the migration id and return at once.")] = False,
+    wait_standby_s: Annotated[float, typer.Option(
+        "--wait-standby-s", min=0.0, metavar="SECONDS",
+        help="While tmd refuses because the standby is not warm yet (or the job not ready), ask again for up "
+             "to this long (exit 1 then).")] = 0.0,
     timeout_s: Annotated[float, typer.Option(
         "--timeout-s", min=0.0, metavar="SECONDS", help="Give up waiting after this long (exit 1).")] = 300.0,
     json_: JsonOpt = False,
@@ -180,12 +200,13 @@ def migrate(
 ) -> int:
     """Move every rank of node --from to standby node --to and follow the migration until it ends.
 
-    Exit 0 once committed; 1 if it aborted or is still running after --timeout-s; 2 if tmd refused it.
+    Exit 0 once committed; 1 if it aborted or is still running after --timeout-s, or the standby was not ready
+    within --wait-standby-s; 2 if tmd refused it. Under SLURM, --to may also be a standby job id or ``any``.
     With --json, prints the final migration as one JSON object instead of the phase lines.
     """
     t_start = time.time()
     with _connect(ctx, coordinator, run_dir, job, timeout) as client:
-        m = _expect(client.request(MigrateRequest(source=source, target=target)), MigrationReply).migration
+        m = _expect(_request_migration(client, source, target, wait_standby_s), MigrationReply).migration
         mid = m.get("id")
         if not isinstance(mid, int) or isinstance(mid, bool):
             raise _Fail(f"tmd accepted the migration but gave no usable id: {mid!r}")

@@ -2,6 +2,9 @@
 
 ``tmd local [OPTIONS] [-- COMMAND ...]`` runs a job on this host (the embedded default: the GPT example on 2 nodes
 x 2 ranks with standby s1). COMMAND is the training script every rank and standby process runs.
+``tmd slurm [OPTIONS] -- COMMAND ...`` runs in a SLURM batch script (slurm/train.sbatch): the same, with the ranks
+started by srun on the job's nodes and standbys taken from standby jobs in a reservation (see tmd/slurm.py).
+``tmd standby --job JOBID`` is the body of a standby job (slurm/standby.sbatch).
 """
 from __future__ import annotations
 
@@ -49,6 +52,79 @@ def local(
     code = daemon.run()
     print(f"[tmd] job {daemon.job} ended with code {code} after {time.monotonic() - started:.1f} s", flush=True)
     raise typer.Exit(code)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def slurm(
+    ctx: typer.Context,
+    ranks_per_node: Optional[int] = typer.Option(
+        None, min=1, help="Rank processes per node (default: $SLURM_NTASKS_PER_NODE, else 1)."),
+    reservation: str = typer.Option("standby", envvar="TM_RESERVATION", help="Reservation holding the standby jobs."),
+    run_dir: Optional[str] = typer.Option(None, envvar="TM_RUN_DIR",
+                                          help="Events, logs, recordings and tmd.json (default ./tmrun/<JOBID>)."),
+    record_steps: int = typer.Option(3, min=1, help="Steps recorded at job start; joiners replay them as shadow iterations."),
+    heartbeat_timeout_s: float = typer.Option(5.0, help="Seconds of silence before a node is marked unhealthy."),
+    poll_s: float = typer.Option(1.0, min=0.1, help="Seconds between polls of node states and standby jobs."),
+    slurm_timeout_s: float = typer.Option(5.0, min=0.1, help="Timeout of every SLURM client call (seconds)."),
+    host: Optional[str] = typer.Option(None, envvar="TM_HOST",
+                                       help="Address tmd binds and the ranks reach it and its store at (default: "
+                                            "all interfaces, advertised as this host's name)."),
+    port: int = typer.Option(0, help="ZeroMQ port (0: any free port)."),
+    quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
+) -> None:
+    """Run tmd for the SLURM job this batch script belongs to (see slurm/train.sbatch). Exits with the job's code."""
+    import socket
+
+    from tmd.daemon import Daemon
+    from tmd.slurm import SlurmCluster, SlurmError, SrunLauncher, hostnames
+
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id or not os.environ.get("SLURM_JOB_NODELIST"):
+        print("error: tmd slurm runs inside a SLURM batch job (sbatch slurm/train.sbatch ...): SLURM_JOB_ID and "
+              "SLURM_JOB_NODELIST are not set", file=sys.stderr)
+        raise typer.Exit(2)
+    command = list(ctx.args)
+    if not command:
+        print("error: give the training command after --, e.g. tmd slurm -- python -m examples.train_gpt",
+              file=sys.stderr)
+        raise typer.Exit(2)
+    try:
+        nodes = hostnames(os.environ["SLURM_JOB_NODELIST"], slurm_timeout_s)
+    except SlurmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2)
+    rpn = ranks_per_node or int((os.environ.get("SLURM_NTASKS_PER_NODE") or "1").split("(")[0].split(",")[0])
+    daemon = Daemon(job_id, run_dir or os.path.join("tmrun", job_id), nodes, rpn, [],
+                    bind_host=host or "0.0.0.0", store_host=host or socket.gethostname(), port=port,
+                    record_steps=record_steps, heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet)
+    launcher = SrunLauncher(command, daemon.run_dir, daemon.address, rpn, echo=not quiet)
+    daemon.launcher = launcher
+    cluster = SlurmCluster(daemon, launcher, job_id, nodes, os.environ.get("SLURMD_NODENAME", nodes[0]),
+                           reservation, poll_s, slurm_timeout_s, command)
+    daemon.cluster = cluster
+    for name in nodes:
+        launcher.assign(name, job_id)
+        launcher.start_node(name, standby=False)
+    cluster.start()
+    started = time.monotonic()
+    try:
+        code = daemon.run()
+    finally:
+        cluster.close()
+    print(f"[tmd] job {daemon.job} ended with code {code} after {time.monotonic() - started:.1f} s", flush=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def standby(
+    job: str = typer.Option(..., "--job", metavar="JOBID", help="The training job this standby job serves."),
+    poll_s: float = typer.Option(2.0, min=0.1, help="Seconds between checks of the training job's state."),
+) -> None:
+    """Body of a standby job (slurm/standby.sbatch): hold the nodes while the training job runs; its tmd starts
+    the standby workers here. Exit 0 when the training job ended, 2 on bad input."""
+    from tmd.slurm import hold_standby
+
+    raise typer.Exit(hold_standby(job, poll_s, echo=lambda line: print(line, flush=True)))
 
 
 @app.command()

@@ -1,0 +1,604 @@
+"""SLURM mode: tmd runs in a training job's batch script and uses SLURM for what local mode does by hand.
+
+- Ranks: node-major over the job's node list (``scontrol show hostnames $SLURM_JOB_NODELIST``); every rank
+  process is one ``srun --jobid=J --overlap --no-kill --nodes=1 --ntasks=1 --nodelist=NODE`` started by
+  :class:`SrunLauncher`, so tmd sees each process exit exactly as in local mode (the same daemon code paths).
+- Standbys: jobs in the standby reservation (``sbatch --reservation=standby slurm/standby.sbatch JOBID``) whose
+  first script argument is this job's id. Once such a job runs, its nodes join the registry as standby nodes
+  and tmd starts the standby workers into it (``srun --jobid=STANDBY_JOB --overlap``); they register and warm up.
+- Drains: a node of the job that an admin drains (``scontrol update NodeName=X State=DRAIN Reason=...``) is
+  migrated to a warm standby automatically; the event records the admin's reason. After any committed migration
+  the left node is released from the job (``scontrol update JobId=J NodeList=...``) unless it is the batch host
+  (tmd runs there), so a draining node becomes DRAINED without waiting for the job to end.
+- Hooks: the prolog reports (``slurm/hooks.py``) of the job and its standby jobs are journalled; the epilog's
+  :class:`tmd.protocol.NodeNotice` marks a standby node whose job ended as lost at once.
+- ``$TM_STATE_DIR/jobs/<JOBID>/tmd.json`` (default ``~/.trainmover``) names tmd for ``tmctl --job JOBID``, the
+  standby jobs and the epilog; tmd writes one for each of its standby jobs too.
+
+Every SLURM client call has a timeout (``timeout_s``) and runs off tmd's loop, in the :class:`Poller` thread,
+except the few quick ones at start-up. A failing or slow client is journalled (``slurm_error``) and retried on
+the next poll; it never stops the job.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import queue
+import subprocess
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Optional
+
+from tmd.local import LocalLauncher, Proc
+from tmd.migration import MigrationError
+
+if TYPE_CHECKING:
+    from tmd import protocol as p
+    from tmd.daemon import Daemon
+
+DEFAULT_TIMEOUT_S = 5.0  # every SLURM client call
+DEFAULT_POLL_S = 1.0  # node states and standby jobs
+RESTART_BACKOFF_S = 2.0  # a standby node's workers are started at most this often
+DRAIN_ATTEMPTS = 3  # automatic migrations tried per draining node (an aborted one is retried)
+STARTING_STATES = ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED")
+
+
+class SlurmError(RuntimeError):
+    """A SLURM client failed, timed out or is missing; the message is one line."""
+
+
+def run_slurm(argv: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, cwd: Optional[str] = None) -> str:
+    """Run a SLURM client (``squeue``, ``sinfo``, ``scontrol``...) in ``cwd`` and return its stdout. Raises
+    :class:`SlurmError` when it is not installed, runs longer than ``timeout_s`` seconds, or exits non-zero."""
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
+                           cwd=cwd)
+    except FileNotFoundError:
+        raise SlurmError(f"{argv[0]} not found: is this a SLURM node (slurm-client installed, on PATH)?") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{' '.join(argv[:3])} did not answer within {timeout_s:g} s") from None
+    if r.returncode != 0:
+        why = " ".join((r.stderr or r.stdout).split()) or f"exit code {r.returncode}"
+        raise SlurmError(f"{' '.join(argv[:3])}: {why}")
+    return r.stdout
+
+
+def hostnames(nodelist: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """``n[1-2],n5`` -> ``['n1', 'n2', 'n5']`` in SLURM's order (``scontrol show hostnames``)."""
+    return run_slurm(["scontrol", "show", "hostnames", nodelist], timeout_s).split()
+
+
+def state_dir() -> str:
+    """``$TM_STATE_DIR`` or ``~/.trainmover``: where ``jobs/<JOBID>/tmd.json`` names a job's tmd."""
+    return os.environ.get("TM_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".trainmover")
+
+
+def job_dir(job_id: str) -> str:
+    return os.path.join(state_dir(), "jobs", job_id)
+
+
+def write_json_atomic(path: str, obj: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def hook_reports(job_id: str, hook: str) -> list[dict]:
+    """The reports slurm/hooks.py wrote for SLURM job ``job_id`` (``hook``: prolog or epilog), by node."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(job_dir(job_id), "hooks", f"{hook}.*.json"))):
+        try:
+            with open(path) as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class StandbyJob:
+    job_id: str
+    state: str  # squeue's %T: PENDING, CONFIGURING, RUNNING, COMPLETING, ...
+    nodes: list[str]
+    reason: str  # why it is pending (squeue's %r)
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """One poll. ``nodes``: node -> (sinfo state such as ``allocated``, ``draining``, ``drained``, ``down*``;
+    reason). ``standby_jobs`` is None when squeue failed (then nothing is concluded from it). ``errors``: one line
+    per failed call; ``done``: results of actions (releases) since the last snapshot."""
+
+    seq: int
+    nodes: dict[str, tuple[str, str]]
+    standby_jobs: Optional[dict[str, StandbyJob]]
+    reservation_ok: Optional[bool]
+    errors: list[str]
+    done: list[dict]
+
+
+class Poller(threading.Thread):
+    """Polls SLURM every ``poll_s`` seconds, off tmd's loop: the states of the watched nodes (sinfo), this job's
+    standby jobs in ``reservation`` (squeue) and whether the reservation exists (scontrol). Also runs queued
+    actions (``scontrol update``). The latest :class:`Snapshot` is :attr:`latest`; :attr:`updated` is set on
+    each new one."""
+
+    def __init__(self, job_id: str, reservation: str, poll_s: float = DEFAULT_POLL_S,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, user: Optional[str] = None) -> None:
+        super().__init__(daemon=True, name="tm-slurm-poller")
+        self.job_id = job_id
+        self.reservation = reservation
+        self.poll_s = poll_s
+        self.timeout_s = timeout_s
+        self.user = user or os.environ.get("SLURM_JOB_USER") or os.environ.get("USER") or ""
+        self.latest: Optional[Snapshot] = None
+        self.updated = threading.Event()
+        self._watch: set[str] = set()
+        self._lock = threading.Lock()
+        self._actions: "queue.Queue[tuple[str, Callable[[], str]]]" = queue.Queue()
+        self._halt = threading.Event()
+        self._seq = 0
+
+    def watch(self, nodes: list[str]) -> None:
+        """Poll the states of these nodes too (thread safe)."""
+        with self._lock:
+            self._watch.update(nodes)
+
+    def submit(self, name: str, action: Callable[[], str]) -> None:
+        """Run ``action`` (a blocking SLURM call returning a one-line result) on the next poll; its outcome comes
+        back in :attr:`Snapshot.done` as ``{"action": name, "ok": bool, "result" or "error": str}``."""
+        self._actions.put((name, action))  # the poll loop wakes up for it within 50 ms
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        self._halt.set()
+        if self.is_alive():
+            self.join(timeout_s)
+
+    def poll_once(self) -> Snapshot:
+        """One poll (also usable without the thread)."""
+        errors: list[str] = []
+        done: list[dict] = []
+        while True:
+            try:
+                name, action = self._actions.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                done.append({"action": name, "ok": True, "result": action()})
+            except SlurmError as e:
+                done.append({"action": name, "ok": False, "error": str(e)})
+        with self._lock:
+            watch = sorted(self._watch)
+        nodes: dict[str, tuple[str, str]] = {}
+        if watch:
+            try:
+                out = run_slurm(["sinfo", "--noheader", "--Node", f"--nodes={','.join(watch)}",
+                                 "--format=%N|%T|%E"], self.timeout_s)
+                for line in out.splitlines():
+                    name, _, rest = line.partition("|")
+                    state, _, reason = rest.partition("|")
+                    nodes[name.strip()] = (state.strip(), "" if reason.strip() == "none" else reason.strip())
+            except SlurmError as e:
+                errors.append(str(e))
+        reservation_ok: Optional[bool] = None
+        try:
+            run_slurm(["scontrol", "show", f"reservation={self.reservation}", "--oneliner"], self.timeout_s)
+            reservation_ok = True
+        except SlurmError as e:
+            if "not found" in str(e):
+                reservation_ok = False
+            else:
+                errors.append(str(e))
+        jobs: Optional[dict[str, StandbyJob]] = None
+        try:
+            argv = ["squeue", "--noheader", f"--reservation={self.reservation}", "--format=%i|%T|%N|%r|%o"]
+            if self.user:
+                argv.append(f"--user={self.user}")
+            out = run_slurm(argv, self.timeout_s)
+            jobs = {}
+            for line in out.splitlines():
+                parts = line.split("|", 4)
+                if len(parts) != 5:
+                    continue
+                jid, state, nodelist, reason, command = (x.strip() for x in parts)
+                args = command.split()
+                if len(args) < 2 or args[1] != self.job_id or jid == self.job_id:
+                    continue  # not a standby job of this job
+                node_names = hostnames(nodelist, self.timeout_s) if nodelist and state == "RUNNING" else []
+                jobs[jid] = StandbyJob(jid, state, node_names, "" if reason == "None" else reason)
+        except SlurmError as e:
+            errors.append(str(e))
+            jobs = None
+        self._seq += 1
+        return Snapshot(self._seq, nodes, jobs, reservation_ok, errors, done)
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            snap = self.poll_once()
+            self.latest = snap
+            self.updated.set()
+            deadline = time.monotonic() + self.poll_s
+            while time.monotonic() < deadline and not self._halt.is_set() and self._actions.empty():
+                self._halt.wait(0.05)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+class SrunLauncher(LocalLauncher):
+    """Local mode's launcher, with every process started through ``srun`` into the SLURM job that holds its node
+    (the training job, or a standby job for standby nodes). Environment: as in local mode (TM_COORDINATOR,
+    TM_NODE, TM_LOCAL_RANK, TM_STANDBY, TM_RUN_DIR, OMP_NUM_THREADS=1), minus the SLURM_* variables of tmd's
+    own job step (SLURM_CONF stays). A standby node is started at most every ``RESTART_BACKOFF_S`` seconds."""
+
+    def __init__(self, command: list[str], run_dir: str, coordinator: str, ranks_per_node: int,
+                 echo: bool = True, extra_env: Optional[dict[str, str]] = None) -> None:
+        super().__init__(command, run_dir, coordinator, ranks_per_node, echo, extra_env)
+        self.node_job: dict[str, str] = {}
+        self._last_start: dict[str, float] = {}
+        self._due: dict[str, tuple[float, bool]] = {}  # node -> (monotonic time, standby)
+
+    def assign(self, node: str, job_id: str) -> None:
+        """Processes of ``node`` run in SLURM job ``job_id``."""
+        self.node_job[node] = job_id
+
+    def forget(self, node: str) -> None:
+        """The node's job is gone: start nothing more there and stop what still runs."""
+        self.node_job.pop(node, None)
+        self._due.pop(node, None)
+        for proc in self.running(node):
+            proc.popen.terminate()
+
+    def srun_argv(self, node: str, local_rank: int) -> list[str]:
+        return ["srun", f"--jobid={self.node_job[node]}", "--overlap", "--no-kill", "--nodes=1", "--ntasks=1",
+                f"--nodelist={node}", "--kill-on-bad-exit=0", f"--job-name=tm-{node}.{local_rank}", "--export=ALL",
+                "--quiet", *self.command]
+
+    def start_node(self, node: str, standby: bool) -> None:
+        if node not in self.node_job:
+            return
+        now = time.monotonic()
+        last = self._last_start.get(node)
+        if standby and last is not None and now - last < RESTART_BACKOFF_S:
+            self._due[node] = (last + RESTART_BACKOFF_S, standby)
+            return
+        self._last_start[node] = now
+        base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+        for local_rank in range(self.ranks_per_node):
+            env = {
+                **base,
+                "TM_COORDINATOR": self.coordinator,
+                "TM_NODE": node,
+                "TM_LOCAL_RANK": str(local_rank),
+                "TM_STANDBY": "1" if standby else "0",
+                "TM_RUN_DIR": self.run_dir,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+                **self.extra_env,
+            }
+            popen = subprocess.Popen(self.srun_argv(node, local_rank), env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = Proc(node, local_rank, popen)
+            self.procs.append(proc)
+            threading.Thread(target=self._pump, args=(proc,), daemon=True, name=f"log-{node}.{local_rank}").start()
+
+    def poll(self) -> list[Proc]:
+        exited = super().poll()
+        now = time.monotonic()
+        for node, (due, standby) in list(self._due.items()):
+            if now >= due:
+                del self._due[node]
+                if not self.running(node):
+                    self.start_node(node, standby)
+        return exited
+
+
+# ----------------------------------------------------------------------------------------------------------------
+class SlurmCluster:
+    """tmd's SLURM side; the daemon calls :meth:`tick` from its loop (``daemon.cluster``), :meth:`resolve_target`
+    for each migrate request, :meth:`on_notice` for the epilog's NodeNotice and :meth:`decorate` for status.
+    All blocking SLURM calls run in the :class:`Poller` thread; this object lives in tmd's thread."""
+
+    def __init__(self, daemon: "Daemon", launcher: SrunLauncher, job_id: str, nodes: list[str], batch_host: str,
+                 reservation: str = "standby", poll_s: float = DEFAULT_POLL_S,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, command: Optional[list[str]] = None) -> None:
+        self.daemon = daemon
+        self.journal = daemon.journal
+        self.registry = daemon.registry
+        self.launcher = launcher
+        self.job_id = job_id
+        self.job_nodes = list(nodes)  # the training job's allocation, as SLURM has it now
+        self.batch_host = batch_host
+        self.reservation = reservation
+        self.command = command or []
+        self.poller = Poller(job_id, reservation, poll_s, timeout_s)
+        self.poller.watch(nodes)
+        self.node_state: dict[str, tuple[str, str]] = {}
+        self.standby_jobs: dict[str, StandbyJob] = {}  # as last seen
+        self.adopted: dict[str, list[str]] = {}  # standby job -> its nodes in the registry
+        self._seq = 0
+        self._said: dict[str, str] = {}  # key -> last journalled message (journal changes only)
+        self._drain_tries: dict[str, int] = {}
+        self._drain_migration: dict[str, int] = {}  # node -> migration id
+        self._released: set[str] = set()
+        self._releasing: set[str] = set()
+        self._reservation_ok: Optional[bool] = None
+
+    # --- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Write ``jobs/<JOBID>/tmd.json``, journal the prolog reports of the job, start polling."""
+        self._write_link(self.job_id, standby_for=None)
+        self._journal_hooks(self.job_id)
+        self.poller.start()
+
+    def close(self) -> None:
+        self.poller.stop()
+
+    def _write_link(self, job_id: str, standby_for: Optional[str]) -> None:
+        d = self.daemon
+        info = {"address": d.address, "pid": os.getpid(), "job": self.job_id, "run_dir": d.run_dir,
+                "slurm_job": job_id, "standby_for": standby_for, "reservation": self.reservation,
+                "ranks_per_node": self.registry.ranks_per_node, "command": self.command}
+        try:
+            write_json_atomic(os.path.join(job_dir(job_id), "tmd.json"), info)
+        except OSError as e:
+            self.journal.record("slurm_error", error=f"cannot write {job_dir(job_id)}/tmd.json: {e}")
+
+    def _journal_hooks(self, job_id: str) -> None:
+        for r in hook_reports(job_id, "prolog"):
+            self.journal.record("slurm_hook", hook="prolog", node=r.get("node"), slurm_job=job_id, ok=r.get("ok"),
+                                problems=r.get("problems"), duration_s=r.get("duration_s"))
+
+    def _say(self, key: str, event: str, **fields) -> None:
+        """Journal ``event`` unless the same thing was said last time under ``key``."""
+        text = json.dumps(fields, sort_keys=True, default=str)
+        if self._said.get(key) != text:
+            self._said[key] = text
+            self.journal.record(event, **fields)
+
+    # --- the loop -------------------------------------------------------------------------------------------------
+    def tick(self, now_mono: float) -> None:  # noqa: ARG002 - the daemon's tick signature
+        snap = self.poller.latest
+        if snap is None or snap.seq == self._seq:
+            return
+        self._seq = snap.seq
+        for e in snap.errors:
+            self._say("error:" + e.split(":")[0], "slurm_error", error=e)
+        for r in snap.done:
+            self._on_action_done(r)
+        if snap.reservation_ok is not None and snap.reservation_ok != self._reservation_ok:
+            self._reservation_ok = snap.reservation_ok
+            if not snap.reservation_ok:
+                self.journal.record("slurm_error", error=f"reservation '{self.reservation}' does not exist: this job "
+                                    "gets no standbys until an admin creates it (see README, SLURM)")
+        if snap.standby_jobs is not None:
+            self._standby_jobs(snap.standby_jobs)
+        for name, st in snap.nodes.items():
+            if self.node_state.get(name) != st:
+                self.node_state[name] = st
+                node = self.registry.nodes.get(name)
+                self.journal.record("slurm_node_state", node=name, state=st[0], reason=st[1],
+                                    role=node.role if node else None)
+        self._drains()
+        self._release_left_nodes()
+
+    # --- standby jobs ---------------------------------------------------------------------------------------------
+    def _standby_jobs(self, jobs: dict[str, StandbyJob]) -> None:
+        for jid, sj in jobs.items():
+            if sj.state == "RUNNING" and jid not in self.adopted:
+                self._adopt(sj)
+            elif sj.state != "RUNNING" and jid not in self.adopted:
+                self._say("standby:" + jid, "standby_job_waiting", slurm_job=jid, state=sj.state,
+                          reason=sj.reason or None)
+        for jid in list(self.adopted):
+            sj = jobs.get(jid)
+            if sj is None or sj.state != "RUNNING":
+                self._standby_job_gone(jid, f"standby job {jid} {'ended' if sj is None else 'is ' + sj.state}")
+        self.standby_jobs = jobs
+
+    def _adopt(self, sj: StandbyJob) -> None:
+        added = []
+        for name in sj.nodes:
+            if name in self.registry.nodes:
+                self.journal.record("standby_node_refused", node=name, slurm_job=sj.job_id,
+                                    reason=f"node '{name}' is already part of this job ({self.registry.nodes[name].role})")
+                continue
+            self.registry.add_node(name, "standby")
+            self.launcher.assign(name, sj.job_id)
+            added.append(name)
+        self.adopted[sj.job_id] = added
+        self.poller.watch(added)
+        self._write_link(sj.job_id, standby_for=self.job_id)
+        self.journal.record("standby_job_running", slurm_job=sj.job_id, nodes=added)
+        self._journal_hooks(sj.job_id)
+        for name in added:
+            self.launcher.start_node(name, standby=True)
+
+    def _standby_job_gone(self, jid: str, why: str) -> None:
+        for name in self.adopted.pop(jid, []):
+            self._node_lost(name, why)
+        self.journal.record("standby_job_gone", slurm_job=jid, reason=why)
+
+    def _node_lost(self, name: str, why: str) -> None:
+        node = self.registry.nodes.get(name)
+        if node is None or node.role in ("failed", "left"):
+            return
+        m = self.daemon.migrations.current
+        if m is not None and m.target == name:
+            self.daemon.migrations.abort(m, f"{why} during {m.state}")
+        if node.role == "standby":
+            node.role, node.health, node.reason = "failed", "unhealthy", why
+            self.launcher.forget(name)
+            self.journal.record("standby_lost", node=name, reason=why)
+        else:  # it holds ranks: its processes end with the job; the daemon sees them exit
+            self.journal.record("node_lost", node=name, role=node.role, reason=why)
+
+    def on_notice(self, msg: "p.NodeNotice") -> None:
+        """The epilog on ``msg.node`` ran for SLURM job ``msg.job_id``: the node left that job."""
+        self.journal.record("slurm_hook", hook=msg.hook, node=msg.node, slurm_job=msg.job_id, detail=msg.detail)
+        if msg.hook == "epilog" and msg.job_id in self.adopted and msg.node in self.adopted[msg.job_id]:
+            self._node_lost(msg.node, f"standby job {msg.job_id} ended (epilog on {msg.node})")
+
+    # --- drains ---------------------------------------------------------------------------------------------------
+    def _drains(self) -> None:
+        for name, (state, reason) in self.node_state.items():
+            node = self.registry.nodes.get(name)
+            if node is None or node.role != "active" or "drain" not in state:
+                continue
+            mid = self._drain_migration.get(name)
+            if mid is not None:
+                m = self.daemon.migrations.get(mid)
+                if not m.finished:
+                    continue
+            why = f"node {name} is {state} (reason: {reason or 'none given'})"
+            if self._drain_tries.get(name, 0) >= DRAIN_ATTEMPTS:
+                self._say("drain:" + name, "drain_migration_gave_up", node=name, reason=why,
+                          attempts=DRAIN_ATTEMPTS)
+                continue
+            target = self.pick_standby()
+            if target is None:
+                self._say("drain:" + name, "drain_migration_waiting", node=name, reason=why,
+                          waiting_for=f"a warm standby ({self.describe_standbys()})")
+                continue
+            try:
+                m = self.daemon.migrations.request(name, target)
+            except MigrationError as e:
+                self._say("drain:" + name, "drain_migration_waiting", node=name, reason=why, waiting_for=str(e))
+                continue
+            self._drain_tries[name] = self._drain_tries.get(name, 0) + 1
+            self._drain_migration[name] = m.id
+            self._said.pop("drain:" + name, None)
+            self.journal.record("drain_migration", node=name, target=target, migration_id=m.id, reason=why,
+                                slurm_reason=reason)
+
+    def _release_left_nodes(self) -> None:
+        """Give nodes that handed their ranks over back to SLURM (all but the batch host, where tmd runs)."""
+        for name in self.job_nodes:
+            node = self.registry.nodes.get(name)
+            if node is None or node.role != "left" or name in self._released or name in self._releasing:
+                continue
+            if self.launcher.running(name):
+                continue  # the leaver's processes are still exiting
+            if name == self.batch_host:
+                self._released.add(name)
+                self.journal.record("slurm_node_kept", node=name,
+                                    reason="it is the batch host (tmd runs there); SLURM gets it back when the job ends")
+                continue
+            self._releasing.add(name)
+            keep = [n for n in self.job_nodes if n != name]
+            argv = ["scontrol", "update", f"JobId={self.job_id}", f"NodeList={','.join(keep)}"]
+            timeout_s, run_dir = self.poller.timeout_s, self.daemon.run_dir
+            # scontrol writes slurm_job_<id>_resize.{sh,csh} into its working directory: the run dir, then.
+            self.poller.submit(f"release {name}", lambda argv=argv: run_slurm(argv, timeout_s, run_dir).strip())
+
+    def _on_action_done(self, r: dict) -> None:
+        name = r["action"].split(" ", 1)[1]
+        self._releasing.discard(name)
+        if r["ok"]:
+            self._released.add(name)
+            self.job_nodes.remove(name)
+            self.journal.record("slurm_node_released", node=name, slurm_job=self.job_id)
+        else:
+            self._released.add(name)  # do not retry: the node comes back to SLURM when the job ends
+            self.journal.record("slurm_error", error=f"could not release {name} from job {self.job_id}: {r['error']}")
+
+    # --- targets --------------------------------------------------------------------------------------------------
+    def _usable(self, name: str) -> bool:
+        state = self.node_state.get(name, ("", ""))[0]
+        return not any(bad in state for bad in ("drain", "down", "fail", "maint", "not_responding"))
+
+    def pick_standby(self, job_id: Optional[str] = None) -> Optional[str]:
+        """A warm standby node (of standby job ``job_id`` if given) that SLURM does not drain, or None."""
+        names = self.adopted.get(job_id, []) if job_id else [n for ns in self.adopted.values() for n in ns]
+        for name in sorted(names):
+            node = self.registry.nodes.get(name)
+            if node is not None and node.warm and self._usable(name):
+                return name
+        return None
+
+    def describe_standbys(self) -> str:
+        """One line: each standby job of this job and its state."""
+        parts = []
+        for jid, sj in sorted(self.standby_jobs.items()):
+            if sj.state == "RUNNING":
+                nodes = self.adopted.get(jid, [])
+                warm = [n for n in nodes if self.registry.nodes[n].warm]
+                parts.append(f"job {jid} running on {','.join(nodes) or '-'} ({len(warm)} warm)")
+            else:
+                parts.append(f"job {jid} {sj.state}" + (f" ({sj.reason})" if sj.reason else ""))
+        if self._reservation_ok is False:
+            parts.append(f"reservation '{self.reservation}' does not exist")
+        return "; ".join(parts) or f"no standby job in reservation '{self.reservation}'"
+
+    def resolve_target(self, target: str) -> str:
+        """The standby node a migrate request means: a node name as is; ``any`` -> a warm standby node; a standby
+        job id -> a warm node of that job. Raises MigrationError ``busy_standby`` when that job has not started or
+        has no warm node yet, ``unknown_standby`` for a job id that is not a standby job of this job."""
+        if target in self.registry.nodes:
+            return target
+        if target == "any":
+            name = self.pick_standby()
+            if name is None:
+                raise MigrationError("busy_standby", f"no warm standby yet: {self.describe_standbys()}")
+            return name
+        jid = target[4:] if target.startswith("job:") else target
+        if jid.isdigit():
+            sj = self.standby_jobs.get(jid)
+            if sj is None:
+                raise MigrationError("unknown_standby", f"unknown standby '{target}': job {jid} is not a standby job "
+                                     f"of job {self.job_id} ({self.describe_standbys()})")
+            if sj.state != "RUNNING":
+                raise MigrationError("busy_standby", f"standby job {jid} has not started: {sj.state}"
+                                     + (f" ({sj.reason})" if sj.reason else ""))
+            name = self.pick_standby(jid)
+            if name is None:
+                raise MigrationError("busy_standby", f"standby job {jid} is running but has no warm node yet")
+            return name
+        return target
+
+    def decorate(self, nodes: list[dict]) -> None:
+        """Add ``slurm_state``, ``slurm_reason`` and ``slurm_job`` to status's node dicts."""
+        for n in nodes:
+            st = self.node_state.get(n.get("name"), ("", ""))
+            n["slurm_state"], n["slurm_reason"] = st[0] or None, st[1] or None
+            n["slurm_job"] = self.launcher.node_job.get(n.get("name")) or (
+                self.job_id if n.get("name") in self.job_nodes else None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def hold_standby(job_id: str, poll_s: float = 2.0, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 echo: Callable[[str], None] = print) -> int:
+    """The body of a standby job (``slurm/standby.sbatch JOBID``): hold this allocation while training job
+    ``job_id`` is pending or running; tmd starts the standby workers into it. Returns the exit code: 0 when the
+    training job ended, 2 for bad input (not in a SLURM job, no such job). Raises nothing."""
+    me = os.environ.get("SLURM_JOB_ID")
+    if not me:
+        echo("error: tmd standby runs inside a SLURM job (sbatch --reservation=standby slurm/standby.sbatch JOBID)")
+        return 2
+    if not job_id.isdigit():
+        echo(f"error: '{job_id}' is not a SLURM job id")
+        return 2
+    first = True
+    while True:
+        try:
+            state = run_slurm(["squeue", "--noheader", f"--jobs={job_id}", "--format=%T"], timeout_s).strip()
+        except SlurmError as e:
+            if "Invalid job id" in str(e):
+                if first:
+                    echo(f"error: there is no SLURM job {job_id} to stand by for")
+                    return 2
+                state = ""
+            else:
+                echo(f"warning: {e}")  # a slow controller: keep holding
+                state = "UNKNOWN"
+        if first:
+            echo(f"standby job {me} on {os.environ.get('SLURM_JOB_NODELIST', '?')} holds its nodes for job {job_id}"
+                 f" ({state or 'gone'}); its tmd starts the standby workers")
+            first = False
+        if state not in ("UNKNOWN", "RUNNING", "COMPLETING", "CONFIGURING", *STARTING_STATES):
+            echo(f"job {job_id} is {state or 'gone'}: standby job {me} ends")
+            return 0
+        time.sleep(poll_s)  # polling another job's state: SLURM offers no event to wait on
