@@ -26,7 +26,7 @@ from tmd.slurm import Poller
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_SH = os.path.join(REPO, "slurm", "local-cluster.sh")
-STEPS = 500
+STEPS = 800
 PACE_S = 0.06  # pads each step (numerics unchanged) so the job outlives the tests
 CLIENT_TIMEOUT_S = 20  # every SLURM client call of these tests
 
@@ -126,7 +126,9 @@ def cluster():
         print(f"\n[slurm] cluster up in {c.up_s:.2f} s", flush=True)
         yield c
     finally:
+        t0 = time.monotonic()
         down = subprocess.run([CLUSTER_SH, "down", path], env=c.env, capture_output=True, text=True, timeout=120)
+        print(f"\n[slurm] cluster down in {time.monotonic() - t0:.2f} s", flush=True)
         left = leftovers(path)
         if down.returncode == 0 and not left:
             shutil.rmtree(path, ignore_errors=True)
@@ -267,14 +269,22 @@ def test_draining_a_node_migrates_it_automatically(job):
 
 
 @pytest.fixture(scope="module")
-def reference(cluster) -> dict[int, str]:
-    """An uninterrupted run of the same job (2 nodes x 1 rank, same script and seed) in local mode."""
+def reference(cluster):
+    """An uninterrupted run of the same job (2 nodes x 1 rank, same script and seed) in local mode, started when
+    first asked for (after the migrations: it runs while the SLURM job finishes); call it for the final hashes."""
     run_dir = os.path.join(cluster.dir, "reference")
     cmd = [sys.executable, "-m", "tmd.cli", "local", "--nodes", "2", "--ranks-per-node", "1", "--standbys", "0",
            "--run-dir", run_dir, "--quiet", "--", sys.executable, "-m", "examples.train_gpt", "--steps", str(STEPS),
            "--tiny"]
-    subprocess.run(cmd, check=True, timeout=240, stdout=subprocess.DEVNULL, cwd=REPO)
-    return final_hashes(run_dir)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def hashes() -> dict[int, str]:
+        assert proc.wait(timeout=240) == 0
+        return final_hashes(run_dir)
+    yield hashes
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.timeout(300)
@@ -283,9 +293,9 @@ def test_job_completes_bit_identical_to_an_uninterrupted_run(job, reference):
     wait_until(lambda: c.job_state(job.id) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), 200,
                "the training job to end")
     assert c.job_state(job.id) == "COMPLETED", open(os.path.join(c.dir, f"train-{job.id}.out")).read()[-3000:]
-    got = final_hashes(job.run_dir)
-    assert len(reference) == 2 and len(set(reference.values())) == 1
-    assert got == reference
+    got, ref = final_hashes(job.run_dir), reference()
+    assert len(ref) == 2 and len(set(ref.values())) == 1
+    assert got == ref
     names = [e["event"] for e in job.events()]
     assert names.count("migration_committed") == 2 and "migration_aborted" not in names
     assert "job_failed" not in names

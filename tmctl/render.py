@@ -77,15 +77,22 @@ def nodes_table(nodes: list[dict]) -> Table:
         table.add_column(name, no_wrap=name in ("role", "health"))
     for name in ("hb age (s)", "step", "step time (s)"):  # hb age: seconds since the node's last heartbeat
         table.add_column(name, justify="right")
+    slurm = any("slurm_state" in n for n in nodes)  # SLURM mode: the node's SLURM state and the job holding it
+    if slurm:
+        table.add_column("slurm", no_wrap=True)
     for n in nodes:
         role = _dash(n.get("role"))
         if role == "standby":
             role += " (warm)" if n.get("warm") else " (cold)"
         health = _dash(n.get("health"))
         style = _HEALTH_STYLE.get(health, "")
-        table.add_row(_cell(n.get("name")), escape(role), ranks(n.get("ranks")),
-                      f"[{style}]{escape(health)}[/]" if style else escape(health),
-                      seconds(n.get("heartbeat_age_s"), 1), _dash(n.get("step")), seconds(n.get("step_time_s"), 3))
+        cells = [_cell(n.get("name")), escape(role), ranks(n.get("ranks")),
+                 f"[{style}]{escape(health)}[/]" if style else escape(health),
+                 seconds(n.get("heartbeat_age_s"), 1), _dash(n.get("step")), seconds(n.get("step_time_s"), 3)]
+        if slurm:
+            state = _dash(n.get("slurm_state")) + (f" ({n['slurm_reason']})" if n.get("slurm_reason") else "")
+            cells.append(escape(state + (f", job {n['slurm_job']}" if n.get("slurm_job") else "")))
+        table.add_row(*cells)
     return table
 
 

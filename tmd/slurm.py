@@ -319,6 +319,7 @@ class SlurmCluster:
         self.node_state: dict[str, tuple[str, str]] = {}
         self.standby_jobs: dict[str, StandbyJob] = {}  # as last seen
         self.adopted: dict[str, list[str]] = {}  # standby job -> its nodes in the registry
+        self.ended: dict[str, str] = {}  # standby job that ran and ended -> why
         self._seq = 0
         self._said: dict[str, str] = {}  # key -> last journalled message (journal changes only)
         self._drain_tries: dict[str, int] = {}
@@ -418,6 +419,7 @@ class SlurmCluster:
             self.launcher.start_node(name, standby=True)
 
     def _standby_job_gone(self, jid: str, why: str) -> None:
+        self.ended[jid] = why
         for name in self.adopted.pop(jid, []):
             self._node_lost(name, why)
         self.journal.record("standby_job_gone", slurm_job=jid, reason=why)
@@ -547,6 +549,8 @@ class SlurmCluster:
         jid = target[4:] if target.startswith("job:") else target
         if jid.isdigit():
             sj = self.standby_jobs.get(jid)
+            if sj is None and jid in self.ended:
+                raise MigrationError("unknown_standby", f"unknown standby '{target}': {self.ended[jid]}")
             if sj is None:
                 raise MigrationError("unknown_standby", f"unknown standby '{target}': job {jid} is not a standby job "
                                      f"of job {self.job_id} ({self.describe_standbys()})")
