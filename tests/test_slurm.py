@@ -7,7 +7,8 @@ serve the rest, in order: ``tmctl migrate`` of the job's second node to a standb
 (migrate waits, then times out), an admin's drain of the first node (migrated automatically), the final state
 bit-identical to an uninterrupted run, and the prolog/epilog reports of every node.
 
-Without SLURM (the Debian packages, or root) the module skips, with the reason; under CI=true it fails instead.
+The prolog and epilog are also run alone, as slurmd would (no cluster needed). Without SLURM (the Debian packages, or
+root) the cluster tests skip, with the reason; under CI=true they fail instead.
 """
 from __future__ import annotations
 
@@ -134,6 +135,74 @@ def cluster():
             shutil.rmtree(path, ignore_errors=True)
         assert down.returncode == 0, down.stderr
         assert not left, f"still running after teardown: {left}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The hooks alone, as slurmd runs them (bare environment, no PATH): no cluster needed
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def hooks(tmp_path):
+    dest, state, log = tmp_path / "hooks", tmp_path / "state", tmp_path / "hooks.log"
+    r = subprocess.run([os.path.join(REPO, "slurm", "install-hooks.sh"), "--python", sys.executable, "--dest",
+                        str(dest), "--state-dir", str(state), "--log", str(log)], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "prolog: ok" in r.stdout and "epilog: ok" in r.stdout
+
+    def run(hook: str, *args: str, job: str = "77", node: str = "nx") -> tuple[subprocess.CompletedProcess, dict]:
+        env = {"SLURM_JOB_ID": job, "SLURM_JOB_UID": str(os.getuid()), "SLURMD_NODENAME": node}
+        argv = [str(dest / hook)] if not args else [sys.executable, "-I", os.path.join(REPO, "slurm", "hooks.py"),
+                                                   hook, "--state-dir", str(state), *args]
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=10)
+        with open(state / "jobs" / job / "hooks" / f"{hook}.{node}.json") as f:
+            return r, json.load(f)
+    run.state = state
+    return run
+
+
+@pytest.mark.timeout(30)
+def test_prolog_passes_on_a_healthy_node_without_gpus_in_under_a_second(hooks):
+    r, report = hooks("prolog")
+    assert r.returncode == 0 and r.stderr == "", r
+    assert report["ok"] and report["duration_s"] < 1.0, report
+    assert {"mem_available_mb", "disk_free_mb", "load1", "gpus"} <= report["checks"].keys()
+
+
+@pytest.mark.timeout(30)
+def test_prolog_fails_an_unfit_node_with_one_line(hooks):
+    r, report = hooks("prolog", "--min-free-mem-mb", "1e12")
+    assert r.returncode == 1 and not report["ok"]
+    assert r.stderr.count("\n") == 1 and "node unfit: only" in r.stderr and "MiB memory available" in r.stderr
+
+
+@pytest.mark.timeout(30)
+def test_epilog_kills_leftovers_and_notifies_tmd(hooks):
+    import zmq
+
+    from tmd import protocol as p
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    (hooks.state / "jobs" / "77").mkdir(parents=True)
+    (hooks.state / "jobs" / "77" / "tmd.json").write_text(json.dumps({"address": f"tcp://127.0.0.1:{port}"}))
+    env = {**os.environ, "SLURM_JOB_ID": "77", "SLURMD_NODENAME": "nx", "TM_COORDINATOR": "tcp://x:1"}
+    stray = subprocess.Popen(["sleep", "60"], env=env)
+    other = subprocess.Popen(["sleep", "60"], env={**env, "SLURMD_NODENAME": "ny"})  # another node on this host
+    try:
+        r, report = hooks("epilog")
+        assert r.returncode == 0 and report["ok"], (r, report)
+        assert report["checks"]["killed"] == [stray.pid] and stray.wait(timeout=5) == -9
+        assert other.poll() is None
+        assert report["duration_s"] < 1.0, report
+        assert sock.poll(5000), "no NodeNotice"
+        _, frame = sock.recv_multipart()
+        assert p.decode(frame) == p.NodeNotice("nx", "77", "epilog", "node left the job")
+    finally:
+        for proc in (stray, other):
+            proc.kill()
+            proc.wait()
+        sock.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------
