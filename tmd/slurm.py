@@ -8,8 +8,9 @@
   and tmd starts the standby workers into it (``srun --jobid=STANDBY_JOB --overlap``); they register and warm up.
 - Drains: a node of the job that an admin drains (``scontrol update NodeName=X State=DRAIN Reason=...``) is
   migrated to a warm standby automatically; the event records the admin's reason. After any committed migration
-  the left node is released from the job (``scontrol update JobId=J NodeList=...``) unless it is the batch host
-  (tmd runs there), so a draining node becomes DRAINED without waiting for the job to end.
+  the left node goes back to SLURM: the job holding it shrinks (``scontrol update JobId=J NodeList=...``), or a
+  standby job with no node left in use is cancelled; a batch host (tmd's, or a standby job's still in use) stays
+  until its job ends. So a draining node becomes DRAINED without waiting for the training job to end.
 - Hooks: the prolog reports (``slurm/hooks.py``) of the job and its standby jobs are journalled; the epilog's
   :class:`tmd.protocol.NodeNotice` marks a standby node whose job ended as lost at once.
 - ``$TM_STATE_DIR/jobs/<JOBID>/tmd.json`` (default ``~/.trainmover``) names tmd for ``tmctl --job JOBID``, the
@@ -106,6 +107,7 @@ class StandbyJob:
     state: str  # squeue's %T: PENDING, CONFIGURING, RUNNING, COMPLETING, ...
     nodes: list[str]
     reason: str  # why it is pending (squeue's %r)
+    batch_host: str = ""  # where its batch script runs: SLURM cannot shrink a job off that node
 
 
 @dataclasses.dataclass
@@ -196,21 +198,22 @@ class Poller(threading.Thread):
                 errors.append(str(e))
         jobs: Optional[dict[str, StandbyJob]] = None
         try:
-            argv = ["squeue", "--noheader", f"--reservation={self.reservation}", "--format=%i|%T|%N|%r|%o"]
+            argv = ["squeue", "--noheader", f"--reservation={self.reservation}", "--format=%i|%T|%N|%r|%B|%o"]
             if self.user:
                 argv.append(f"--user={self.user}")
             out = run_slurm(argv, self.timeout_s)
             jobs = {}
             for line in out.splitlines():
-                parts = line.split("|", 4)
-                if len(parts) != 5:
+                parts = line.split("|", 5)
+                if len(parts) != 6:
                     continue
-                jid, state, nodelist, reason, command = (x.strip() for x in parts)
+                jid, state, nodelist, reason, batch_host, command = (x.strip() for x in parts)
                 args = command.split()
                 if len(args) < 2 or args[1] != self.job_id or jid == self.job_id:
                     continue  # not a standby job of this job
                 node_names = hostnames(nodelist, self.timeout_s) if nodelist and state == "RUNNING" else []
-                jobs[jid] = StandbyJob(jid, state, node_names, "" if reason == "None" else reason)
+                jobs[jid] = StandbyJob(jid, state, node_names, "" if reason == "None" else reason,
+                                       "" if batch_host in ("n/a", "(null)") else batch_host)
         except SlurmError as e:
             errors.append(str(e))
             jobs = None
@@ -325,7 +328,7 @@ class SlurmCluster:
         self._drain_tries: dict[str, int] = {}
         self._drain_migration: dict[str, int] = {}  # node -> migration id
         self._released: set[str] = set()
-        self._releasing: set[str] = set()
+        self._releasing: dict[str, tuple[str, list[str], str]] = {}  # node -> (job, nodes it keeps, client)
         self._reservation_ok: Optional[bool] = None
 
     # --- lifecycle ------------------------------------------------------------------------------------------------
@@ -477,35 +480,52 @@ class SlurmCluster:
                                 slurm_reason=reason)
 
     def _release_left_nodes(self) -> None:
-        """Give nodes that handed their ranks over back to SLURM (all but the batch host, where tmd runs)."""
-        for name in self.job_nodes:
-            node = self.registry.nodes.get(name)
-            if node is None or node.role != "left" or name in self._released or name in self._releasing:
-                continue
-            if self.launcher.running(name):
-                continue  # the leaver's processes are still exiting
-            if name == self.batch_host:
+        """Give a node whose ranks left back to SLURM, so that an admin's drain of it completes: shrink the job that
+        holds it (the training job, or a standby job the ranks had moved into), or cancel a standby job left with
+        no node in use. Never the batch host (tmd runs there). One release at a time."""
+        if self._releasing:
+            return
+        for name, node in self.registry.nodes.items():
+            if node.role != "left" or name in self._released or self.launcher.running(name):
+                continue  # (a leaver's processes may still be exiting)
+            owner = self.launcher.node_job.get(name)
+            if name == self.batch_host or owner is None:
                 self._released.add(name)
-                self.journal.record("slurm_node_kept", node=name,
-                                    reason="it is the batch host (tmd runs there); SLURM gets it back when the job ends")
+                if name == self.batch_host:
+                    self.journal.record("slurm_node_kept", node=name, reason="it is the batch host (tmd runs "
+                                        "there); SLURM gets it back when the job ends")
                 continue
-            self._releasing.add(name)
-            keep = [n for n in self.job_nodes if n != name]
-            argv = ["scontrol", "update", f"JobId={self.job_id}", f"NodeList={','.join(keep)}"]
+            holding = self.job_nodes if owner == self.job_id else self.adopted.get(owner, [])
+            keep = [n for n in holding if n != name]
+            if owner != self.job_id and all(self.registry.nodes[n].role in ("left", "failed") for n in keep):
+                argv = ["scancel", owner]
+            elif owner != self.job_id and name == getattr(self.standby_jobs.get(owner), "batch_host", name):
+                self._released.add(name)
+                self.journal.record("slurm_node_kept", node=name, reason=f"it is the batch host of standby job "
+                                    f"{owner}, which other nodes of this job still use")
+                continue
+            else:
+                argv = ["scontrol", "update", f"JobId={owner}", f"NodeList={','.join(keep)}"]
+            self._releasing[name] = (owner, keep, argv[0])
             timeout_s, run_dir = self.poller.timeout_s, self.daemon.run_dir
             # scontrol writes slurm_job_<id>_resize.{sh,csh} into its working directory: the run dir, then.
             self.poller.submit(f"release {name}", lambda argv=argv: run_slurm(argv, timeout_s, run_dir).strip())
+            return
 
     def _on_action_done(self, r: dict) -> None:
         name = r["action"].split(" ", 1)[1]
-        self._releasing.discard(name)
-        if r["ok"]:
-            self._released.add(name)
-            self.job_nodes.remove(name)
-            self.journal.record("slurm_node_released", node=name, slurm_job=self.job_id)
-        else:
-            self._released.add(name)  # do not retry: the node comes back to SLURM when the job ends
-            self.journal.record("slurm_error", error=f"could not release {name} from job {self.job_id}: {r['error']}")
+        owner, keep, how = self._releasing.pop(name)
+        self._released.add(name)  # on failure too: do not retry; the node comes back to SLURM with its job's end
+        if not r["ok"]:
+            self.journal.record("slurm_error", error=f"could not release {name} from job {owner}: {r['error']}")
+            return
+        self.launcher.node_job.pop(name, None)
+        if owner == self.job_id:
+            self.job_nodes[:] = keep
+        elif owner in self.adopted:
+            self.adopted[owner][:] = [n for n in self.adopted[owner] if n != name]
+        self.journal.record("slurm_node_released", node=name, slurm_job=owner,
+                            how="standby job cancelled" if how == "scancel" else "job shrunk")
 
     # --- targets --------------------------------------------------------------------------------------------------
     def _usable(self, name: str) -> bool:
