@@ -117,3 +117,19 @@ def test_stale_reports_are_ignored(world):
     ack(migs, reg, ["s1/0"], "warmed", mid=7)
     assert m.state == "warming"
     assert journal.since(0, 100)[-1]["event"] == "stale_phase_report"
+
+
+def test_stayer_pause_is_recorded_even_after_commit(world):
+    reg, migs, _, _ = world
+    m = migs.request("n2", "s1")
+    ack(migs, reg, ["s1/0", "s1/1"], "warmed")
+    ack(migs, reg, ALL, "prepared")
+    ack(migs, reg, ALL, "armed", step=11)
+    ack(migs, reg, ["s1/0", "s1/1"], "transferred")
+    stayer = reg.by_identity[b"n1/0"]
+    migs.on_phase(stayer, p.PhaseDone(1, 0, "committed", True, "", 16, 0, 0.125, []))
+    ack(migs, reg, ["s1/0", "s1/1"], "committed")
+    assert m.state == "committed"
+    late = reg.by_identity[b"n1/1"]  # reports after the migration committed: still counted
+    migs.on_phase(late, p.PhaseDone(1, 1, "committed", True, "", 16, 0, 0.25, []))
+    assert m.to_dict()["pause_s"] == 0.25

@@ -68,6 +68,7 @@ class Migration:
     rebuilt: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # "node/local_rank" -> group names
     downtime_s: Optional[float] = None
     median_step_s: Optional[float] = None
+    pause_s: Optional[float] = None  # longest time a stayer stood at the switch step (seconds)
     deadline: float = math.inf  # time.monotonic()
 
     @property
@@ -106,6 +107,7 @@ class Migration:
             "phases_s": self.phases_s(),
             "downtime_s": self.downtime_s,
             "median_step_s": self.median_step_s,
+            "pause_s": self.pause_s,
             "bytes_moved": self.bytes_moved,
             "transfer_s": self.transfer_s,
             "rebuilt": self.rebuilt,
@@ -200,6 +202,12 @@ class Migrations:
     # ---------------------------------------------------------------------------------------------------------
     def on_phase(self, w: Worker, msg: p.PhaseDone) -> None:
         """A party reports a phase. Out-of-date or unexpected reports are journalled and ignored."""
+        if msg.phase == "committed" and msg.ok:
+            done = next((x for x in self.all if x.id == msg.migration_id), None)
+            if done is not None and any(w is s for s in done.stayers.values()):
+                # how long training stood still on this stayer at the switch step (it may report after commit)
+                done.pause_s = round(max(done.pause_s or 0.0, msg.seconds), 6)
+                return
         m = self.current
         if m is None or msg.migration_id != m.id:
             self.journal.record("stale_phase_report", worker=w.identity.decode(), migration_id=msg.migration_id, phase=msg.phase)

@@ -79,7 +79,8 @@ class PhaseDone(Message):
     groups built and staged), ``armed`` (switch step accepted; ``step`` is the step the rank is on now),
     ``sent`` (leaver: state sent, ``seconds`` is the send time), ``transferred`` (joiner: state received and
     checksums verified, ``bytes_moved`` and ``seconds`` set),
-    ``committed`` (phase 2 done at the switch step). ``ok`` false means the phase failed; ``error`` says why.
+    ``committed`` (phase 2 done at the switch step; a stayer's ``seconds`` is how long it stood at the switch
+    step). ``ok`` false means the phase failed; ``error`` says why.
     """
 
     migration_id: int

@@ -244,6 +244,7 @@ class Session:
 
     def _switch_boundary(self, switch: p.Switch) -> None:
         """At the start of the switch step: leaver sends its state; stayers and leaver wait for the decision."""
+        paused = time.perf_counter()
         mid = self._switch.migration_id if self._switch else switch.migration_id
         role = self._migration_role
         if role == "leaver":
@@ -274,7 +275,7 @@ class Session:
             atexit.register(_exit_now, 0)
             raise LeaverExit()
         self.groups.commit(mid)
-        self._report(mid, "committed", step=switch.step)
+        self._report(mid, "committed", step=switch.step, seconds=time.perf_counter() - paused)
 
     def _clear_switch(self, mid: int) -> None:
         with self._lock:
