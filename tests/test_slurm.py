@@ -208,7 +208,7 @@ def test_epilog_kills_leftovers_and_notifies_tmd(hooks):
 # ----------------------------------------------------------------------------------------------------------------
 # Bad input, on the bare cluster
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(150)  # includes bringing the cluster up
 def test_tmctl_for_a_job_without_tmd_fails_with_one_line(cluster):
     r = cluster.tmctl("status", "--job", "424242")
     assert r.returncode == 2, r
@@ -282,7 +282,7 @@ def job(cluster):
         cluster.run("scancel", s, check=False)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(270)  # includes submitting the jobs and waiting for warm standbys
 def test_tmctl_migrate_to_a_standby_node_commits(job):
     st = job.status()
     standby = sorted(n["name"] for n in st["nodes"] if n["role"] == "standby" and n["warm"])[0]
@@ -370,7 +370,7 @@ def test_job_completes_bit_identical_to_an_uninterrupted_run(job, reference):
     assert "job_failed" not in names
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)  # includes tearing the cluster down
 def test_prolog_and_epilog_ran_on_every_node(job):
     c = job.cluster
     # Standby jobs end by themselves once the training job has ended.
