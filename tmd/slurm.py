@@ -127,8 +127,7 @@ class Snapshot:
 class Poller(threading.Thread):
     """Polls SLURM every ``poll_s`` seconds, off tmd's loop: the states of the watched nodes (sinfo), this job's
     standby jobs in ``reservation`` (squeue) and whether the reservation exists (scontrol). Also runs queued
-    actions (``scontrol update``). The latest :class:`Snapshot` is :attr:`latest`; :attr:`updated` is set on
-    each new one."""
+    actions (``scontrol update``, ``scancel``). The latest :class:`Snapshot` is :attr:`latest`."""
 
     def __init__(self, job_id: str, reservation: str, poll_s: float = DEFAULT_POLL_S,
                  timeout_s: float = DEFAULT_TIMEOUT_S, user: Optional[str] = None) -> None:
@@ -139,7 +138,6 @@ class Poller(threading.Thread):
         self.timeout_s = timeout_s
         self.user = user or os.environ.get("SLURM_JOB_USER") or os.environ.get("USER") or ""
         self.latest: Optional[Snapshot] = None
-        self.updated = threading.Event()
         self._watch: set[str] = set()
         self._lock = threading.Lock()
         self._actions: "queue.Queue[tuple[str, Callable[[], str]]]" = queue.Queue()
@@ -172,8 +170,9 @@ class Poller(threading.Thread):
                 break
             try:
                 done.append({"action": name, "ok": True, "result": action()})
-            except SlurmError as e:
-                done.append({"action": name, "ok": False, "error": str(e)})
+            except Exception as e:  # noqa: BLE001 - SlurmError, or a bug: reported either way
+                done.append({"action": name, "ok": False, "error": str(e) if isinstance(e, SlurmError)
+                             else f"{type(e).__name__}: {e}"})
         with self._lock:
             watch = sorted(self._watch)
         nodes: dict[str, tuple[str, str]] = {}
@@ -222,9 +221,12 @@ class Poller(threading.Thread):
 
     def run(self) -> None:
         while not self._halt.is_set():
-            snap = self.poll_once()
+            try:
+                snap = self.poll_once()
+            except Exception as e:  # noqa: BLE001 - a bug here must not silence SLURM for the rest of the job
+                self._seq += 1
+                snap = Snapshot(self._seq, {}, None, None, [f"poller: {type(e).__name__}: {e}"], [])
             self.latest = snap
-            self.updated.set()
             deadline = time.monotonic() + self.poll_s
             while time.monotonic() < deadline and not self._halt.is_set() and self._actions.empty():
                 self._halt.wait(0.05)
