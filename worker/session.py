@@ -231,11 +231,12 @@ class Session:
             self._decided.wait(DECISION_TIMEOUT_S)
             os._exit(1)
         self._prealloc = None
+        # Load before the decision, off the critical path: on an abort this sandboxed process is thrown away.
+        transfer.load_state(self.objects, states)
+        torch.set_rng_state(extra["rng"])
         self._report(mid, "transferred", bytes_moved=moved, seconds=seconds)
         if not self._decided.wait(DECISION_TIMEOUT_S) or not self._decision.commit:
             os._exit(1)
-        transfer.load_state(self.objects, states)
-        torch.set_rng_state(extra["rng"])
         self.groups.commit(mid)
         self.groups.set_mode("live")
         self.role = "active"
