@@ -231,12 +231,12 @@ class Migrations:
                 return
             if len(acks) == len(m.parties()):
                 self._enter(m, "switching")
-        elif msg.phase == "sent" and m.state == "switching":
-            m.phases.setdefault("transfer_started", time.time() - msg.seconds)
+        elif msg.phase == "sent" and m.state in ("switching", "transferred"):  # may trail the joiner's report
+            self._mark_transfer_start(m, msg.seconds)
         elif msg.phase == "transferred" and m.state == "switching":
             m.bytes_moved += msg.bytes_moved
             m.transfer_s = max(m.transfer_s, msg.seconds)
-            m.phases.setdefault("transfer_started", time.time() - msg.seconds)
+            self._mark_transfer_start(m, msg.seconds)
             if len(acks) == len(m.joiners):
                 self._enter(m, "transferred")
                 self._broadcast(m, p.Decide(m.id, True, "transferred"))
@@ -294,6 +294,12 @@ class Migrations:
         if target.role == "joining":
             target.role = "standby"  # its processes exit; the launcher brings fresh ones up
             target.health = "unknown"
+
+    @staticmethod
+    def _mark_transfer_start(m: Migration, seconds: float) -> None:
+        """The transfer began ``seconds`` before now by one party's clock; keep the earliest report."""
+        start = time.time() - seconds
+        m.phases["transfer_started"] = min(m.phases.get("transfer_started", start), start)
 
     def _prepare(self, m: Migration) -> None:
         m.phases["prepare_started"] = time.time()
