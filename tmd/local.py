@@ -40,23 +40,34 @@ class LocalLauncher:
     def start_node(self, node: str, standby: bool) -> None:
         """Start ``ranks_per_node`` processes for ``node``."""
         for local_rank in range(self.ranks_per_node):
-            env = {
-                **os.environ,
-                "TM_COORDINATOR": self.coordinator,
-                "TM_NODE": node,
-                "TM_LOCAL_RANK": str(local_rank),
-                "TM_STANDBY": "1" if standby else "0",
-                "TM_RUN_DIR": self.run_dir,
-                "TM_GLOO_HOST": "127.0.0.1",
-                "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1",
-                **self.extra_env,
-            }
-            popen = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-            proc = Proc(node, local_rank, popen)
-            self.procs.append(proc)
-            threading.Thread(target=self._pump, args=(proc,), daemon=True, name=f"log-{node}.{local_rank}").start()
+            self._spawn(node, local_rank, standby)
+
+    def base_env(self) -> dict[str, str]:
+        """The environment a worker inherits before the TM_* variables (local mode: all ranks on loopback)."""
+        return {**os.environ, "TM_GLOO_HOST": "127.0.0.1"}
+
+    def argv(self, node: str, local_rank: int) -> list[str]:
+        """The command line of one worker process."""
+        return self.command
+
+    def _spawn(self, node: str, local_rank: int, standby: bool) -> Proc:
+        env = {
+            **self.base_env(),
+            "TM_COORDINATOR": self.coordinator,
+            "TM_NODE": node,
+            "TM_LOCAL_RANK": str(local_rank),
+            "TM_STANDBY": "1" if standby else "0",
+            "TM_RUN_DIR": self.run_dir,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            **self.extra_env,
+        }
+        popen = subprocess.Popen(self.argv(node, local_rank), env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = Proc(node, local_rank, popen)
+        self.procs.append(proc)
+        threading.Thread(target=self._pump, args=(proc,), daemon=True, name=f"log-{node}.{local_rank}").start()
+        return proc
 
     def _pump(self, proc: Proc) -> None:
         path = os.path.join(self.run_dir, "logs", f"{proc.node}.{proc.local_rank}.log")

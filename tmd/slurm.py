@@ -257,7 +257,8 @@ class SrunLauncher(LocalLauncher):
         for proc in self.running(node):
             proc.popen.terminate()
 
-    def srun_argv(self, node: str, local_rank: int) -> list[str]:
+    def argv(self, node: str, local_rank: int) -> list[str]:
+        """One worker, started into the job that holds ``node`` (its own or a standby job's allocation)."""
         return ["srun", f"--jobid={self.node_job[node]}", "--overlap", "--no-kill", "--nodes=1", "--ntasks=1",
                 f"--nodelist={node}", "--kill-on-bad-exit=0", f"--job-name=tm-{node}.{local_rank}", "--export=ALL",
                 "--quiet", *self.command]
@@ -271,24 +272,12 @@ class SrunLauncher(LocalLauncher):
             self._due[node] = (last + RESTART_BACKOFF_S, standby)
             return
         self._last_start[node] = now
-        base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
         for local_rank in range(self.ranks_per_node):
-            env = {
-                **base,
-                "TM_COORDINATOR": self.coordinator,
-                "TM_NODE": node,
-                "TM_LOCAL_RANK": str(local_rank),
-                "TM_STANDBY": "1" if standby else "0",
-                "TM_RUN_DIR": self.run_dir,
-                "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1",
-                **self.extra_env,
-            }
-            popen = subprocess.Popen(self.srun_argv(node, local_rank), env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            proc = Proc(node, local_rank, popen)
-            self.procs.append(proc)
-            threading.Thread(target=self._pump, args=(proc,), daemon=True, name=f"log-{node}.{local_rank}").start()
+            self._spawn(node, local_rank, standby)
+
+    def base_env(self) -> dict[str, str]:
+        """The batch step's SLURM_* variables would confuse srun inside another job: pass only SLURM_CONF."""
+        return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
 
     def poll(self) -> list[Proc]:
         exited = super().poll()
