@@ -375,3 +375,14 @@ def test_counters_from_another_thread_never_deadlock_with_replay():
         poller.join(timeout=10)
     assert not poller.is_alive() and reads[0] > 0
     assert mover.counters()["ops_completed"] == 30 * 50
+
+
+@pytest.mark.timeout(10)
+def test_inner_backend_choice(monkeypatch):
+    monkeypatch.delenv("TM_INNER_BACKEND", raising=False)
+    assert mb.inner_kind() == ("nccl" if torch.cuda.is_available() else "gloo")
+    monkeypatch.setenv("TM_INNER_BACKEND", "gloo")
+    assert mb.inner_kind() == "gloo"
+    monkeypatch.setenv("TM_INNER_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="TM_INNER_BACKEND must be gloo or nccl"):
+        mb.inner_kind()

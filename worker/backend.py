@@ -29,7 +29,7 @@ EXIT_DRAIN_S = float(os.environ.get("TM_EXIT_DRAIN_S", "5"))
 
 wait_for_background = _C.wait_for_background
 
-__all__ = ["new_mover_group", "BACKEND_NAME", "MoverBackend", "build_gloo", "init_mover_world", "mover_of", "release_in_background",
+__all__ = ["new_mover_group", "build_inner", "inner_kind", "BACKEND_NAME", "MoverBackend", "build_gloo", "init_mover_world", "mover_of", "release_in_background",
            "wait_for_background"]
 
 # init_process_group calls the registered creator with (store, rank, size, timeout) only, so the inner backend
@@ -56,6 +56,30 @@ def build_gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: 
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(prefixed, rank, size, opts)
+
+
+def inner_kind() -> str:
+    """The inner backend rank groups use: env ``TM_INNER_BACKEND`` (``gloo`` or ``nccl``), else ``nccl`` where
+    CUDA is available and ``gloo`` elsewhere. Raises ValueError on another value."""
+    kind = os.environ.get("TM_INNER_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    if kind not in ("gloo", "nccl"):
+        raise ValueError(f"TM_INNER_BACKEND must be gloo or nccl, not {kind!r}")
+    return kind
+
+
+def build_inner(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float = 60.0,
+                host: Optional[str] = None) -> CBackend:
+    """An inner backend of :func:`inner_kind` over ``PrefixStore(prefix, store)`` (see :func:`build_gloo`).
+    NCCL groups bind to ``cuda:<LOCAL_RANK>`` (env ``TM_LOCAL_RANK``, the device the script should use); their
+    collectives and the state transfer then move CUDA tensors over NVLink/RDMA."""
+    if inner_kind() == "gloo":
+        return build_gloo(store, prefix, rank, size, timeout_s, host)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    device = torch.device("cuda", int(os.environ.get("TM_LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
+    pg = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, opts)
+    pg.eager_connect_single_device(device)  # connect now (phase 1), not in the first collective (the switch step)
+    return pg
 
 
 def _create_mover(store, rank: int, size: int, timeout) -> MoverBackend:

@@ -55,8 +55,8 @@ class GroupManager:
         self._pending: Optional[_Pending] = None
 
     def _inner(self, generation: int, group: str, ranks: list[int]):
-        return mb.build_gloo(self.store, f"tm/g{generation}/{group}", ranks.index(self.rank), len(ranks),
-                             self.timeout_s, self.host)
+        return mb.build_inner(self.store, f"tm/g{generation}/{group}", ranks.index(self.rank), len(ranks),
+                              self.timeout_s, self.host)
 
     def init_world(self, generation: int, mode: str, connect: bool) -> mb.MoverBackend:
         """Install the mover-backed world group as the default group. ``connect`` false leaves it without an
@@ -102,8 +102,8 @@ class GroupManager:
                 for g in affected:
                     built[g.name] = self._inner(generation, g.name, g.ranks)
                 if role in ("leaver", "joiner"):
-                    transfer = mb.build_gloo(self.store, transfer_prefix, 0 if role == "leaver" else 1, 2,
-                                             self.timeout_s, self.host)
+                    transfer = mb.build_inner(self.store, transfer_prefix, 0 if role == "leaver" else 1, 2,
+                                              self.timeout_s, self.host)
                 with self._lock:
                     if pending.cancelled:
                         raise RuntimeError("migration aborted while its groups were being built")

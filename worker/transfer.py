@@ -77,6 +77,11 @@ def pretouch(plan: list[dict]) -> list[torch.Tensor]:
     return [torch.zeros(b["numel"], dtype=b["dtype"], device=b["device"]) for b in plan]
 
 
+def _wire_device(pg) -> torch.device:
+    """Where this group's tensors must live: the current CUDA device for NCCL, the CPU for gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if pg.name() == "nccl" else torch.device("cpu")
+
+
 def send_state(pg, objects: dict[str, Any], extra: dict, dst: int = 1) -> tuple[int, float]:
     """Send ``objects``' state_dicts and ``extra`` (picklable) to rank ``dst`` of ``pg``.
 
@@ -92,8 +97,9 @@ def send_state(pg, objects: dict[str, Any], extra: dict, dst: int = 1) -> tuple[
         "buffers": [{"key": k[0], "dtype": k[1], "device": k[2], "numel": f.numel(), "crc32": crc32(f),
                      "shapes": [tuple(t.shape) for t in ts]} for k, f, ts in zip(order, flats, tensors)],
     })
-    head = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    pg.send([torch.tensor([head.numel()], dtype=torch.int64)], dst, 0).wait()
+    wire = _wire_device(pg)
+    head = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(wire)
+    pg.send([torch.tensor([head.numel()], dtype=torch.int64, device=wire)], dst, 0).wait()
     pg.send([head], dst, 1).wait()
     moved = head.numel() + 8
     for i, flat in enumerate(flats):
@@ -106,23 +112,26 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None) -
     """Receive what :func:`send_state` sent. ``buffers``: pre-touched receive buffers (used where dtype and size
     match). Returns (states by object name, extra, bytes_moved, seconds). Raises ChecksumError on a corrupt
     buffer and RuntimeError if the peer dies mid-transfer; nothing is loaded anywhere in either case."""
-    length = torch.zeros(1, dtype=torch.int64)
+    wire = _wire_device(pg)
+    length = torch.zeros(1, dtype=torch.int64, device=wire)
     pg.recv([length], src, 0).wait()  # waits for the sender to reach its switch step: not transfer time
     start = time.perf_counter()
-    head = torch.empty(int(length.item()), dtype=torch.uint8)
+    head = torch.empty(int(length.item()), dtype=torch.uint8, device=wire)
     pg.recv([head], src, 1).wait()
-    header = pickle.loads(head.numpy().tobytes())
+    header = pickle.loads(head.cpu().numpy().tobytes())
     moved = head.numel() + 8
     pool = list(buffers or [])
     flats: dict = {}
     received = []
     for i, b in enumerate(header["buffers"]):
+        # the sender's cuda:<i> is this process's own CUDA device; CPU state stays on the CPU
+        device = torch.device("cpu") if b["device"] == "cpu" else wire
         flat = next((t for t in pool if t.dtype == b["dtype"] and t.numel() == b["numel"]
-                     and str(t.device) == b["device"]), None)
+                     and t.device == device), None)
         if flat is not None:
             pool.remove(flat)
         else:
-            flat = torch.empty(b["numel"], dtype=b["dtype"], device=b["device"])
+            flat = torch.empty(b["numel"], dtype=b["dtype"], device=device)
         pg.recv([flat], src, 2 + i).wait()
         moved += flat.numel() * flat.element_size()
         received.append((b, flat))
