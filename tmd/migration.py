@@ -327,6 +327,7 @@ class Migrations:
         src, dst = reg.nodes[m.source], reg.nodes[m.target]
         dst.role, dst.ranks = "active", list(src.ranks)
         src.role, src.ranks = "left", []
+        src.health, src.reason = "unknown", f"ranks handed over to {dst.name} in migration {m.id}"
         self._enter(m, "committed", switch_step=m.switch_step, bytes_moved=m.bytes_moved, phases_s=m.phases_s())
 
     def _enter(self, m: Migration, state: str, **fields) -> None:
