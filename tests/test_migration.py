@@ -169,3 +169,21 @@ def test_final_state_is_bit_identical_to_an_uninterrupted_run(job, reference):
     assert names.count("migration_committed") == 1 and names.count("migration_aborted") == 1
     left = [e for e in events(job["run_dir"]) if e["event"] == "process_exit" and e["node"] == "n2"]
     assert [e["returncode"] for e in left] == [0, 0] and all(e["expected"] for e in left)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_tmd_stops_the_local_job_and_all_its_processes(tmp_path):
+    import psutil
+
+    run_dir = str(tmp_path)
+    proc = subprocess.Popen(tmd_command(run_dir, 1, 100_000, True, True), stdout=subprocess.DEVNULL)
+    client = Client(wait_for_address(run_dir, proc), timeout_s=10.0)
+    wait_until(lambda: client.request(p.StatusRequest()).step > 3, 90, "training to start")
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) == 6  # 2 nodes x 2 ranks + the standby's 2 processes
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, alive
+    names = [e["event"] for e in events(run_dir)]
+    assert "tmd_signalled" in names and names[-1] == "tmd_stopped"
