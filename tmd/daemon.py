@@ -301,6 +301,8 @@ class Daemon:
             self._released = True
             self._release_deadline = time.monotonic() + RELEASE_GRACE_S
             self.journal.record("job_finished", step=reg.current_step())
+            if self.migrations.current is not None:
+                self.migrations.abort(self.migrations.current, "the job finished before the migration committed")
             for n in reg.nodes.values():
                 if n.role in ("standby", "joining"):
                     for w in n.workers.values():
