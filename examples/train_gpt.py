@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=0,
                    help="also make subgroups of this many consecutive ranks (e.g. one per node) and average the "
                         "loss over them each step: a subgroup collective that migrations must keep working")
+    p.add_argument("--slow-rank", type=int, default=-1, help="make this rank a straggler (for tests and demos)")
+    p.add_argument("--slow-s", type=float, default=0.05, help="seconds the --slow-rank sleeps in every step")
     p.add_argument("--min-step-time-s", type=float, default=0.0,
                    help="pad each step to at least this many seconds (stands in for a bigger model; numerics unchanged)")
     args = p.parse_args(argv)
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
             loss = group_loss / torch.distributed.get_world_size(subgroup)
         last_loss = loss.item()
         last_step = step
+        if session.rank == args.slow_rank and not session.is_shadow:
+            time.sleep(args.slow_s)  # arrives late at the next step's collectives: its peers wait for it
         pad = args.min_step_time_s - (time.perf_counter() - t_step)
         if pad > 0 and not session.is_shadow:
             time.sleep(pad)

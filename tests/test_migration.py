@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import zmq
@@ -20,6 +19,8 @@ import zmq
 from examples.demo import final_hashes, tmd_command, wait_for_address
 from tmctl.client import Client
 from tmd import protocol as p
+
+from tests.helpers import events, wait_until
 
 STEPS = 1500
 # Per-node subgroups (a collective in them every step), and steps padded so the job outlives the tests.
@@ -29,21 +30,6 @@ ARGS = ("--group-size", "2", "--min-step-time-s", "0.03")  # neither changes the
 def run_tmctl(run_dir: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tmctl.cli", *args, "--run-dir", run_dir],
                           capture_output=True, text=True, timeout=timeout)
-
-
-def events(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "events.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)  # polling another process's state: there is no event to wait on
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import time
 import pytest
 
 from examples.demo import final_hashes
+from tests.helpers import wait_until
 from tmd.slurm import Poller
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,16 +42,6 @@ def slurm_missing() -> str:
     if os.geteuid() != 0:
         return "the local SLURM cluster needs root (slurmd runs as root)"
     return ""
-
-
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)  # polling another process's (or SLURM's) state: there is no event to wait on
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def leftovers(cluster_dir: str) -> list[str]:

@@ -86,8 +86,10 @@ def nodes_table(nodes: list[dict]) -> Table:
             role += " (warm)" if n.get("warm") else " (cold)"
         health = _dash(n.get("health"))
         style = _HEALTH_STYLE.get(health, "")
-        cells = [_cell(n.get("name")), escape(role), ranks(n.get("ranks")),
-                 f"[{style}]{escape(health)}[/]" if style else escape(health),
+        health_cell = f"[{style}]{escape(health)}[/]" if style else escape(health)
+        if n.get("stragglers"):  # ranks that arrive late at collectives (tmd.health)
+            health_cell += f", [yellow]straggler {ranks(n['stragglers'])}[/]"
+        cells = [_cell(n.get("name")), escape(role), ranks(n.get("ranks")), health_cell,
                  seconds(n.get("heartbeat_age_s"), 1), _dash(n.get("step")), seconds(n.get("step_time_s"), 3)]
         if slurm:
             state = _dash(n.get("slurm_state")) + (f" ({n['slurm_reason']})" if n.get("slurm_reason") else "")

@@ -19,6 +19,7 @@ from typing import Optional
 import zmq
 
 from tmd import protocol as p
+from tmd.health import StragglerDetector
 from tmd.journal import Journal
 from tmd.local import LocalLauncher
 from tmd.migration import MigrationError, Migrations
@@ -65,6 +66,7 @@ class Daemon:
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker may reuse its identity
         self.sock.bind(f"tcp://{bind_host}:{port or '*'}")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT).replace("0.0.0.0", socket.gethostname())
+        self.stragglers = StragglerDetector()
         self.launcher: Optional[LocalLauncher] = None
         # SLURM mode (tmd.slurm.SlurmCluster): ticked from the loop; resolves migrate targets; gets NodeNotices.
         self.cluster = None
@@ -168,6 +170,9 @@ class Daemon:
         w = self._worker(identity, msg)
         if w:
             w.counters = msg.counters
+            busy = msg.counters.get("busy_s")
+            if w.rank is not None and self.registry.rank_owner.get(w.rank) is w and isinstance(busy, (int, float)):
+                self.stragglers.observe(w.rank, time.monotonic(), float(busy))
 
     def _on_StepReport(self, identity: bytes, msg: p.StepReport) -> None:
         w = self._worker(identity, msg)
@@ -210,6 +215,7 @@ class Daemon:
                 "step": max(steps) if steps else None,
                 "step_time_s": round(max(times), 6) if times else None,
                 "warm": n.warm,
+                "stragglers": sorted(r for r in n.ranks if r in self.stragglers.flagged),
             })
         if self.cluster is not None:
             self.cluster.decorate(nodes)
@@ -245,6 +251,7 @@ class Daemon:
         if self.launcher:
             self._check_processes()
         self.migrations.tick(now)
+        self._check_stragglers(now)
         if self.cluster is not None:
             self.cluster.tick(now)
         self._check_finished()
@@ -290,6 +297,14 @@ class Daemon:
                     node.health = "unknown"
                     self.journal.record("standby_restarted", node=node.name)
                     self.launcher.start_node(node.name, standby=True)
+
+    def _check_stragglers(self, now: float) -> None:
+        """Journal ranks that turn into stragglers or recover (tmctl status shows them per node)."""
+        new, cleared = self.stragglers.evaluate(now)
+        for rank, event in [(r, "straggler_detected") for r in new] + [(r, "straggler_cleared") for r in cleared]:
+            w = self.registry.rank_owner.get(rank)
+            self.journal.record(event, rank=rank, node=w.node if w else None,
+                                lateness=round(self.stragglers.lateness.get(rank, 0.0), 3))
 
     def _check_finished(self) -> None:
         reg = self.registry

@@ -175,7 +175,8 @@ class StatusRequest(Message):
 @dataclasses.dataclass
 class StatusReply(Message):
     """``nodes``: one dict per node (name, role, ranks, health, heartbeat_age_s, step, step_time_s, warm).
-    ``health`` is unknown, healthy or unhealthy. ``migration``: the migration in progress or the last one
+    ``health`` is unknown, healthy or unhealthy; ``stragglers`` lists the node's ranks that arrive late at
+    collectives (tmd.health). ``migration``: the migration in progress or the last one
     (dict, see :class:`MigrationReply`) or None."""
 
     job: str

@@ -1,0 +1,69 @@
+"""Straggler detection: the detector on synthetic counters, and a real job with one slow rank."""
+import subprocess
+
+import pytest
+
+from examples.demo import tmd_command, wait_for_address
+from tests.helpers import events, wait_until
+from tmctl.client import Client
+from tmd import protocol as p
+from tmd.health import StragglerDetector
+
+
+def feed(det, t0, seconds, share, ranks=range(4), step=0.5):
+    """Heartbeats every ``step`` s for ``seconds``; ``share[rank]``: fraction of time in collectives."""
+    t = t0
+    flagged, cleared = [], []
+    busy = feed.busy
+    while t < t0 + seconds:
+        t += step
+        for r in ranks:
+            busy[r] = busy.get(r, 0.0) + share[r] * step
+            det.observe(r, t, busy[r])
+        new, gone = det.evaluate(t)
+        flagged += new
+        cleared += gone
+    return t, flagged, cleared
+
+
+@pytest.mark.timeout(10)
+def test_late_rank_is_flagged_after_patience_and_cleared_after_recovery():
+    feed.busy = {}
+    det = StragglerDetector(window_s=2, lateness_threshold=0.2, patience=3)
+    t, flagged, _ = feed(det, 0, 10, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1})
+    assert flagged == [] and not det.flagged  # balanced ranks: nobody
+    t, flagged, _ = feed(det, t, 10, {0: 0.6, 1: 0.6, 2: 0.6, 3: 0.05})  # rank 3 late: its peers wait
+    assert flagged == [3] and set(det.flagged) == {3} and det.lateness[3] > 0.4
+    t, flagged, cleared = feed(det, t, 12, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1})
+    assert cleared == [3] and not det.flagged
+
+
+@pytest.mark.timeout(10)
+def test_one_slow_step_and_two_rank_jobs_are_not_stragglers():
+    feed.busy = {}
+    det = StragglerDetector(window_s=2, lateness_threshold=0.2, patience=3)
+    t, _, _ = feed(det, 0, 6, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1})
+    t, flagged, _ = feed(det, t, 1.5, {0: 0.9, 1: 0.9, 2: 0.9, 3: 0.0})  # one long step on rank 3
+    t, flagged2, _ = feed(det, t, 8, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1})
+    assert flagged == flagged2 == [] and not det.flagged
+    feed.busy = {}
+    two = StragglerDetector(window_s=2, patience=1)
+    _, flagged, _ = feed(two, 0, 10, {0: 0.9, 1: 0.0}, ranks=range(2))
+    assert flagged == []
+
+
+@pytest.mark.timeout(180)
+def test_a_slow_rank_in_a_real_job_shows_as_straggler(tmp_path):
+    run_dir = str(tmp_path)
+    proc = subprocess.Popen(tmd_command(run_dir, 0, 100_000, True, True, ("--slow-rank", "3", "--slow-s", "0.05")),
+                            stdout=subprocess.DEVNULL)
+    try:
+        client = Client(wait_for_address(run_dir, proc), timeout_s=10.0)
+        detected = wait_until(lambda: [e for e in events(run_dir) if e["event"] == "straggler_detected"], 120,
+                              "a straggler_detected event")
+        assert [(e["rank"], e["node"]) for e in detected] == [(3, "n2")] and detected[0]["lateness"] > 0.2
+        nodes = {n["name"]: n for n in client.request(p.StatusRequest()).nodes}
+        assert nodes["n2"]["stragglers"] == [3] and nodes["n1"]["stragglers"] == []
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -1,0 +1,80 @@
+"""Straggler detection from the mover Backend's counters, which every heartbeat carries.
+
+In lockstep training every rank meets the others at each collective, so step times cannot tell which rank is
+slow: all of them slow down together. Collective *arrival lateness* can. A rank's ``busy_s`` counter grows while
+its collectives are in flight; a late rank finds its peers already waiting, so its collectives finish almost at
+once, while every peer's ``busy_s`` grows by the time it waited for it. Over a sliding window, the share of wall
+time a rank spends in collectives (its *wait share*) is therefore lowest on the straggler, and
+``lateness = median(peers' wait share) - own wait share`` measures how much of the job's time it costs.
+
+Lateness is assessed once per window, on consecutive, non-overlapping windows. A rank is flagged after ``patience``
+late windows in a row and cleared after as many on time, so one slow step (a long first step, a checkpoint)
+shorter than ``(patience - 1) * window_s`` is never a straggler. Same idea as the
+collective-wait statistics of NVIDIA resiliency-ext's straggler detector, computed from counters, not traces.
+"""
+from __future__ import annotations
+
+import collections
+import statistics
+from typing import Optional
+
+
+class StragglerDetector:
+    def __init__(self, window_s: float = 2.0, lateness_threshold: float = 0.2, patience: int = 3) -> None:
+        """``window_s``: seconds per assessment window; ``lateness_threshold``: flag when peers spend this much
+        more of their wall time (a fraction, 0..1) waiting in collectives than the rank does."""
+        self.window_s = window_s
+        self.lateness_threshold = lateness_threshold
+        self.patience = patience
+        self._samples: dict[int, collections.deque[tuple[float, float]]] = collections.defaultdict(collections.deque)
+        self._streak: dict[int, int] = collections.defaultdict(int)
+        self.flagged: dict[int, float] = {}  # rank -> lateness at the last evaluation
+        self.lateness: dict[int, float] = {}
+        self._next_eval = 0.0
+
+    def observe(self, rank: int, now_s: float, busy_s: float) -> None:
+        """One heartbeat of ``rank`` at monotonic time ``now_s`` with its counter ``busy_s`` (seconds)."""
+        samples = self._samples[rank]
+        if samples and busy_s < samples[-1][1]:
+            samples.clear()  # a new process took this rank: its counters started over
+        samples.append((now_s, busy_s))
+        while samples and now_s - samples[0][0] > self.window_s:
+            samples.popleft()
+
+    def forget(self, rank: int) -> None:
+        self._samples.pop(rank, None)
+        self._streak.pop(rank, None)
+        self.flagged.pop(rank, None)
+        self.lateness.pop(rank, None)
+
+    def _wait_share(self, rank: int) -> Optional[float]:
+        samples = self._samples.get(rank)
+        if not samples or samples[-1][0] - samples[0][0] < self.window_s / 2:
+            return None
+        (t0, b0), (t1, b1) = samples[0], samples[-1]
+        return (b1 - b0) / (t1 - t0)
+
+    def evaluate(self, now_s: float) -> tuple[list[int], list[int]]:
+        """Assess the window that just ended (once per ``window_s``). Returns (newly flagged, newly cleared)."""
+        if now_s < self._next_eval:
+            return [], []
+        self._next_eval = now_s + self.window_s
+        shares = {r: s for r in self._samples if (s := self._wait_share(r)) is not None}
+        new, cleared = [], []
+        if len(shares) < 3:  # with two ranks each is the other's only peer: lateness is ambiguous
+            return new, cleared
+        for rank, share in shares.items():
+            peers = [s for r, s in shares.items() if r != rank]
+            self.lateness[rank] = lateness = statistics.median(peers) - share
+            late = lateness > self.lateness_threshold
+            streak = self._streak[rank]
+            self._streak[rank] = streak = (max(streak, 0) + 1) if late else (min(streak, 0) - 1)
+            if late and streak >= self.patience and rank not in self.flagged:
+                self.flagged[rank] = lateness
+                new.append(rank)
+            elif not late and -streak >= self.patience and rank in self.flagged:
+                del self.flagged[rank]
+                cleared.append(rank)
+            elif rank in self.flagged:
+                self.flagged[rank] = lateness
+        return new, cleared
