@@ -173,9 +173,8 @@ class GroupManager:
         """Drop the transfer group after the state moved (off the hot path)."""
         with self._lock:
             pending = self._pending
-            if pending is not None and pending.migration_id == migration_id and pending.transfer is not None:
-                self._retire(_Pending(migration_id, transfer=pending.transfer))
-                pending.transfer = None
+            if pending is not None and pending.migration_id == migration_id:
+                self._retire(pending)
 
     @staticmethod
     def _retire(pending: _Pending) -> None:

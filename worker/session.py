@@ -246,7 +246,7 @@ class Session:
     def _switch_boundary(self, switch: p.Switch) -> None:
         """At the start of the switch step: leaver sends its state; stayers and leaver wait for the decision."""
         paused = time.perf_counter()
-        mid = self._switch.migration_id if self._switch else switch.migration_id
+        mid = switch.migration_id
         role = self._migration_role
         if role == "leaver":
             try:
