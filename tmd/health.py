@@ -78,3 +78,83 @@ class StragglerDetector:
             elif rank in self.flagged:
                 self.flagged[rank] = lateness
         return new, cleared
+
+
+# XIDs after which the GPU, its memory or its links cannot be trusted to keep training correctly, from NVIDIA's
+# XID catalog (https://docs.nvidia.com/deploy/xid-errors/). Others (13: graphics engine exception, 31: MMU
+# fault, 43: GPU stopped processing, ...) are usually the application's own fault and follow its process.
+CRITICAL_XIDS = frozenset({
+    48,   # double-bit (uncorrectable) ECC error
+    63,   # ECC page retirement / row remapping recorded
+    64,   # ECC page retirement / row remapping failed
+    74,   # NVLink error
+    79,   # GPU has fallen off the bus
+    92,   # high single-bit ECC error rate
+    94,   # contained ECC error
+    95,   # uncontained ECC error
+    119,  # GSP RPC timeout
+    120,  # GSP error
+})
+HW_THROTTLE = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
+
+
+class GpuHealthPolicy:
+    """Judges the GPU samples ranks send in heartbeats (:meth:`worker.gpu_health.GpuProbe.sample`).
+
+    *unhealthy* (move the rank off this GPU): NVML reports the GPU lost; a critical XID (:data:`CRITICAL_XIDS`,
+    from NVIDIA's XID catalog, docs.nvidia.com/deploy/xid-errors) seen since the rank's probe started; or
+    volatile uncorrected ECC errors above the count first seen for that GPU (any increase).
+    *degraded* (slow, still correct): the core temperature above ``max_temperature_c`` (degrees Celsius); or a
+    hardware clock slowdown (:data:`HW_THROTTLE`) active for ``throttle_patience`` consecutive samples (one
+    sample per heartbeat, 0.5 s by default), so a brief power-brake blip is not flagged.
+
+    XIDs and the ECC increase stay reported while the rank stays on that GPU; a sample from another GPU (its
+    ``uuid`` changed) or a lower ECC count (driver reloaded) starts the rank over, as does :meth:`forget`."""
+
+    def __init__(self, max_temperature_c: float = 90, throttle_patience: int = 3,
+                 critical_xids: frozenset[int] = CRITICAL_XIDS) -> None:
+        self.max_temperature_c = max_temperature_c
+        self.throttle_patience = throttle_patience
+        self.critical_xids = critical_xids
+        self._gpu: dict[int, Optional[str]] = {}  # rank -> uuid of the GPU its baseline is for
+        self._ecc_baseline: dict[int, int] = {}
+        self._throttled: dict[int, int] = {}  # rank -> consecutive samples with a hardware slowdown
+
+    def forget(self, rank: int) -> None:
+        self._gpu.pop(rank, None)
+        self._ecc_baseline.pop(rank, None)
+        self._throttled.pop(rank, None)
+
+    def evaluate(self, rank: int, sample: dict) -> Optional[tuple[str, str]]:
+        """One heartbeat's sample of ``rank``: None when fine (or the sample is empty: no GPU), else
+        ``("unhealthy" | "degraded", "rank R GPU I: reason with the value")``, the worst state found."""
+        if not sample:
+            return None
+        if rank in self._gpu and sample.get("uuid") != self._gpu[rank]:
+            self.forget(rank)
+        self._gpu[rank] = sample.get("uuid")
+        unhealthy, degraded = [], []
+        if sample.get("gpu_lost"):
+            unhealthy.append("GPU is lost (NVML)")
+        xids = sample.get("xids") or ([sample["xid"]] if sample.get("xid") is not None else [])
+        critical = [x for x in xids if x in self.critical_xids]
+        if critical:
+            unhealthy.append(f"critical XID {', '.join(map(str, critical))}")
+        ecc = sample.get("ecc_uncorrected")
+        if ecc is not None:
+            baseline = self._ecc_baseline.get(rank)
+            if baseline is None or ecc < baseline:
+                self._ecc_baseline[rank] = baseline = ecc
+            if ecc > baseline:
+                unhealthy.append(f"{ecc - baseline} new uncorrected ECC errors ({ecc} since driver load)")
+        temperature = sample.get("temperature_c")
+        if temperature is not None and temperature > self.max_temperature_c:
+            degraded.append(f"temperature {temperature} C > {self.max_temperature_c} C")
+        slowdown = [r for r in sample.get("throttle") or () if r in HW_THROTTLE]
+        self._throttled[rank] = streak = self._throttled.get(rank, 0) + 1 if slowdown else 0
+        if slowdown and streak >= self.throttle_patience:
+            degraded.append(f"{', '.join(slowdown)} for {streak} samples")
+        if not (unhealthy or degraded):
+            return None
+        return ("unhealthy" if unhealthy else "degraded",
+                f"rank {rank} GPU {sample.get('index')}: {'; '.join(unhealthy or degraded)}")
