@@ -114,6 +114,34 @@ with no inner backend; "bypass" completes barrier/send/recv at once and forwards
           "Fail every pending work now (wait() raises RuntimeError with `reason`, futures get "
           "the error); the inner ops are abandoned. Later ops raise RuntimeError until commit(). "
           "Returns how many works were aborted.")
+      .def(
+          "fail",
+          &MoverBackend::fail,
+          py::arg("reason"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Latch a failure (failure recovery): every pending work completes now, successfully, "
+          "with its outputs as they are (a blocked wait() returns), and every later op completes "
+          "at once without reaching the inner backend, until commit(). Returns how many works "
+          "were released.")
+      .def_property(
+          "tolerant",
+          [](MoverBackend& self) {
+            py::gil_scoped_release nogil;
+            return self.tolerant();
+          },
+          [](MoverBackend& self, bool tolerant) {
+            py::gil_scoped_release nogil;
+            self.setTolerant(tolerant);
+          },
+          "When True, an inner op's error latches the failure (as fail() does) instead of "
+          "raising from wait(): a DDP backward then finishes and the step is refused later.")
+      .def_property_readonly(
+          "failure",
+          [](MoverBackend& self) {
+            py::gil_scoped_release nogil;
+            return self.failure();
+          },
+          "The latched failure's reason (str), or None while not failed.")
       .def_property_readonly(
           "aborted",
           [](MoverBackend& self) {
@@ -140,13 +168,16 @@ with no inner backend; "bypass" completes barrier/send/recv at once and forwards
             d["busy_s"] = c.busyS;
             d["blocked_s"] = c.blockedS;
             d["generation"] = c.generation;
+            d["ops_skipped"] = c.opsSkipped;
+            d["failed"] = c.failed;
             d["mode"] = std::string(tmover::modeName(c.mode));
             return d;
           },
           "Counters as a dict: ops_issued, ops_completed, ops_failed, pending (ints; issued = "
           "completed + failed + pending), last_op_start_s / last_op_end_s (epoch seconds, 0.0 "
           "if none), busy_s (seconds, sum of issue->completion over completed ops), blocked_s "
-          "(seconds callers spent in Work.wait()), generation (int), mode (str).");
+          "(seconds callers spent in Work.wait()), generation (int), mode (str), ops_skipped (ops "
+          "completed at once under the failure latch), failed (bool).");
 
   m.def(
       "release_in_background",

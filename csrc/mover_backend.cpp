@@ -161,6 +161,36 @@ void MoverState::onSettled(
   }
 }
 
+std::exception_ptr MoverState::absorb(std::exception_ptr error, int64_t opGeneration) {
+  if (!error) {
+    return error;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (tolerant && opGeneration != generation) {
+      return nullptr; // a late error of an abandoned op: its work was settled already
+    }
+  }
+  std::string what = "unknown error";
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    what = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  if (!tolerant) {
+    return error;
+  }
+  if (!failed && opGeneration == generation) {
+    failed = true;
+    failReason = what;
+  }
+  return nullptr;
+}
+
 void MoverState::addBlocked(double seconds) {
   std::lock_guard<std::mutex> lock(mu);
   counters.blockedS += seconds;
@@ -371,6 +401,8 @@ int64_t MoverBackend::commit() {
     generation = ++state_->generation;
     state_->aborted = false;
     state_->abortReason.clear();
+    state_->failed = false;
+    state_->failReason.clear();
     state_->innerLacksFuture.fill(false);
   }
   releaseInBackground(std::move(old));
@@ -488,6 +520,44 @@ int64_t MoverBackend::abortPending(const std::string& reason) {
   return count;
 }
 
+int64_t MoverBackend::fail(const std::string& reason) {
+  std::unordered_map<uint64_t, c10::intrusive_ptr<MoverWork>> victims;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (!state_->failed) {
+      state_->failed = true;
+      state_->failReason = reason;
+    }
+    victims.swap(state_->pending);
+  }
+  int64_t count = 0;
+  for (auto& entry : victims) {
+    if (entry.second->settle(nullptr)) {
+      entry.second->markAbandoned();
+      ++count;
+    }
+  }
+  return count;
+}
+
+void MoverBackend::setTolerant(bool tolerant) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->tolerant = tolerant;
+}
+
+bool MoverBackend::tolerant() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->tolerant;
+}
+
+std::optional<std::string> MoverBackend::failure() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (!state_->failed) {
+    return std::nullopt;
+  }
+  return state_->failReason;
+}
+
 bool MoverBackend::aborted() {
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->aborted;
@@ -498,6 +568,7 @@ Counters MoverBackend::counters() {
   Counters c = state_->counters;
   c.pending = state_->pending.size();
   c.generation = state_->generation;
+  c.failed = state_->failed;
   c.mode = state_->mode;
   return c;
 }
@@ -627,9 +698,11 @@ c10::intrusive_ptr<Work> MoverBackend::run(
   bool lacksFuture;
   bool inCoalescingBlock;
   std::vector<RecordTarget> targets; // record slots the returned work fills when it completes
+  bool skip = false;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     TORCH_CHECK(!state_->aborted, "mover backend aborted: ", state_->abortReason);
+    skip = state_->failed;
     mode = state_->mode;
     inner = state_->inner; // a commit() after this point affects the next op, not this one
     lacksFuture = state_->innerLacksFuture[static_cast<size_t>(opType) % 128];
@@ -640,6 +713,12 @@ c10::intrusive_ptr<Work> MoverBackend::run(
     }
     ++state_->counters.opsIssued;
     state_->counters.lastOpStartS = wallNow();
+    if (skip) {
+      ++state_->counters.opsSkipped;
+    }
+  }
+  if (skip) { // failure latched: this step is void anyway; never touch the broken inner
+    return completedWork(opType, op, std::move(outputs));
   }
   int64_t slot = -1;
   // Ops that raise synchronously count as failed, so issued == completed + failed + pending.
@@ -724,23 +803,28 @@ c10::intrusive_ptr<MoverWork> MoverBackend::wrap(
   // Registered as pending before completion is wired, so that abort() cannot miss it.
   std::string abortedWith;
   bool abortedNow = false;
+  bool failedNow = false;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     work->setId(++state_->nextWorkId);
+    work->setGeneration(state_->generation);
     abortedNow = state_->aborted;
     abortedWith = state_->abortReason;
-    if (!abortedNow) {
+    failedNow = state_->failed; // fail() ran after this op was issued
+    if (!abortedNow && !failedNow) {
       state_->pending.emplace(work->id(), work);
     }
   }
   if (abortedNow && work->settle(abortError(abortedWith))) {
+    work->markAbandoned();
+  } else if (failedNow && work->settle(nullptr)) {
     work->markAbandoned();
   }
 
   if (innerFuture) {
     innerFuture->addCallback([work](c10::ivalue::Future& f) {
       if (f.hasError()) {
-        work->settle(f.exception_ptr());
+        work->settle(work->state()->absorb(f.exception_ptr(), work->generation()));
       } else {
         work->settle(nullptr, f.value(), f.storages());
       }
@@ -752,7 +836,7 @@ c10::intrusive_ptr<MoverWork> MoverBackend::wrap(
         work->inner()->wait();
         work->settle(nullptr);
       } catch (...) {
-        work->settle(std::current_exception());
+        work->settle(work->state()->absorb(std::current_exception(), work->generation()));
       }
       work->onInnerDone();
     }).detach();

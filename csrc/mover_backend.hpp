@@ -52,6 +52,8 @@ struct Counters {
   double lastOpEndS = 0.0;
   double busyS = 0.0; // sum of issue -> completion over completed ops
   double blockedS = 0.0; // time callers spent inside MoverWork::wait()
+  uint64_t opsSkipped = 0; // ops completed at once because the failure latch was set
+  bool failed = false;
   int64_t generation = 0;
   Mode mode = Mode::kLive;
 };
@@ -84,6 +86,13 @@ struct MoverState {
   Mode mode = Mode::kLive;
   bool aborted = false;
   std::string abortReason;
+  // Failure latch (failure recovery): once set, every op completes at once with its outputs
+  // untouched and never reaches the inner backend, until commit() swaps a new inner in. Set by
+  // fail(), or by an inner op's error when `tolerant` (errors are then absorbed, not raised, so
+  // a DDP backward finishes cleanly and the step is refused at the optimizer instead).
+  bool tolerant = false;
+  bool failed = false;
+  std::string failReason;
 
   uint64_t nextWorkId = 0;
   std::unordered_map<uint64_t, c10::intrusive_ptr<MoverWork>> pending;
@@ -110,6 +119,10 @@ struct MoverState {
       std::chrono::steady_clock::time_point start,
       std::vector<RecordTarget> recorded);
   void addBlocked(double seconds);
+  // `error` unless this backend absorbs errors (tolerant): then latch the failure, return null.
+  // An error from an op of an older generation (abandoned by fail(), completing late) latches
+  // nothing: the inner it ran on is gone.
+  std::exception_ptr absorb(std::exception_ptr error, int64_t opGeneration);
 };
 
 // The Work handed to callers. Owns its own future so that abort() can fail it while the inner
@@ -158,6 +171,15 @@ class MoverWork : public c10d::Work {
   const c10::intrusive_ptr<c10d::Work>& inner() const {
     return inner_;
   }
+  const std::shared_ptr<MoverState>& state() const {
+    return state_;
+  }
+  int64_t generation() const {
+    return generation_;
+  }
+  void setGeneration(int64_t generation) {
+    generation_ = generation;
+  }
   const std::string& op() const {
     return op_;
   }
@@ -174,6 +196,7 @@ class MoverWork : public c10d::Work {
   const std::vector<RecordTarget> recordTargets_;
   const std::chrono::steady_clock::time_point start_;
   uint64_t id_ = 0;
+  int64_t generation_ = 0; // the mover's generation when the op was issued
   bool claimed_ = false; // guarded by mutex_; set by the first settle()
   bool innerDone_ = false; // guarded by mutex_
   std::unique_ptr<BackgroundToken> abandoned_; // guarded by mutex_
@@ -199,6 +222,13 @@ class MoverBackend : public c10d::Backend {
   int64_t replayRemaining();
   int64_t abortPending(const std::string& reason);
   bool aborted();
+  // Latch the failure and complete every pending work successfully (outputs as they are): a
+  // caller blocked in wait() returns at once. Returns how many works were released.
+  int64_t fail(const std::string& reason);
+  void setTolerant(bool tolerant);
+  bool tolerant();
+  // The latched failure's reason, or nullopt when not failed.
+  std::optional<std::string> failure();
   Counters counters();
 
   // --- c10d::Backend ---

@@ -7,8 +7,9 @@ Launched by the runtime on each node (active ranks and standbys alike)::
 ``worker.init()`` blocks on a standby until it is assigned a rank, then installs
 the default process group. ``session.manage(...)`` hands the model, optimizer
 and data stream to the runtime, which can move this rank's state to a joiner
-between steps; ``session.steps(n)`` yields the step numbers this process should
-run (a joiner starts at the step where the leaver stopped).
+between steps; ``session.run(train_step, n)`` calls ``train_step(step)`` for the
+steps this process should run (a joiner starts at the step where the leaver
+stopped; after a peer failure the interrupted step is redone).
 
 At the end each rank writes ``<run_dir>/final/rank<r>.json`` with
 ``{"rank", "steps", "state_sha256", "loss"}`` and reports the state hash via
@@ -83,29 +84,30 @@ def main(argv: list[str] | None = None) -> None:
     model = torch.nn.parallel.DistributedDataParallel(GPT(cfg))  # default group (backend "tmover")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     data = ShakespeareStream(session.rank, batch_size=args.batch_size, context=cfg.context, seed=args.seed)
-    session.manage(model=model, optimizer=opt, data=data)
+    session.manage(model=model, optimizer=opt)  # identical on every data-parallel replica
+    session.manage(rank_local=True, data=data)  # this rank's shard; batches are a function of the step
     subgroup = None
     if args.group_size:
         for first in range(0, session.world_size, args.group_size):  # every process makes every group, in order
             pg = session.new_group(list(range(first, min(first + args.group_size, session.world_size))))
             subgroup = pg if pg is not None else subgroup
 
-    last_loss: float | None = None
-    last_step = -1
+    last = {"loss": None, "step": -1}
     t_log = time.perf_counter()
-    for step in session.steps(args.steps):
+
+    def train_step(step: int) -> None:
+        nonlocal t_log
         t_step = time.perf_counter()
         x, y = data.batch(step)  # int64 [B, T] each
         loss = lm_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
+        opt.step()  # refused (StepAborted) if a collective of this step failed: the runtime redoes the step
         if subgroup is not None:  # the loss averaged over this rank's subgroup (logging only)
             group_loss = loss.detach().clone()
             torch.distributed.all_reduce(group_loss, group=subgroup)
             loss = group_loss / torch.distributed.get_world_size(subgroup)
-        last_loss = loss.item()
-        last_step = step
+        last["loss"], last["step"] = loss.item(), step
         if session.rank == args.slow_rank and not session.is_shadow:
             time.sleep(args.slow_s)  # arrives late at the next step's collectives: its peers wait for it
         pad = args.min_step_time_s - (time.perf_counter() - t_step)
@@ -114,11 +116,14 @@ def main(argv: list[str] | None = None) -> None:
         if session.rank == 0 and not session.is_shadow and (step + 1) % args.log_every == 0:
             now = time.perf_counter()
             print(
-                f"step {step + 1:5d}/{args.steps}  loss {last_loss:.4f}  "
+                f"step {step + 1:5d}/{args.steps}  loss {last['loss']:.4f}  "
                 f"{(now - t_log) / args.log_every:.3f} s/step",
                 flush=True,
             )
             t_log = now
+
+    session.run(train_step, args.steps)  # recovers from peer failures in process and redoes the step
+    last_loss, last_step = last["loss"], last["step"]
 
     digest = final_state_hash(model, opt)
     if not session.is_shadow:

@@ -24,7 +24,7 @@ def world():
     sent: list[tuple[str, p.Message]] = []
     journal = Journal(None)
     migs = Migrations(reg, journal, lambda w, m: sent.append((w.identity.decode(), m)),
-                      lambda w, rank, mid: sent.append((w.identity.decode(), p.Assign("joiner", rank, 4, "", 0, 1, 3, "", mid))),
+                      lambda w, rank, mid: sent.append((w.identity.decode(), p.Assign("joiner", rank, 4, "", 0, 1, 3, "", mid, 0))),
                       record_steps=3)
     return reg, migs, sent, journal
 

@@ -6,6 +6,14 @@ tmd hosts the job's TCPStore, so the store outlives any rank, leavers included.
 
 Assumption (as in torchft's lighthouse): tmd is a single point of coordination, not of training. If it dies the
 ranks keep training; they just cannot migrate until it is back (re-learning the job is a later issue).
+
+Failure detection (defaults), cheapest signal first:
+- a rank process exits (local mode: Popen poll each tick, ~50 ms) or turns zombie/stopped (psutil, for processes
+  on tmd's host: a SIGSTOPped node is seen within a tick);
+- a node is silent for ``suspect_after_s`` (0.8 s; heartbeats every 0.1 s) while a peer is blocked in a
+  collective (its counters show a pending op older than ``blocked_after_s``, 0.3 s): hung or cut off;
+- a node is silent for ``heartbeat_timeout_s`` (5 s) whatever its peers do.
+A long step is not a failure: heartbeats come from a separate thread and peers wait only at the collective.
 """
 from __future__ import annotations
 
@@ -16,14 +24,16 @@ import socket
 import time
 from typing import Optional
 
+import psutil
 import zmq
 
 from tmd import protocol as p
-from tmd.health import StragglerDetector
+from tmd.health import GpuHealthPolicy, StragglerDetector
 from tmd.journal import Journal
 from tmd.local import LocalLauncher
 from tmd.migration import MigrationError, Migrations
-from tmd.registry import Registry, Worker
+from tmd.recovery import FENCED_EXIT_CODE, Incidents, RecoveryError
+from tmd.registry import Node, Registry, Worker
 
 TICK_S = 0.05
 RELEASE_GRACE_S = 30.0  # processes still running this long after the job finished are terminated
@@ -43,10 +53,15 @@ class Daemon:
         record_steps: int = 3,
         heartbeat_timeout_s: float = 5.0,
         echo: bool = True,
+        suspect_after_s: float = 0.8,
+        blocked_after_s: float = 0.3,
+        migrate_stragglers: bool = False,
     ) -> None:
         """``record_steps``: steps whose collective outputs the active ranks record for joiners' replay (and
-        the joiners' number of shadow iterations). ``heartbeat_timeout_s``: silence after which a process's
-        node is marked unhealthy (seconds)."""
+        the joiners' number of shadow iterations). ``heartbeat_timeout_s``: silence after which a node is
+        failed whatever its peers do (seconds). ``suspect_after_s``: silence after which a node is failed if a
+        peer has been blocked in a collective for ``blocked_after_s`` (seconds). ``migrate_stragglers``: move a
+        node with a straggler rank to a warm standby (a planned migration)."""
         import torch.distributed as dist  # only tmd pays for torch: it hosts the job's store
 
         self.job = job
@@ -54,10 +69,20 @@ class Daemon:
         os.makedirs(os.path.join(self.run_dir, "record"), exist_ok=True)
         self.record_steps = record_steps
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.suspect_after_s = suspect_after_s
+        self.blocked_after_s = blocked_after_s
+        self.migrate_stragglers = migrate_stragglers
+        self.gpu_policy = GpuHealthPolicy()
+        self._gpu_verdicts: dict[int, Optional[tuple[str, str]]] = {}
+        self._processes: dict[int, psutil.Process] = {}  # pid -> handle, for processes on this host
+        self._hostname = socket.gethostname()
         self.journal = Journal(os.path.join(self.run_dir, "events.jsonl"), echo=echo)
         self.registry = Registry(nodes, ranks_per_node, standbys)
         self.migrations = Migrations(self.registry, self.journal, self._send, self._assign_joiner,
                                      record_steps=record_steps)
+        self.incidents = Incidents(self.registry, self.journal, self._send, self._assign_replacement,
+                                   self._next_generation,
+                                   lambda rank: os.path.join(self.run_dir, "record", f"rank{rank}.world.pt"))
         self.store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False)
         self.store_host = store_host
         self.ctx = zmq.Context.instance()
@@ -92,14 +117,19 @@ class Daemon:
             signal.signal(sig, stop)
         try:
             while self.exit_code is None:
-                if poller.poll(int(TICK_S * 1000)):
-                    while True:
-                        try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._on_frames(frames)
-                self._tick()
+                try:
+                    if poller.poll(int(TICK_S * 1000)):
+                        while True:
+                            try:
+                                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            self._on_frames(frames)
+                    if self.exit_code is None:
+                        self._tick()
+                except RecoveryError as e:
+                    self.journal.record("job_failed", reason=str(e))
+                    self.exit_code = 1
         finally:
             if self.launcher:
                 self.launcher.terminate_all()
@@ -140,6 +170,13 @@ class Daemon:
             self.journal.record("bad_message", sender=identity.decode(errors="replace"),
                                 error=f"{msg.TYPE} from a process that never registered")
             return None
+        if w.fenced:  # declared failed and replaced (e.g. SIGSTOPped, then continued): it must go away
+            if not w.fence_sent:
+                w.fence_sent = True
+                self.journal.record("fenced", node=w.node, local_rank=w.local_rank, pid=w.pid, message=msg.TYPE)
+            self._send(w, p.Release(f"{w.node} was declared failed; its ranks are held by others now",
+                                    FENCED_EXIT_CODE))
+            return None
         w.last_heartbeat = time.monotonic()
         return w
 
@@ -157,22 +194,72 @@ class Daemon:
                             rank=w.rank, role=node.role)
         if w.rank is not None:
             self._send(w, p.Assign("active", w.rank, self.registry.world_size, self.store_host, self.store.port,
-                                   0, self.record_steps, os.path.join(self.run_dir, "record"), 0))
+                                   0, self.record_steps, os.path.join(self.run_dir, "record"), 0, 0))
         if node.role == "standby" and node.warm:
             self.journal.record("standby_warm", node=node.name)
 
     def _assign_joiner(self, joiner: Worker, rank: int, migration_id: int) -> None:
         self._send(joiner, p.Assign("joiner", rank, self.registry.world_size, self.store_host, self.store.port,
                                     self.migrations.generation, self.record_steps,
-                                    os.path.join(self.run_dir, "record"), migration_id))
+                                    os.path.join(self.run_dir, "record"), migration_id, 0))
+
+    def _assign_replacement(self, joiner: Worker, rank: int, incident_id: int) -> None:
+        self._send(joiner, p.Assign("joiner", rank, self.registry.world_size, self.store_host, self.store.port,
+                                    self.migrations.generation, self.record_steps,
+                                    os.path.join(self.run_dir, "record"), 0, incident_id))
+
+    def _next_generation(self) -> int:
+        self.migrations.generation += 1
+        return self.migrations.generation
 
     def _on_Heartbeat(self, identity: bytes, msg: p.Heartbeat) -> None:
         w = self._worker(identity, msg)
         if w:
             w.counters = msg.counters
             busy = msg.counters.get("busy_s")
-            if w.rank is not None and self.registry.rank_owner.get(w.rank) is w and isinstance(busy, (int, float)):
+            owner = w.rank is not None and self.registry.rank_owner.get(w.rank) is w
+            if owner and isinstance(busy, (int, float)):
                 self.stragglers.observe(w.rank, time.monotonic(), float(busy))
+            gpu = msg.counters.get("gpu")
+            if owner and isinstance(gpu, dict):
+                self._check_gpu(w, gpu)
+
+    def _check_gpu(self, w: Worker, sample: dict) -> None:
+        """GPU health from the rank's pynvml probe: journal changes; an unhealthy GPU (critical XID, new
+        uncorrected ECC errors, GPU lost) on a node that still runs is moved off by a planned migration."""
+        verdict = self.gpu_policy.evaluate(w.rank, sample)
+        if verdict == self._gpu_verdicts.get(w.rank):
+            return
+        self._gpu_verdicts[w.rank] = verdict
+        node = self.registry.nodes[w.node]
+        if verdict is None:
+            self.journal.record("gpu_healthy", node=w.node, rank=w.rank)
+            return
+        level, reason = verdict
+        self.journal.record("gpu_" + level, node=w.node, rank=w.rank, reason=reason)
+        if level == "unhealthy":
+            node.health, node.reason = "unhealthy", reason
+            self._evacuate(node, reason)
+
+    def _evacuate(self, node: Node, reason: str) -> None:
+        """Move a live but failing node (bad GPU, straggler) to a warm standby, if one is free."""
+        standby = next((n for n in self.registry.nodes.values() if n.role == "standby" and n.warm), None)
+        if standby is None or self.migrations.current is not None or self.incidents.current is not None:
+            self.journal.record("evacuation_skipped", node=node.name, reason=reason,
+                                why="no warm standby" if standby is None else "a migration or recovery is running")
+            return
+        try:
+            m = self.migrations.request(node.name, standby.name, require_healthy=False)
+        except MigrationError as e:
+            self.journal.record("evacuation_skipped", node=node.name, reason=reason, why=str(e))
+            return
+        self.journal.record("evacuation_started", node=node.name, standby=standby.name, migration_id=m.id,
+                            reason=reason)
+
+    def _on_RecoveryReport(self, identity: bytes, msg: p.RecoveryReport) -> None:
+        w = self._worker(identity, msg)
+        if w:
+            self.incidents.on_report(w, msg)
 
     def _on_StepReport(self, identity: bytes, msg: p.StepReport) -> None:
         w = self._worker(identity, msg)
@@ -220,12 +307,18 @@ class Daemon:
         if self.cluster is not None:
             self.cluster.decorate(nodes)
         m = self.migrations.all[-1] if self.migrations.all else None
+        inc = self.incidents.all[-1] if self.incidents.all else None
         self._reply(identity, p.StatusReply(self.job, self.registry.world_size, self.migrations.generation,
-                                            self.registry.current_step(), nodes, m.to_dict() if m else None))
+                                            self.registry.current_step(), nodes, m.to_dict() if m else None,
+                                            inc.to_dict() if inc else None))
 
     def _on_MigrateRequest(self, identity: bytes, msg: p.MigrateRequest) -> None:
         try:
             target = self.cluster.resolve_target(msg.target) if self.cluster is not None else msg.target
+            inc = self.incidents.current
+            if inc is not None:
+                raise MigrationError("recovering", f"recovery {inc.id} from a failure is in progress "
+                                                   f"({inc.state}); try again once it is done")
             m = self.migrations.request(msg.source, target)
         except MigrationError as e:
             self.journal.record("migrate_refused", source=msg.source, target=msg.target, code=e.code, reason=str(e))
@@ -247,20 +340,129 @@ class Daemon:
     # --- ticks ----------------------------------------------------------------------------------------------------
     def _tick(self) -> None:
         now = time.monotonic()
-        self._check_heartbeats(now)
         if self.launcher:
             self._check_processes()
+        self._check_liveness()
+        self._check_heartbeats(now)
         self.migrations.tick(now)
+        self.incidents.tick(now)
         self._check_stragglers(now)
         if self.cluster is not None:
             self.cluster.tick(now)
         self._check_finished()
 
+    # --- failure detection --------------------------------------------------------------------------------------
+    def _in_job(self, n: Node) -> bool:
+        """Nodes whose loss is a failure of the job: active ones, and standbys taking over ranks."""
+        return n.role == "active" or (n.role == "joining" and self._replacing(n))
+
+    def _replacing(self, n: Node) -> bool:
+        inc = self.incidents.current
+        return inc is not None and n.name in inc.standbys.values()
+
+    def _fail_node(self, n: Node, reason: str, signal: str) -> None:
+        """Node ``n`` is lost (``signal``: process_exit, stopped, silent). Start (or restart) recovery."""
+        if n.role == "failed":
+            return
+        self.journal.record("node_failed", node=n.name, reason=reason, signal=signal, ranks=n.ranks)
+        for w in n.workers.values():
+            w.fenced = True  # whatever it sends from now on is answered with a Release
+        if n.role == "joining" and self._replacing(n):
+            self.incidents.on_replacement_lost(n, reason)
+            return
+        m = self.migrations.current
+        adopt = None
+        if m is not None:
+            if m.source == n.name and "prepare_started" in m.phases and m.state != "transferred":
+                # The leaver died mid-migration: its joiners are warm for exactly these ranks; their state will
+                # come from a data-parallel replica instead.
+                self.migrations.abort(m, f"leaver {n.name} lost: {reason}", spare_joiners=True)
+                adopt = (m.target, dict(m.joiners))
+            else:
+                self.migrations.abort(m, f"node {n.name} lost during {m.state}: {reason}")
+        self.incidents.on_node_failed(n.name, reason, adopt)
+
+    def _check_processes(self) -> None:
+        for proc in self.launcher.poll():
+            node = self.registry.nodes[proc.node]
+            w = node.workers.get(proc.local_rank)
+            if w is not None:
+                w.exited = True
+            expected = w is not None and (w.done or w.fenced)
+            self.journal.record("process_exit", node=proc.node, local_rank=proc.local_rank, returncode=proc.returncode,
+                                expected=expected)
+            if w is None or expected:
+                continue
+            why = f"{proc.node}/{proc.local_rank} exited with code {proc.returncode}"
+            if self._in_job(node):
+                self._fail_node(node, why, "process_exit")
+                continue
+            self.migrations.on_worker_lost(w, f"exited with code {proc.returncode}")
+            if node.role == "standby" and not self._released:
+                node.health = "unhealthy" if node.workers else node.health
+                if not self.launcher.running(node.name):
+                    node.workers.clear()
+                    node.health = "unknown"
+                    self.journal.record("standby_restarted", node=node.name)
+                    self.launcher.start_node(node.name, standby=True)
+
+    def _process(self, w: Worker) -> Optional[psutil.Process]:
+        if w.host != self._hostname:
+            return None
+        proc = self._processes.get(w.pid)
+        if proc is None:
+            try:
+                proc = self._processes[w.pid] = psutil.Process(w.pid)
+            except psutil.Error:
+                return None
+        return proc
+
+    def _check_liveness(self) -> None:
+        """Processes on this host: a zombie or vanished one has died, a stopped one (SIGSTOP) hangs."""
+        for n in list(self.registry.nodes.values()):
+            if not self._in_job(n):
+                continue
+            for w in n.workers.values():
+                if w.exited or w.done or w.fenced:
+                    continue
+                proc = self._process(w)
+                if proc is None:
+                    continue
+                try:
+                    status = proc.status()
+                except psutil.NoSuchProcess:
+                    status = psutil.STATUS_DEAD
+                except psutil.Error:
+                    continue
+                if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                    self._fail_node(n, f"{w.node}/{w.local_rank} (pid {w.pid}) died", "process_exit")
+                    break
+                if status == psutil.STATUS_STOPPED:
+                    self._fail_node(n, f"{w.node}/{w.local_rank} (pid {w.pid}) is stopped", "stopped")
+                    break
+
+    def _peer_blocked_s(self, n: Node) -> float:
+        """How long (seconds) a rank outside ``n`` has been blocked in a collective, from its last heartbeat."""
+        now = time.time()
+        worst = 0.0
+        for w in self.registry.rank_owner.values():
+            c = w.counters
+            if w.node != n.name and c.get("pending", 0) > 0 and c.get("last_op_start_s", 0) > 0:
+                worst = max(worst, now - float(c["last_op_start_s"]))
+        return worst
+
     def _check_heartbeats(self, now: float) -> None:
-        for n in self.registry.nodes.values():
+        for n in list(self.registry.nodes.values()):
             if n.role in ("left", "failed"):
                 continue
             live = [w for w in n.workers.values() if not w.exited and not w.done]
+            silence = max((now - w.last_heartbeat for w in live), default=0.0)
+            if self._in_job(n) and live and silence > self.suspect_after_s:
+                blocked = self._peer_blocked_s(n)
+                if blocked > self.blocked_after_s or silence > self.heartbeat_timeout_s:
+                    self._fail_node(n, f"no heartbeat for {silence:.2f} s (peers blocked for {blocked:.2f} s)",
+                                    "silent")
+                    continue
             silent = [w for w in live if now - w.last_heartbeat > self.heartbeat_timeout_s]
             if silent and n.health != "unhealthy":
                 n.health, n.reason = "unhealthy", f"no heartbeat for {self.heartbeat_timeout_s:.1f} s"
@@ -269,42 +471,20 @@ class Daemon:
                 for w in silent:
                     self.migrations.on_worker_lost(w, n.reason)
             elif not silent and n.health == "unhealthy" and live and len(n.workers) == n.expected_workers \
-                    and not any(w.exited for w in n.workers.values()):
+                    and not any(w.exited for w in n.workers.values()) and not n.reason.startswith("rank"):
                 n.health, n.reason = "healthy", ""
                 self.journal.record("node_healthy", node=n.name)
 
-    def _check_processes(self) -> None:
-        for proc in self.launcher.poll():
-            node = self.registry.nodes[proc.node]
-            w = node.workers.get(proc.local_rank)
-            if w is not None:
-                w.exited = True
-            expected = w is not None and w.done
-            self.journal.record("process_exit", node=proc.node, local_rank=proc.local_rank, returncode=proc.returncode,
-                                expected=expected)
-            if w is not None and not expected:
-                self.migrations.on_worker_lost(w, f"exited with code {proc.returncode}")
-            if node.role == "active" and not expected:
-                # Failure recovery with a general standby is a later issue: end the job cleanly and loudly.
-                node.health, node.reason = "unhealthy", f"{proc.node}/{proc.local_rank} exited with {proc.returncode}"
-                self.journal.record("node_unhealthy", node=node.name, reason=node.reason)
-                self.journal.record("job_failed", reason=node.reason)
-                self.exit_code = 1
-            elif node.role == "standby" and not self._released:
-                node.health = "unhealthy" if node.workers else node.health
-                if not self.launcher.running(node.name):
-                    node.workers.clear()
-                    node.health = "unknown"
-                    self.journal.record("standby_restarted", node=node.name)
-                    self.launcher.start_node(node.name, standby=True)
-
     def _check_stragglers(self, now: float) -> None:
-        """Journal ranks that turn into stragglers or recover (tmctl status shows them per node)."""
+        """Journal ranks that turn into stragglers or recover (tmctl status shows them per node); with
+        ``migrate_stragglers``, move a straggler's node to a warm standby."""
         new, cleared = self.stragglers.evaluate(now)
         for rank, event in [(r, "straggler_detected") for r in new] + [(r, "straggler_cleared") for r in cleared]:
             w = self.registry.rank_owner.get(rank)
             self.journal.record(event, rank=rank, node=w.node if w else None,
                                 lateness=round(self.stragglers.lateness.get(rank, 0.0), 3))
+            if event == "straggler_detected" and self.migrate_stragglers and w is not None:
+                self._evacuate(self.registry.nodes[w.node], f"rank {rank} is a straggler")
 
     def _check_finished(self) -> None:
         reg = self.registry

@@ -152,9 +152,10 @@ class Migrations:
         raise MigrationError("unknown_migration", f"no migration with id {migration_id}")
 
     # ---------------------------------------------------------------------------------------------------------
-    def request(self, source: str, target: str) -> Migration:
+    def request(self, source: str, target: str, require_healthy: bool = True) -> Migration:
         """Validate and start a migration of node ``source`` to standby ``target``. Raises MigrationError with
-        a one-line reason; nothing changes then."""
+        a one-line reason; nothing changes then. ``require_healthy`` false lets tmd evacuate a node that is
+        alive but flagged unhealthy (a bad GPU)."""
         reg = self.registry
         actives = sorted(n.name for n in reg.nodes.values() if n.role == "active")
         standbys = sorted(n.name for n in reg.nodes.values() if n.role == "standby")
@@ -180,7 +181,8 @@ class Migrations:
         if reg.current_step() <= self.record_steps:
             raise MigrationError("not_ready", f"the job is still recording its first {self.record_steps} steps "
                                               "for the joiners' shadow iterations; try again in a moment")
-        if src.health != "healthy" or len(src.workers) != len(src.ranks):
+        if (require_healthy and src.health != "healthy") or len(src.workers) != len(src.ranks) or \
+                any(w.exited for w in src.workers.values()):
             raise MigrationError("not_ready", f"node '{source}' is {src.health}; a planned migration needs a live leaver")
         if any(w.done for w in reg.rank_owner.values()):
             raise MigrationError("not_ready", "the job is finishing")
@@ -284,14 +286,19 @@ class Migrations:
                             window_s=[round(t, 6) for t in window])
 
     # ---------------------------------------------------------------------------------------------------------
-    def abort(self, m: Migration, reason: str) -> None:
+    def abort(self, m: Migration, reason: str, spare_joiners: bool = False) -> None:
+        """Abort ``m``: stayers and leavers keep their groups. The joiners are told too (they exit and the
+        standby is restarted fresh) unless ``spare_joiners``: failure recovery then takes them over."""
         if m.finished:
             return
         m.reason = reason
         self._enter(m, "aborted", reason=reason)
-        self._broadcast(m, p.Decide(m.id, False, reason))
+        decision = p.Decide(m.id, False, reason)
+        for w in m.parties():
+            if not w.exited and not (spare_joiners and any(w is j for j in m.joiners.values())):
+                self._send(w, decision)
         target = self.registry.nodes[m.target]
-        if target.role == "joining":
+        if target.role == "joining" and not spare_joiners:
             target.role = "standby"  # its processes exit; the launcher brings fresh ones up
             target.health = "unknown"
 

@@ -54,7 +54,7 @@ class Register(Message):
 
 @dataclasses.dataclass
 class Heartbeat(Message):
-    """Sent every ``heartbeat_interval_s`` (0.5 s by default). ``counters`` is the mover Backend's counters()
+    """Sent every ``heartbeat_interval_s`` (0.1 s by default). ``counters`` is the mover Backend's counters()
     dict (ops issued/completed, last op start/end in epoch seconds, busy_s, blocked_s); empty before init."""
 
     step: int
@@ -95,6 +95,26 @@ class PhaseDone(Message):
 
 
 @dataclasses.dataclass
+class RecoveryReport(Message):
+    """A worker's part in recovering from failure ``incident_id`` (0: no incident known yet).
+
+    ``phase`` is one of ``collective_failed`` (this rank saw a collective fail before tmd said anything:
+    a detection signal; ``error`` says what failed), ``halted`` (a survivor stopped at a step boundary;
+    ``committed_step`` is the last step whose optimizer update it applied, -1 for none), ``warmed`` (a
+    replacement finished its shadow iterations), ``recovered`` (state received or kept, new groups committed;
+    ``committed_step`` is the step it resumes at minus one). ``ok`` false: the phase failed (``error``)."""
+
+    incident_id: int
+    rank: int
+    phase: str
+    ok: bool
+    error: str
+    committed_step: int
+    bytes_moved: int
+    seconds: float
+
+
+@dataclasses.dataclass
 class Done(Message):
     """A rank finished its training loop (``final_step`` is the last step it ran) or, as a leaver, left."""
 
@@ -111,7 +131,9 @@ class Assign(Message):
     """Gives a worker its rank. ``role`` is ``active`` (a rank at job start) or ``joiner`` (a standby that
     replaces ``rank`` in ``migration_id``). ``store_host``/``store_port`` locate the job's TCPStore (hosted by
     tmd). Active ranks record their first ``record_steps`` steps' collective outputs to ``record_dir``;
-    joiners replay ``record_dir``'s file for their rank during that many shadow iterations."""
+    joiners replay ``record_dir``'s file for their rank during that many shadow iterations. A joiner that
+    replaces a failed rank has ``incident_id`` > 0 (and ``migration_id`` 0): after its shadow iterations it
+    reports ``warmed`` and waits for :class:`Recover`."""
 
     role: str
     rank: int
@@ -122,6 +144,7 @@ class Assign(Message):
     record_steps: int
     record_dir: str
     migration_id: int
+    incident_id: int
 
 
 @dataclasses.dataclass
@@ -157,6 +180,31 @@ class Decide(Message):
 
 
 @dataclasses.dataclass
+class Halt(Message):
+    """Failure ``incident_id``: ranks ``failed_ranks`` are lost. The survivor fails every mover (a blocked
+    collective returns at once), refuses the current step's optimizer update, stops at the step boundary and
+    answers ``halted``. A later Halt (higher id) supersedes an earlier one."""
+
+    incident_id: int
+    reason: str
+    failed_ranks: list
+
+
+@dataclasses.dataclass
+class Recover(Message):
+    """The recovery plan of ``incident_id``, sent to every survivor and replacement once all survivors halted
+    and all replacements warmed. Every party builds generation ``generation`` of all its groups and resumes
+    at ``resume_step``. ``sends`` lists ``[src_rank, dst_rank]`` pairs: ``src`` (a data-parallel replica that
+    committed ``resume_step - 1``) sends its replicated state to ``dst`` (a replacement, or a survivor one
+    step behind) over a 2-rank group under store prefix ``tm/g<generation>/recover/r<dst>``."""
+
+    incident_id: int
+    generation: int
+    resume_step: int
+    sends: list
+
+
+@dataclasses.dataclass
 class Release(Message):
     """The job is over (or this standby is no longer needed): the worker exits with ``exit_code``."""
 
@@ -177,7 +225,8 @@ class StatusReply(Message):
     """``nodes``: one dict per node (name, role, ranks, health, heartbeat_age_s, step, step_time_s, warm).
     ``health`` is unknown, healthy or unhealthy; ``stragglers`` lists the node's ranks that arrive late at
     collectives (tmd.health). ``migration``: the migration in progress or the last one
-    (dict, see :class:`MigrationReply`) or None."""
+    (dict, see :class:`MigrationReply`) or None. ``recovery``: the failure recovery in progress or the last one
+    (id, state, reason, lost_ranks, failed_nodes, standbys, waiting_standby, resume_step, phases_s) or None."""
 
     job: str
     world_size: int
@@ -185,6 +234,7 @@ class StatusReply(Message):
     step: int
     nodes: list
     migration: Optional[dict]
+    recovery: Optional[dict]
 
 
 @dataclasses.dataclass

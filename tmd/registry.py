@@ -27,6 +27,9 @@ class Worker:
     counters: dict = dataclasses.field(default_factory=dict)
     done: bool = False
     exited: bool = False
+    fenced: bool = False  # its node was declared failed: it must not take part again
+    fence_sent: bool = False
+    warm_for: Optional[int] = None  # a replacement's rank once its shadow iterations are done
 
 
 @dataclasses.dataclass

@@ -1,6 +1,7 @@
 """The worker agent: a daemon thread holding one ZeroMQ DEALER to tmd.
 
-It registers, sends a heartbeat every ``heartbeat_interval_s`` (0.5 s by default) and whatever the session queues
+It registers, sends a heartbeat every ``heartbeat_interval_s`` (0.1 s by default, so tmd can tell a hung node
+within a second) and whatever the session queues
 (step reports, phase reports), and hands every command from tmd to ``on_message`` on the agent thread. Only this
 thread touches the DEALER; other threads queue messages through :meth:`send`, which wakes the loop at once over
 an inproc socket (no polling delay on the switch path).
@@ -27,7 +28,7 @@ _ids = itertools.count()
 class Agent:
     def __init__(self, address: str, node: str, local_rank: int, standby: bool,
                  on_message: Callable[[p.Message], None], heartbeat: Callable[[], p.Heartbeat],
-                 heartbeat_interval_s: float = 0.5) -> None:
+                 heartbeat_interval_s: float = 0.1) -> None:
         self.address = address
         self.node = node
         self.local_rank = local_rank

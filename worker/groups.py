@@ -164,6 +164,58 @@ class GroupManager:
                 self.groups[name].mover.discard_staged()
         self._retire(pending)
 
+    # --- failure recovery ----------------------------------------------------------------------------------------
+    def set_tolerant(self, tolerant: bool = True) -> None:
+        """Make every group's mover absorb a failed collective (latch the failure, complete the op with its
+        outputs untouched) instead of raising from ``wait()``; see ``MoverBackend.tolerant``."""
+        for g in self.groups.values():
+            g.mover.tolerant = tolerant
+
+    def fail_all(self, reason: str) -> int:
+        """Latch a failure on every group's mover: a collective blocked on a lost peer returns at once and
+        later ops complete without communicating until :meth:`install`. Returns the works released."""
+        return sum(g.mover.fail(reason) for g in self.groups.values())
+
+    def failure(self) -> Optional[str]:
+        """The first latched failure among this rank's groups, or None."""
+        for g in self.groups.values():
+            why = g.mover.failure
+            if why:
+                return f"{g.name}: {why}"
+        return None
+
+    def build_all(self, generation: int) -> dict[str, object]:
+        """Build generation ``generation`` of every group of this rank (blocking until each group's members
+        built theirs: a rendezvous). After a failure every group is rebuilt, not only those that held the lost
+        ranks: an aborted step can leave a group's members at different points of its op sequence, so its
+        communicator cannot be trusted. Returns inner backends by group name for :meth:`install`; on error the
+        ones already built are released and the error is raised."""
+        built: dict[str, object] = {}
+        try:
+            for name in sorted(self.groups):
+                g = self.groups[name]
+                built[name] = self._inner(generation, name, g.ranks)
+        except BaseException:
+            for inner in built.values():
+                mb.release_in_background(inner)
+            raise
+        return built
+
+    def install(self, built: dict[str, object]) -> None:
+        """Stage and commit what :meth:`build_all` built (clears each mover's failure latch; the old inners are
+        dropped on C++ threads)."""
+        with self._lock:
+            if self._pending is not None:
+                self._pending.cancelled = True
+                for name in self._pending.staged:
+                    self.groups[name].mover.discard_staged()
+                self._retire(self._pending)
+                self._pending = None
+            for name, inner in built.items():
+                mover = self.groups[name].mover
+                mover.stage(inner)
+                mover.commit()
+
     def set_mode(self, mode: str) -> None:
         """Set every group's mover to ``mode`` (live, record, replay, bypass)."""
         for g in self.groups.values():

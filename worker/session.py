@@ -22,25 +22,39 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from tmd import protocol as p
+from worker import backend as mb
 from worker import sandbox, transfer
 from worker.agent import Agent
+from worker.gpu_health import probe_from_env
 from worker.groups import GroupManager
 
 log = logging.getLogger("worker.session")
 
 DECISION_TIMEOUT_S = 300.0  # a party waiting at the switch step for tmd's decision gives up (keeps old groups)
+RECOVERY_TIMEOUT_S = 600.0  # a halted rank that hears nothing from tmd this long exits with an error
+FENCED_EXIT_CODE = 3  # exit code of a process tmd declared failed that turned up again (e.g. after SIGCONT)
 
 
 def _exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+class StepAborted(RuntimeError):
+    """Raised by a managed optimizer's ``step()`` when a collective of this step failed or tmd halted the job
+    for a failure: the update is refused (nothing is modified) and :meth:`Session.run` redoes the step after
+    recovery, with the same data, so the trajectory stays bit-identical."""
+
+
+class _Superseded(Exception):
+    """A newer Halt arrived while a recovery plan was being carried out."""
 
 
 class LeaverExit(SystemExit):
@@ -77,6 +91,18 @@ class Session:
         self._decided = threading.Event()
         self._record_writer: Optional[threading.Thread] = None
         self._group_names: list[str] = []
+        # failure recovery
+        self._replicated: dict[str, Any] = {}  # state identical on every data-parallel replica
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._stepped: set[int] = set()  # ids of the managed optimizers that stepped in this attempt
+        self._committed_step = -1  # last step whose optimizer update this process applied
+        self._step_raised = False  # set by run(): the step function raised
+        self._rng_snapshot: Optional[torch.Tensor] = None  # CPU RNG at the start of the current attempt
+        self._cv = threading.Condition()  # guards _halt and _plan
+        self._halt: Optional[p.Halt] = None
+        self._plan: Optional[p.Recover] = None
+        self._incident_id = 0
+        self._gpu = probe_from_env()
 
     # --- messages from tmd (agent thread) -----------------------------------------------------------------------
     def _on_message(self, msg: p.Message) -> None:
@@ -86,9 +112,22 @@ class Session:
         elif isinstance(msg, p.Release):
             self._release = msg
             self._assigned.set()
-            if self.role in ("standby", "joiner"):
-                log.warning("released by tmd: %s", msg.reason)
-                os._exit(msg.exit_code)  # nothing of value here; may be blocked in a replay or a recv
+            if self.role in ("standby", "joiner") or msg.exit_code == FENCED_EXIT_CODE:
+                # A standby or joiner holds nothing of value; a fenced process (declared failed, its ranks
+                # taken over) must not touch the job again, wherever it is blocked.
+                print(f"[worker] released by tmd: {msg.reason}", flush=True)
+                os._exit(msg.exit_code)
+        elif isinstance(msg, p.Halt):
+            with self._cv:
+                if self._halt is None or msg.incident_id > self._halt.incident_id:
+                    self._halt = msg
+                self._cv.notify_all()
+            if self.groups is not None and self.role == "active":
+                self.groups.fail_all(f"halted by tmd (incident {msg.incident_id}): {msg.reason}")
+        elif isinstance(msg, p.Recover):
+            with self._cv:
+                self._plan = msg
+                self._cv.notify_all()
         elif isinstance(msg, p.Prepare):
             self._migration_role = msg.role
             self._decision = None
@@ -106,10 +145,14 @@ class Session:
             self._report(msg.migration_id, "armed", not late,
                          f"already at step {self._step}" if late else "", step=self._step if self.role != "joiner" else -1)
             if not late:
-                self._switch_armed.set()
+                with self._cv:
+                    self._switch_armed.set()
+                    self._cv.notify_all()
         elif isinstance(msg, p.Decide):
             self._decision = msg
-            self._decided.set()
+            with self._cv:
+                self._decided.set()
+                self._cv.notify_all()
             if not msg.commit:
                 with self._lock:
                     if self._switch is not None and self._switch.migration_id == msg.migration_id:
@@ -127,7 +170,16 @@ class Session:
 
     def _heartbeat(self) -> p.Heartbeat:
         mover = self.groups.world if self.groups is not None else None
-        return p.Heartbeat(self._step, mover.counters() if mover is not None else {})
+        counters = mover.counters() if mover is not None else {}
+        gpu = self._gpu.sample()
+        if gpu:
+            counters["gpu"] = gpu
+        return p.Heartbeat(self._step, counters)
+
+    def _report_recovery(self, incident_id: int, phase: str, ok: bool = True, error: str = "",
+                         committed_step: int = -1, bytes_moved: int = 0, seconds: float = 0.0) -> None:
+        self.agent.send(p.RecoveryReport(incident_id, self.rank, phase, ok, error, committed_step, bytes_moved,
+                                         seconds))
 
     # --- set-up -------------------------------------------------------------------------------------------------
     def _start(self, timeout_s: float) -> None:
@@ -143,10 +195,12 @@ class Session:
         self.groups = GroupManager(store, a.rank, a.world_size, os.environ.get("TM_GLOO_HOST"))
         if a.role == "active":
             self.groups.init_world(a.generation, "record" if a.record_steps > 0 else "live", connect=True)
+            self.groups.set_tolerant()
         else:
             self.groups.init_world(a.generation, "replay", connect=False)
             sandbox.start_replay(self.groups.world, a.record_dir, a.rank, "world")
             self._migration_id = a.migration_id
+            self._incident_id = a.incident_id
 
     def new_group(self, ranks: list[int]) -> Optional[dist.ProcessGroup]:
         """A subgroup over global ``ranks`` (e.g. a node's tensor-parallel ranks), backed by a mover like the
@@ -161,27 +215,80 @@ class Session:
         pg = self.groups.new_group(name, ranks, a.generation, mode, connect=not joiner)
         if joiner and pg is not None:
             sandbox.start_replay(self.groups.groups[name].mover, a.record_dir, self.rank, name)
+        elif pg is not None:
+            self.groups.groups[name].mover.tolerant = True
         return pg
 
-    def manage(self, **objects: Any) -> None:
+    def manage(self, rank_local: bool = False, **objects: Any) -> None:
         """Hand over the state that moves with this rank: objects with ``state_dict()``/``load_state_dict()``
-        (model, optimizer, data sampler, LR scheduler...). Raises TypeError for an object without them."""
+        (model, optimizer, LR scheduler, data sampler...). A planned migration moves all of it to the joiner.
+
+        ``rank_local=False`` (model, optimizer, scheduler): the state is identical on every data-parallel
+        replica, so after a failure a replacement (or a survivor one step behind) receives it from a replica.
+        ``rank_local=True`` (a data sampler built for this rank): not copied between ranks after a failure; it
+        must make each step's data a function of the step number (the redone step asks for the same step).
+
+        Managed optimizers get a step pre-hook that raises :class:`StepAborted` when a collective of the step
+        failed (nothing is updated then) and a post-hook that records the step as committed.
+        Raises TypeError for an object without state_dict/load_state_dict."""
         for name, obj in objects.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"managed object {name!r} has no state_dict/load_state_dict")
         self.objects.update(objects)
+        if not rank_local:
+            self._replicated.update(objects)
+        for obj in objects.values():
+            if isinstance(obj, torch.optim.Optimizer) and obj not in self._optimizers:
+                self._optimizers.append(obj)
+                obj.register_step_pre_hook(self._before_optimizer_step)
+                obj.register_step_post_hook(self._after_optimizer_step)
+
+    def _failure(self) -> Optional[str]:
+        """Why the current step cannot commit (a latched collective failure, or tmd's halt), or None."""
+        if self._halt is not None:
+            return f"halted by tmd: {self._halt.reason}"
+        return self.groups.failure() if self.groups is not None and self.role == "active" else None
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        why = self._failure()
+        if why:
+            raise StepAborted(f"rank {self.rank} step {self._step}: update refused, {why}")
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._stepped.add(id(optimizer))
+        if len(self._stepped) == len(self._optimizers):
+            self._committed_step = self._step
 
     # --- the training loop ----------------------------------------------------------------------------------
+    def run(self, step_fn: Callable[[int], Any], total: int) -> None:
+        """Run ``step_fn(step)`` for every step this process owns (see :meth:`steps`), recovering from peer
+        failures in process: when a collective of a step fails (a peer died, hung or was cut off), the step's
+        optimizer update is refused (:class:`StepAborted`), the survivors agree with tmd on the last committed
+        step, lagging survivors and the replacement receive state from a data-parallel replica, every group is
+        rebuilt, and the step is redone with the same data. ``step_fn`` must draw its data from the step number
+        and do at most one update per managed optimizer. Exceptions not caused by a failure are raised."""
+        for step in self.steps(total):
+            self._step_raised = False
+            try:
+                step_fn(step)
+            except Exception:
+                if self._failure() is None:
+                    raise
+                self._step_raised = True
+                log.warning("rank %d step %d interrupted by a failure: %s", self.rank, step, self._failure())
+
     def steps(self, total: int) -> Iterator[int]:
         """Yield the step numbers this process runs, ``0 .. total-1`` on an active rank. A joiner first yields
         its shadow steps (``is_shadow`` true: collectives replayed, results thrown away), then blocks until the
         switch step S and continues with ``S .. total-1`` in the leaver's rank. On a leaver, the loop ends by
-        raising :class:`LeaverExit` (exit code 0) once its state is handed over."""
+        raising :class:`LeaverExit` (exit code 0) once its state is handed over. After a failure the loop
+        recovers and yields the interrupted step again; only :meth:`run` survives a failure inside a step (a
+        plain ``for`` body sees :class:`StepAborted` from the optimizer)."""
         a = self._assign
         step = 0
         if self.role == "joiner":
             yield from self._shadow(min(a.record_steps, total))
-            step = self._join()
+            step = self._join() if self._incident_id == 0 else self._replace(self._incident_id)
         prev = None
         while step < total:
             t0 = time.perf_counter()
@@ -196,12 +303,162 @@ class Session:
                     {g.name: g.mover for g in self.groups.groups.values()}, a.record_dir, self.rank)
             if switch is not None:
                 self._switch_boundary(switch)
-            yield step
-            step += 1
+            self._stepped.clear()
+            self._rng_snapshot = torch.get_rng_state()
+            if self._failure() is None:
+                yield step
+                if self._failure() is None:
+                    step += 1
+                    continue
+                done = self._committed_step == step if self._optimizers else not self._step_raised
+            else:
+                done = False  # halted before the step began
+            step = self._recover(step, done)
+            prev = None  # the recovery is downtime, not a step time
         if prev is not None:
             self.agent.send(p.StepReport(self.rank, step - 1, time.perf_counter() - prev, False))
         with self._lock:
             self._step = step
+
+    # --- failure recovery ---------------------------------------------------------------------------------------
+    def _recover(self, attempted: int, done: bool) -> int:
+        """Survivor: after a failure noticed in step ``attempted`` (``done``: that step committed here anyway),
+        halt, follow tmd's recovery plan and return the step to resume at."""
+        committed = attempted if done else attempted - 1
+        rng_next = torch.get_rng_state() if done else self._rng_snapshot  # RNG at the start of committed + 1
+        with self._cv:
+            halted = self._halt is not None
+        if not halted:  # we saw it first (a peer's socket closed): a detection signal for tmd
+            self._report_recovery(0, "collective_failed", False, self._failure() or "", committed)
+        while True:
+            self._wait_cv(lambda: self._halt is not None, "a halt")
+            halt = self._halt
+            self._report_recovery(halt.incident_id, "halted", committed_step=committed)
+            self._wait_cv(lambda: self._halt is not halt or (
+                self._plan is not None and self._plan.incident_id == halt.incident_id), "a recovery plan")
+            if self._halt is not halt:
+                continue  # superseded by a newer failure: halt again under its id
+            try:
+                return self._carry_out(self._plan, committed, rng_next)
+            except _Superseded:
+                continue
+            except Exception as e:  # noqa: BLE001 - reported; tmd decides (a new incident or the job fails)
+                log.exception("recovery %d failed", halt.incident_id)
+                self._report_recovery(halt.incident_id, "recovered", False, f"{type(e).__name__}: {e}", committed)
+                self._wait_cv(lambda: self._halt is not halt, "a new plan after a failed recovery")
+
+    def _replace(self, incident_id: int) -> int:
+        """Joiner replacing a failed rank: report warmed, wait for the plan, receive state, return resume step."""
+        if incident_id:  # (0: a migration's joiner whose leaver died; tmd knows it is warm)
+            self._report_recovery(incident_id, "warmed", committed_step=-1)
+        self._prealloc = None
+        while True:
+            self._wait_cv(lambda: self._plan is not None, "a recovery plan")
+            try:
+                resume = self._carry_out(self._plan, None, None)
+            except _Superseded:
+                continue
+            except Exception as e:  # noqa: BLE001 - a fresh standby takes over; this process is thrown away
+                self._report_recovery(plan.incident_id, "recovered", False, f"{type(e).__name__}: {e}")
+                _exit_now(1)
+            self.groups.set_mode("live")
+            self.groups.set_tolerant()
+            self.role = "active"
+            return resume
+
+    def _wait_cv(self, ready: Callable[[], bool], what: str) -> None:
+        with self._cv:
+            if not self._cv.wait_for(ready, RECOVERY_TIMEOUT_S):
+                print(f"[worker] rank {self.rank}: no word from tmd for {RECOVERY_TIMEOUT_S:.0f} s while "
+                      f"waiting for {what}; exiting", flush=True)
+                _exit_now(1)
+
+    def _carry_out(self, plan: p.Recover, committed: Optional[int], rng_next: Optional[torch.Tensor]) -> int:
+        """Carry out ``plan`` on a helper thread (a dead peer can block a rendezvous or a transfer for the
+        gloo timeout) while this thread watches for a newer halt; on one, the helper's work is abandoned and
+        nothing it received is loaded. Returns the step to resume at. Raises _Superseded or the helper's error."""
+        incident = plan.incident_id
+        receive_from = next((s for s, d in plan.sends if d == self.rank), None)
+        send_to = sorted(d for s, d in plan.sends if s == self.rank)
+        if receive_from is None and committed != plan.resume_step - 1:
+            raise RuntimeError(f"plan resumes at step {plan.resume_step}, but this rank committed {committed} "
+                               "and is sent no state")
+        result: dict[str, Any] = {}
+        cancelled = threading.Event()
+        finished = threading.Event()
+        store, timeout_s, host = self.groups.store, self.groups.timeout_s, self.groups.host
+
+        def work() -> None:
+            started = time.perf_counter()
+            built: dict = {}
+            try:
+                builder: dict[str, Any] = {}
+                t = threading.Thread(target=lambda: builder.update(built=self.groups.build_all(plan.generation)),
+                                     daemon=True, name="tm-recover-groups")
+                t.start()  # the groups' rendezvous overlaps the transfers
+                moved = 0
+                for dst in send_to:
+                    pg = mb.build_inner(store, f"tm/g{plan.generation}/recover/r{dst}", 0, 2, timeout_s, host)
+                    moved += transfer.send_state(pg, self._replicated,
+                                                 {"step": plan.resume_step, "rng": rng_next})[0]
+                    mb.release_in_background(pg)
+                    pg = None
+                if receive_from is not None:
+                    pg = mb.build_inner(store, f"tm/g{plan.generation}/recover/r{self.rank}", 1, 2, timeout_s, host)
+                    states, extra, n, _ = transfer.recv_state(pg, 0)
+                    mb.release_in_background(pg)
+                    pg = None
+                    moved += n
+                    result["received"] = (states, extra)
+                t.join()
+                if "built" not in builder:
+                    raise RuntimeError("building the new groups failed (a member is gone?)")
+                result.update(built=builder["built"], moved=moved, seconds=time.perf_counter() - started)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                result["error"] = e
+            finally:
+                with self._cv:
+                    finished.set()
+                    self._cv.notify_all()
+                if cancelled.is_set() and "built" in result:
+                    for inner in result["built"].values():
+                        mb.release_in_background(inner)
+
+        threading.Thread(target=work, daemon=True, name=f"tm-recover-{incident}").start()
+        halt = self._halt
+
+        def superseded() -> bool:
+            return self._halt is not halt or (self._plan is not None and self._plan is not plan)
+
+        with self._cv:
+            self._cv.wait_for(lambda: finished.is_set() or superseded(), RECOVERY_TIMEOUT_S)
+            superseded = superseded()
+        if superseded or not finished.is_set():
+            cancelled.set()
+            if finished.is_set():
+                for inner in result.get("built", {}).values():
+                    mb.release_in_background(inner)
+            raise _Superseded() if superseded else RuntimeError("recovery timed out")
+        # The helper can no longer touch anything: load what it received and swap the groups in.
+        if "error" in result:
+            raise result["error"]
+        if "received" in result:
+            states, extra = result["received"]
+            transfer.load_state(self._replicated, states)  # KeyError if the sets of objects differ
+            rng_next = extra["rng"]
+        self.groups.install(result["built"])
+        if rng_next is not None:
+            torch.set_rng_state(rng_next)
+        with self._cv:
+            if self._halt is halt:
+                self._halt = None
+            self._plan = None
+        self._committed_step = plan.resume_step - 1
+        self._report_recovery(incident, "recovered", committed_step=plan.resume_step - 1,
+                              bytes_moved=result["moved"], seconds=result["seconds"])
+        print(f"[worker] rank {self.rank} recovered from incident {incident}: resuming at step "
+              f"{plan.resume_step} (generation {plan.generation})", flush=True)
+        return plan.resume_step
 
     def _shadow(self, n: int) -> Iterator[int]:
         self.is_shadow = True
@@ -216,19 +473,28 @@ class Session:
         for g in self.groups.groups.values():
             g.mover.load_recording([])  # free the recordings
         self._prealloc = transfer.pretouch(transfer.plan_buffers(self.objects))
-        self._report(self._migration_id, "warmed")
+        if self._incident_id == 0:
+            self._report(self._migration_id, "warmed")
 
     def _join(self) -> int:
-        """Joiner: wait for the switch, receive and verify the leaver's state, commit, and return the switch step."""
+        """Joiner: wait for the switch, receive and verify the leaver's state, commit, and return the switch step.
+        If the leaver dies instead, tmd sends a recovery plan: the state then comes from a replica."""
         mid = self._migration_id
-        self._switch_armed.wait()
+        with self._cv:
+            self._cv.wait_for(lambda: self._switch_armed.is_set() or self._plan is not None)
+        if self._plan is not None:
+            return self._replace(0)
         switch = self._switch
         try:
             pg = self.groups.transfer_group(mid, DECISION_TIMEOUT_S)
             states, extra, moved, seconds = transfer.recv_state(pg, 0, self._prealloc)
-        except Exception as e:  # noqa: BLE001 - reported; tmd aborts and this process is replaced
+        except Exception as e:  # noqa: BLE001 - reported; tmd aborts, or falls back to a replica
             self._report(mid, "transferred", False, f"{type(e).__name__}: {e}")
-            self._decided.wait(DECISION_TIMEOUT_S)
+            with self._cv:
+                self._cv.wait_for(lambda: self._decided.is_set() or self._plan is not None, DECISION_TIMEOUT_S)
+            if self._plan is not None:
+                self.groups.discard(mid)
+                return self._replace(0)
             os._exit(1)
         self._prealloc = None
         # Load before the decision, off the critical path: on an abort this sandboxed process is thrown away.
@@ -239,6 +505,7 @@ class Session:
             os._exit(1)
         self.groups.commit(mid)
         self.groups.set_mode("live")
+        self.groups.set_tolerant()
         self.role = "active"
         self._report(mid, "committed", step=switch.step)
         return extra["step"]

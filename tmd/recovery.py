@@ -1,0 +1,283 @@
+"""Recovery from unexpected failures with a general standby (TrainMover, arXiv 2412.12636, section 5).
+
+A node that dies, hangs or is cut off cannot hand its ranks over, so tmd runs an *incident* instead of a
+migration:
+
+1. **halting**: every survivor gets :class:`~tmd.protocol.Halt`; its mover Backend fails every group (a
+   collective blocked on the lost peer returns at once, no gloo timeout), the step's optimizer update is
+   refused, and the survivor answers ``halted`` with the last step it committed. Meanwhile a warm standby node
+   is promoted: each of its processes is assigned one lost rank and runs shadow iterations (replaying that
+   rank's recording), then answers ``warmed``. With no standby the incident waits (``recovery_waiting``),
+   and goes on when one arrives.
+2. **recovering**: with every survivor halted and every replacement warm, tmd picks the resume step
+   ``S + 1`` where S is the highest committed step (survivors differ by at most one step: a step's all-reduce
+   can finish on some ranks and not others). :class:`~tmd.protocol.Recover` tells every party to build the
+   next generation of its groups, and pairs each replacement and each survivor that is behind with a
+   survivor that committed S (a data-parallel replica: identical state), spreading the receivers over the
+   replicas so transfers run in parallel.
+3. **recovered** once every party reports it: the standby node now holds the lost ranks. The interrupted
+   step is redone with the same data, so the final state is bit-identical to an uninterrupted run.
+
+A failure during an incident (a survivor or a replacement lost too) supersedes it: a new incident covers
+every rank still lost, keeping the replacements that are alive. The lost node is *fenced*: anything it sends
+later (say it was SIGSTOPped and is continued) is answered with a Release that makes it exit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Callable, Optional
+
+from tmd import protocol as p
+from tmd.journal import Journal
+from tmd.registry import Registry, Worker
+
+FENCED_EXIT_CODE = 3  # worker.session exits with this when told it was fenced
+RECOVERY_TIMEOUT_S = 300.0  # an incident stuck this long (standby waits aside) fails the job
+
+
+class RecoveryError(RuntimeError):
+    """A failure the job cannot recover from (no data-parallel replica left, no recording to warm a
+    replacement with): tmd ends the job with this reason."""
+
+
+@dataclasses.dataclass
+class Incident:
+    id: int
+    reason: str
+    lost: dict[int, str]  # rank -> the failed node that held it
+    survivors: dict[int, Worker]
+    replacements: dict[int, Worker] = dataclasses.field(default_factory=dict)
+    standbys: dict[str, str] = dataclasses.field(default_factory=dict)  # failed node -> standby node
+    state: str = "halting"
+    halted: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> committed step
+    recovered: set = dataclasses.field(default_factory=set)
+    generation: int = 0
+    resume_step: Optional[int] = None
+    bytes_moved: int = 0
+    waiting_standby: bool = False
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # name -> epoch s
+    deadline: float = math.inf  # time.monotonic()
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("recovered", "superseded", "failed")
+
+    def parties(self) -> list[Worker]:
+        return [*self.survivors.values(), *self.replacements.values()]
+
+    def phases_s(self) -> dict[str, float]:
+        """Durations (seconds): halt (detection to every survivor halted), warm_up (replacements' shadow
+        iterations, from promotion), plan (detection to plan sent), transfer_and_regroup (plan to every party
+        recovered), total (detection to recovered)."""
+        t = self.phases
+        spans = {"halt": ("detected", "halted"), "warm_up": ("promoted", "warmed"), "plan": ("detected", "recovering"),
+                 "transfer_and_regroup": ("recovering", "recovered"), "total": ("detected", "recovered")}
+        return {k: round(t[b] - t[a], 6) for k, (a, b) in spans.items() if a in t and b in t}
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "state": self.state, "reason": self.reason, "lost_ranks": sorted(self.lost),
+                "failed_nodes": sorted(set(self.lost.values())), "standbys": dict(self.standbys),
+                "waiting_standby": self.waiting_standby, "resume_step": self.resume_step,
+                "generation": self.generation, "bytes_moved": self.bytes_moved, "phases_s": self.phases_s()}
+
+
+class Incidents:
+    """Drives failure recovery. ``send(worker, message)`` delivers to one worker; ``assign(joiner, rank,
+    incident_id)`` sends it an Assign as a replacement; ``next_generation()`` returns a fresh group
+    generation (shared with migrations); ``record_path(rank)`` is where rank's world recording lives.
+    ``regroup_after_s``: a collective failure that no node failure explains within this many seconds (a
+    transient network fault: every process is alive) starts an incident with no lost rank: all groups are
+    rebuilt and the step is redone."""
+
+    def __init__(self, registry: Registry, journal: Journal, send: Callable[[Worker, p.Message], None],
+                 assign: Callable[[Worker, int, int], None], next_generation: Callable[[], int],
+                 record_path: Callable[[int], str], regroup_after_s: float = 2.0) -> None:
+        self.registry = registry
+        self.journal = journal
+        self._send = send
+        self._assign = assign
+        self._next_generation = next_generation
+        self._record_path = record_path
+        self.all: list[Incident] = []
+        self.lost: dict[int, str] = {}  # ranks whose node failed and that no one holds yet
+        self.regroup_after_s = regroup_after_s
+        self._unexplained: Optional[tuple[float, str]] = None  # (monotonic, what) of a collective failure
+
+    @property
+    def current(self) -> Optional[Incident]:
+        return self.all[-1] if self.all and not self.all[-1].finished else None
+
+    # ---------------------------------------------------------------------------------------------------------
+    def on_node_failed(self, node_name: str, reason: str,
+                       adopt: Optional[tuple[str, dict[int, Worker]]] = None) -> None:
+        """An active node is lost. Marks it failed and starts an incident (superseding one in progress).
+        ``adopt``: (standby node, {rank: joiner}) of a planned migration whose leaver this node was: those warm
+        joiners become the replacements. Raises RecoveryError if no replica is left."""
+        reg = self.registry
+        node = reg.nodes[node_name]
+        for rank in node.ranks:
+            self.lost[rank] = node_name
+            reg.rank_owner.pop(rank, None)
+        node.ranks = []
+        node.role, node.health, node.reason = "failed", "unhealthy", reason
+        self.start(f"{node_name}: {reason}", (node_name, *adopt) if adopt else None)
+
+    def on_replacement_lost(self, node, reason: str) -> None:
+        """A standby taking over lost ranks failed before the incident finished: it is out, the incident
+        restarts (with another standby)."""
+        node.role, node.health, node.reason = "failed", "unhealthy", reason
+        self.start(f"replacement {node.name} lost: {reason}")
+
+    def start(self, reason: str, adopt: Optional[tuple[str, str, dict[int, Worker]]] = None) -> Incident:
+        reg = self.registry
+        old = self.current
+        if old is not None:
+            old.state = "superseded"
+            self.journal.record("recovery_superseded", incident_id=old.id, reason=reason)
+        survivors = dict(sorted(reg.rank_owner.items()))
+        if not survivors:
+            raise RecoveryError(f"every rank is lost ({reason}): no data-parallel replica to recover from")
+        missing = [r for r in self.lost if not os.path.exists(self._record_path(r))]
+        if missing:
+            raise RecoveryError(f"ranks {missing} were lost before the job recorded its first steps; a "
+                                "replacement cannot be warmed without their recording")
+        self._unexplained = None
+        inc = Incident(len(self.all) + 1, reason, dict(self.lost), survivors)
+        inc.phases["detected"] = time.time()
+        inc.deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+        if old is not None:  # keep the replacements that are still alive and still needed
+            for failed_node, standby in old.standbys.items():
+                workers = reg.nodes[standby].workers
+                if reg.nodes[standby].role == "joining" and failed_node in inc.lost.values() and \
+                        all(not (w.exited or w.fenced) for w in workers.values()):
+                    inc.standbys[failed_node] = standby
+                    inc.replacements.update({w.rank: w for w in workers.values()})
+        if adopt is not None:
+            failed_node, standby, joiners = adopt
+            inc.standbys[failed_node] = standby
+            for rank, w in joiners.items():
+                w.rank = w.warm_for = rank
+                inc.replacements[rank] = w
+        self.all.append(inc)
+        self.journal.record("recovery_started", incident_id=inc.id, reason=reason, lost_ranks=sorted(inc.lost),
+                            survivors=sorted(survivors), adopted=dict(inc.standbys))
+        for w in survivors.values():
+            self._send(w, p.Halt(inc.id, reason, sorted(inc.lost)))
+        self._promote(inc)
+        return inc
+
+    # ---------------------------------------------------------------------------------------------------------
+    def on_report(self, w: Worker, msg: p.RecoveryReport) -> None:
+        inc = self.current
+        if msg.phase == "collective_failed":
+            self.journal.record("collective_failed", node=w.node, local_rank=w.local_rank, rank=msg.rank,
+                                error=msg.error)
+            if inc is None and self._unexplained is None:
+                self._unexplained = (time.monotonic(), f"rank {msg.rank} saw a collective fail: {msg.error}")
+            return
+        if inc is None:
+            self.journal.record("stale_recovery_report", worker=w.identity.decode(), incident_id=msg.incident_id,
+                                phase=msg.phase)
+            return
+        if msg.phase == "warmed" and any(w is x for x in inc.replacements.values()):
+            w.warm_for = w.rank  # valid across incidents: it warmed for this rank
+            self._maybe_plan(inc)
+        elif msg.phase == "halted" and msg.incident_id == inc.id and inc.survivors.get(msg.rank) is w:
+            inc.halted[msg.rank] = msg.committed_step
+            if len(inc.halted) == len(inc.survivors) and "halted" not in inc.phases:
+                inc.phases["halted"] = time.time()
+                self.journal.record("recovery_halted", incident_id=inc.id, committed=dict(sorted(inc.halted.items())))
+            self._maybe_plan(inc)
+        elif msg.phase == "recovered" and msg.incident_id == inc.id and inc.state == "recovering":
+            if not msg.ok:
+                self.start(f"rank {msg.rank} failed to recover: {msg.error}")
+                return
+            inc.recovered.add(msg.rank)
+            inc.bytes_moved += msg.bytes_moved
+            if len(inc.recovered) == len(inc.parties()):
+                self._finish(inc)
+        else:
+            self.journal.record("stale_recovery_report", worker=w.identity.decode(), incident_id=msg.incident_id,
+                                phase=msg.phase)
+
+    def tick(self, now_mono: float) -> None:
+        inc = self.current
+        if inc is None and self._unexplained is not None and now_mono - self._unexplained[0] > self.regroup_after_s:
+            what = self._unexplained[1]
+            self.start(f"{what}; no node failed, regrouping")
+            return
+        if inc is None:
+            return
+        if inc.waiting_standby:
+            self._promote(inc)
+        elif now_mono > inc.deadline:
+            inc.state = "failed"
+            raise RecoveryError(f"recovery {inc.id} stuck in {inc.state} for {RECOVERY_TIMEOUT_S:.0f} s")
+
+    # ---------------------------------------------------------------------------------------------------------
+    def _promote(self, inc: Incident) -> None:
+        """Give every failed node without a replacement a warm standby, or wait for one."""
+        reg = self.registry
+        for failed_node in sorted(set(inc.lost.values()) - set(inc.standbys)):
+            standby = next((n for n in reg.nodes.values() if n.role == "standby" and n.warm), None)
+            if standby is None:
+                if not inc.waiting_standby:
+                    inc.waiting_standby = True
+                    self.journal.record("recovery_waiting", incident_id=inc.id, failed_node=failed_node,
+                                        reason="no warm standby: training waits until one registers")
+                return
+            ranks = sorted(r for r, n in inc.lost.items() if n == failed_node)
+            standby.role = "joining"
+            inc.standbys[failed_node] = standby.name
+            inc.phases.setdefault("promoted", time.time())
+            self.journal.record("standby_promoted", incident_id=inc.id, failed_node=failed_node,
+                                standby=standby.name, ranks=ranks)
+            for rank, w in zip(ranks, [standby.workers[i] for i in sorted(standby.workers)]):
+                w.rank = rank
+                w.warm_for = None
+                inc.replacements[rank] = w
+                self._assign(w, rank, inc.id)
+        if inc.waiting_standby:
+            inc.waiting_standby = False
+            inc.deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+            self.journal.record("recovery_standby_found", incident_id=inc.id, standbys=dict(inc.standbys))
+
+    def _maybe_plan(self, inc: Incident) -> None:
+        if inc.state != "halting" or inc.waiting_standby or len(inc.halted) < len(inc.survivors):
+            return
+        if set(inc.replacements) != set(inc.lost) or any(w.warm_for != r for r, w in inc.replacements.items()):
+            return
+        inc.phases["warmed"] = time.time()
+        committed = max(inc.halted.values())
+        behind = sorted(r for r, c in inc.halted.items() if c < committed)
+        if any(inc.halted[r] < committed - 1 for r in behind):
+            raise RecoveryError(f"survivors disagree by more than one step: {dict(sorted(inc.halted.items()))}")
+        sources = sorted(r for r, c in inc.halted.items() if c == committed)
+        receivers = sorted(inc.replacements) + behind
+        sends = [[sources[i % len(sources)], dst] for i, dst in enumerate(receivers)]
+        inc.generation = self._next_generation()
+        inc.resume_step = committed + 1
+        inc.state = "recovering"
+        inc.phases["recovering"] = time.time()
+        self.journal.record("recovery_plan", incident_id=inc.id, resume_step=inc.resume_step,
+                            generation=inc.generation, sends=sends)
+        plan = p.Recover(inc.id, inc.generation, inc.resume_step, sends)
+        for w in inc.parties():
+            self._send(w, plan)
+
+    def _finish(self, inc: Incident) -> None:
+        reg = self.registry
+        for rank, w in inc.replacements.items():
+            reg.reassign(rank, w)
+            self.lost.pop(rank, None)
+        for failed_node, standby in inc.standbys.items():
+            node = reg.nodes[standby]
+            node.role = "active"
+            node.ranks = sorted(w.rank for w in node.workers.values())
+        inc.state = "recovered"
+        inc.phases["recovered"] = time.time()
+        self.journal.record("recovery_done", incident_id=inc.id, resume_step=inc.resume_step,
+                            standbys=inc.standbys, bytes_moved=inc.bytes_moved, phases_s=inc.phases_s())
