@@ -29,7 +29,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from examples.data import ShakespeareStream  # noqa: E402
+from examples.data import ShakespeareStream, load_corpus  # noqa: E402
 from examples.gpt import GPT, GPTConfig, loss as lm_loss  # noqa: E402
 from examples.state_hash import final_state_hash  # noqa: E402
 
@@ -77,11 +77,14 @@ def main(argv: list[str] | None = None) -> None:
 
     import worker  # the TrainMover runtime; imported here so this module can be imported without it
 
-    session = worker.init()  # standbys block here until they are given a rank
-
+    # Rank-independent set-up goes before init(): a standby does it while it waits, so it is warm when promoted.
     cfg = model_config(args.tiny)
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    model = torch.nn.parallel.DistributedDataParallel(GPT(cfg))  # default group (backend "tmover")
+    gpt = GPT(cfg)
+    load_corpus()
+
+    session = worker.init()  # standbys block here until they are given a rank
+    model = torch.nn.parallel.DistributedDataParallel(gpt)  # default group (backend "tmover")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     data = ShakespeareStream(session.rank, batch_size=args.batch_size, context=cfg.context, seed=args.seed)
     session.manage(model=model, optimizer=opt)  # identical on every data-parallel replica

@@ -451,18 +451,49 @@ class Daemon:
                 worst = max(worst, now - float(c["last_op_start_s"]))
         return worst
 
+    def _busy(self, n: Node, live: list[Worker], now: float) -> bool:
+        """For a silent node whose processes run on this host: are they using CPU (alive, only slow to
+        heartbeat) rather than blocked (hung, cut off)? The first call samples CPU time and says busy; a later
+        call says busy if they used more than 0.05 s of CPU since. Remote processes: never busy."""
+        total = 0.0
+        for w in live:
+            proc = self._process(w)
+            if proc is None:
+                return False
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:
+                return False
+            total += t.user + t.system
+        if n.suspect_cpu is None:
+            n.suspect_cpu = (now, total)
+            return True
+        since, cpu = n.suspect_cpu
+        if total - cpu > 0.05:
+            self.journal.record("node_slow", node=n.name, silent_s=round(now - since, 3),
+                                cpu_s=round(total - cpu, 3), note="silent but computing: not failed")
+            n.suspect_cpu = (now, total)
+            return True
+        return now - since < 0.1
+
     def _check_heartbeats(self, now: float) -> None:
         for n in list(self.registry.nodes.values()):
             if n.role in ("left", "failed"):
                 continue
             live = [w for w in n.workers.values() if not w.exited and not w.done]
             silence = max((now - w.last_heartbeat for w in live), default=0.0)
-            if self._in_job(n) and live and silence > self.suspect_after_s:
+            # Until all its ranks finished a first step (imports, lazy initialisation on a crowded machine can
+            # starve the heartbeat thread), only the long timeout applies.
+            started = all(w.step_time_s is not None for w in live)
+            if self._in_job(n) and live and silence > (self.suspect_after_s if started else self.heartbeat_timeout_s):
                 blocked = self._peer_blocked_s(n)
-                if blocked > self.blocked_after_s or silence > self.heartbeat_timeout_s:
+                if (blocked > self.blocked_after_s and not self._busy(n, live, now)) or \
+                        silence > self.heartbeat_timeout_s:
                     self._fail_node(n, f"no heartbeat for {silence:.2f} s (peers blocked for {blocked:.2f} s)",
                                     "silent")
                     continue
+            else:
+                n.suspect_cpu = None
             silent = [w for w in live if now - w.last_heartbeat > self.heartbeat_timeout_s]
             if silent and n.health != "unhealthy":
                 n.health, n.reason = "unhealthy", f"no heartbeat for {self.heartbeat_timeout_s:.1f} s"
