@@ -46,9 +46,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "loss over them each step: a subgroup collective that migrations must keep working")
     p.add_argument("--slow-rank", type=int, default=-1, help="make this rank a straggler (for tests and demos)")
     p.add_argument("--slow-s", type=float, default=0.05, help="seconds the --slow-rank sleeps in every step")
+    p.add_argument("--slow-steps", type=str, default="",
+                   help="comma-separated steps in which --slow-rank sleeps --slow-s (default: every step)")
+    p.add_argument("--fault", action="append", default=[], metavar="NODE:STEP:PHASE",
+                   help="fault injection for tests: at STEP, kill -9 every rank process of NODE (TM_NODE) during "
+                        "PHASE: forward (before backward), optimizer (as the update starts) or between (after the "
+                        "step); repeatable. Only the processes started on NODE fire it, not their replacements")
     p.add_argument("--min-step-time-s", type=float, default=0.0,
                    help="pad each step to at least this many seconds (stands in for a bigger model; numerics unchanged)")
     args = p.parse_args(argv)
+    args.slow_steps = {int(s) for s in args.slow_steps.split(",") if s}
+    faults = {}
+    for f in args.fault:
+        node, step, phase = f.split(":")
+        if phase not in ("forward", "optimizer", "between"):
+            p.error(f"--fault phase must be forward, optimizer or between, not {phase!r}")
+        faults[(node, int(step))] = phase
+    args.fault = faults
     if args.batch_size is None:
         args.batch_size = 4 if args.tiny else 8
     return args
@@ -69,6 +83,21 @@ def write_final(run_dir: str, rank: int, steps: int, state_sha256: str, loss: fl
         json.dump({"rank": rank, "steps": steps, "state_sha256": state_sha256, "loss": loss}, f)
     os.replace(tmp, path)
     return path
+
+
+def kill_node() -> None:
+    """kill -9 every rank process of this node (same TM_NODE and TM_RUN_DIR), this one last."""
+    import psutil
+
+    me = psutil.Process()
+    mine = {k: os.environ.get(k) for k in ("TM_NODE", "TM_RUN_DIR")}
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != me.pid and {k: proc.environ().get(k) for k in mine} == mine:
+                proc.kill()
+        except psutil.Error:
+            pass
+    me.kill()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,11 +127,18 @@ def main(argv: list[str] | None = None) -> None:
     last = {"loss": None, "step": -1}
     t_log = time.perf_counter()
 
+    def fault(step: int, phase: str) -> None:
+        if args.fault.get((os.environ.get("TM_NODE"), step)) == phase and not session.is_shadow:
+            kill_node()
+
+    opt.register_step_pre_hook(lambda *_: fault(last["step"] + 1, "optimizer"))
+
     def train_step(step: int) -> None:
         nonlocal t_log
         t_step = time.perf_counter()
         x, y = data.batch(step)  # int64 [B, T] each
         loss = lm_loss(model(x), y)
+        fault(step, "forward")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()  # refused (StepAborted) if a collective of this step failed: the runtime redoes the step
@@ -111,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.distributed.all_reduce(group_loss, group=subgroup)
             loss = group_loss / torch.distributed.get_world_size(subgroup)
         last["loss"], last["step"] = loss.item(), step
-        if session.rank == args.slow_rank and not session.is_shadow:
+        if session.rank == args.slow_rank and not session.is_shadow and (not args.slow_steps or step in args.slow_steps):
             time.sleep(args.slow_s)  # arrives late at the next step's collectives: its peers wait for it
         pad = args.min_step_time_s - (time.perf_counter() - t_step)
         if pad > 0 and not session.is_shadow:
@@ -124,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
             t_log = now
+        fault(step, "between")
 
     session.run(train_step, args.steps)  # recovers from peer failures in process and redoes the step
     last_loss, last_step = last["loss"], last["step"]

@@ -17,6 +17,7 @@ from rich.markup import escape
 from tmctl import render
 from tmctl.client import Client, TmctlError, find_coordinator
 from tmd.protocol import (
+    AddStandbyRequest,
     ErrorReply,
     EventsReply,
     EventsRequest,
@@ -148,6 +149,26 @@ def status(ctx: typer.Context, json_: JsonOpt = False, coordinator: CoordinatorO
         console.print(render.migration_panel(reply.migration))
     else:
         console.print("no migration")
+    if reply.recovery:
+        console.print(render.recovery_line(reply.recovery))
+    return 0
+
+
+standby_app = typer.Typer(help="The standby pool.", no_args_is_help=True)
+app.add_typer(standby_app, name="standby")
+
+
+@standby_app.command("add")
+@_guarded
+def standby_add(
+    ctx: typer.Context,
+    node: Annotated[str, typer.Argument(help="Name of the new standby node.")],
+    coordinator: CoordinatorOpt = None, run_dir: RunDirOpt = None, job: JobOpt = None, timeout: TimeoutOpt = None,
+) -> int:
+    """Add a standby node (local mode: tmd starts its processes; a recovery waiting for a standby goes on)."""
+    with _connect(ctx, coordinator, run_dir, job, timeout) as client:
+        _expect(client.request(AddStandbyRequest(node=node)), StatusReply)
+    typer.echo(f"standby {node} added; it is warm once its processes register")
     return 0
 
 

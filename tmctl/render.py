@@ -172,3 +172,21 @@ def events_table(events: list[dict]) -> Table:
         table.add_row(_cell(ev.get("seq")), escape(clock(ev.get("ts"))), _cell(ev.get("event")),
                       escape(_details(ev)))
     return table
+
+
+def recovery_line(r: dict) -> str:
+    """The failure recovery in progress (or the last one) in one line: id, state, lost ranks, standby use,
+    resume step, phases (seconds)."""
+    state = r.get("state")
+    if r.get("waiting_standby"):
+        state = "waiting for a standby (tmctl standby add NAME, or a standby job)"
+    parts = [f"recovery {_dash(r.get('id'))}: {state}", f"lost ranks {r.get('lost_ranks')}",
+             f"failed {', '.join(r.get('failed_nodes') or []) or '-'}"]
+    if r.get("standbys"):
+        parts.append("replaced by " + ", ".join(f"{a} -> {b}" for a, b in r["standbys"].items()))
+    if r.get("resume_step") is not None:
+        parts.append(f"resume at step {r['resume_step']}")
+    if r.get("phases_s"):
+        parts.append(" ".join(f"{k} {v:.3f}s" for k, v in r["phases_s"].items()))
+    parts.append(f"reason: {r.get('reason')}")
+    return escape("  ".join(parts))

@@ -32,6 +32,10 @@ def local(
     port: int = typer.Option(0, help="ZeroMQ port (0: any free port)."),
     job: Optional[str] = typer.Option(None, help="Job name (default: local-<pid>)."),
     quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
+    netns_node: list[str] = typer.Option([], "--netns-node", metavar="NODE",
+                                         help="Run NODE's processes in a network namespace of their own, so it can "
+                                              "be cut off (a real partition; needs root). Repeatable."),
+    migrate_stragglers: bool = typer.Option(False, help="Move a node with a straggler rank to a warm standby."),
 ) -> None:
     """Run a job locally: start tmd, the ranks and the standbys on this host. Exits with the job's code."""
     from tmd.daemon import Daemon
@@ -40,9 +44,20 @@ def local(
     command = list(ctx.args) or DEFAULT_COMMAND
     active = [f"n{i + 1}" for i in range(nodes)]
     spares = [f"s{i + 1}" for i in range(standbys)]
+    namespaces = {}
+    if netns_node:
+        from tmd import netns
+        if not netns.available():
+            raise typer.BadParameter("network namespaces need root and iproute2 here", param_hint="--netns-node")
+        namespaces = {node: netns.NodeNamespace(node, i + 1) for i, node in enumerate(netns_node)}
+    host = next(iter(namespaces.values())).host_ip if namespaces else None  # an address every namespace reaches
     daemon = Daemon(job or f"local-{os.getpid()}", run_dir, active, ranks_per_node, spares, port=port,
-                    record_steps=record_steps, heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet)
-    launcher = LocalLauncher(command, daemon.run_dir, daemon.address, ranks_per_node, echo=not quiet)
+                    record_steps=record_steps, heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
+                    bind_host="0.0.0.0" if host else "127.0.0.1", store_host=host or "127.0.0.1",
+                    advertise_host=host, migrate_stragglers=migrate_stragglers,
+                    netns={n: {"name": ns.name, "index": ns.index} for n, ns in namespaces.items()})
+    launcher = LocalLauncher(command, daemon.run_dir, daemon.address, ranks_per_node, echo=not quiet,
+                             namespaces=namespaces, host_ip=host)
     daemon.launcher = launcher
     for name in active:
         launcher.start_node(name, standby=False)

@@ -56,6 +56,8 @@ class Daemon:
         suspect_after_s: float = 0.8,
         blocked_after_s: float = 0.3,
         migrate_stragglers: bool = False,
+        advertise_host: Optional[str] = None,
+        netns: Optional[dict] = None,
     ) -> None:
         """``record_steps``: steps whose collective outputs the active ranks record for joiners' replay (and
         the joiners' number of shadow iterations). ``heartbeat_timeout_s``: silence after which a node is
@@ -90,7 +92,8 @@ class Daemon:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker may reuse its identity
         self.sock.bind(f"tcp://{bind_host}:{port or '*'}")
-        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT).replace("0.0.0.0", socket.gethostname())
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT).replace(
+            "0.0.0.0", advertise_host or socket.gethostname())
         self.stragglers = StragglerDetector()
         self.launcher: Optional[LocalLauncher] = None
         # SLURM mode (tmd.slurm.SlurmCluster): ticked from the loop; resolves migrate targets; gets NodeNotices.
@@ -99,7 +102,8 @@ class Daemon:
         self._released = False
         self._release_deadline = float("inf")
         with open(os.path.join(self.run_dir, "tmd.json"), "w") as f:
-            json.dump({"address": self.address, "pid": os.getpid(), "job": job, "run_dir": self.run_dir}, f)
+            json.dump({"address": self.address, "pid": os.getpid(), "job": job, "run_dir": self.run_dir,
+                       "netns": netns or {}}, f)
         self.journal.record("tmd_started", job=job, address=self.address, world_size=self.registry.world_size,
                             nodes=nodes, standbys=standbys, store_port=self.store.port)
 
@@ -333,6 +337,21 @@ class Daemon:
             self.cluster.on_notice(msg)
         else:
             self.journal.record("node_notice", node=msg.node, slurm_job=msg.job_id, hook=msg.hook, detail=msg.detail)
+
+    def _on_AddStandbyRequest(self, identity: bytes, msg: p.AddStandbyRequest) -> None:
+        if self.launcher is None:
+            raise MigrationError("not_supported", "tmd does not start processes in this mode: submit a standby job "
+                                                  "(sbatch slurm/standby.sbatch) and it registers by itself")
+        name = msg.node.strip()
+        if not name or not name.replace("-", "").replace("_", "").isalnum():
+            raise MigrationError("bad_request", f"bad node name {msg.node!r}: letters, digits, - and _ only")
+        try:
+            self.registry.add_node(name)
+        except ValueError as e:
+            raise MigrationError("bad_request", str(e)) from None
+        self.journal.record("standby_added", node=name)
+        self.launcher.start_node(name, standby=True)
+        self._on_StatusRequest(identity, p.StatusRequest())
 
     def _on_EventsRequest(self, identity: bytes, msg: p.EventsRequest) -> None:
         self._reply(identity, p.EventsReply(self.journal.since(msg.after, msg.limit)))

@@ -26,7 +26,13 @@ class Proc:
 
 class LocalLauncher:
     def __init__(self, command: list[str], run_dir: str, coordinator: str, ranks_per_node: int,
-                 echo: bool = True, extra_env: Optional[dict[str, str]] = None) -> None:
+                 echo: bool = True, extra_env: Optional[dict[str, str]] = None,
+                 namespaces: Optional[dict] = None, host_ip: Optional[str] = None) -> None:
+        """``namespaces``: node -> tmd.netns.NodeNamespace for nodes whose processes run in a network namespace
+        of their own (they advertise its address to gloo; the others advertise ``host_ip``, which the namespaces
+        reach). They are deleted by :meth:`terminate_all`."""
+        self.namespaces = namespaces or {}
+        self.host_ip = host_ip
         self.command = command
         self.run_dir = run_dir
         self.coordinator = coordinator
@@ -51,8 +57,10 @@ class LocalLauncher:
         return self.command
 
     def _spawn(self, node: str, local_rank: int, standby: bool) -> Proc:
+        ns = self.namespaces.get(node)
         env = {
             **self.base_env(),
+            **({"TM_GLOO_HOST": ns.node_ip if ns else self.host_ip} if self.host_ip else {}),
             "TM_COORDINATOR": self.coordinator,
             "TM_NODE": node,
             "TM_LOCAL_RANK": str(local_rank),
@@ -62,7 +70,8 @@ class LocalLauncher:
             "PYTHONUNBUFFERED": "1",
             **self.extra_env,
         }
-        popen = subprocess.Popen(self.argv(node, local_rank), env=env, stdout=subprocess.PIPE,
+        argv = self.argv(node, local_rank)
+        popen = subprocess.Popen(ns.wrap(argv) if ns else argv, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         proc = Proc(node, local_rank, popen)
         self.procs.append(proc)
@@ -111,3 +120,5 @@ class LocalLauncher:
                 proc.popen.kill()
                 proc.popen.wait()
             proc.returncode = proc.popen.returncode
+        for ns in self.namespaces.values():
+            ns.close()

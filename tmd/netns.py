@@ -220,6 +220,18 @@ class NodeNamespace:
         except OSError:
             pass
 
+    @classmethod
+    def existing(cls, node: str, name: str, index: int) -> "NodeNamespace":
+        """A handle on a namespace another process created (e.g. tmd's, named in its tmd.json): it can cut()
+        and heal() it; close() leaves it alone."""
+        ns = cls.__new__(cls)
+        ns.node, ns.index, ns.name = node, index, name
+        ns.host_if, ns.ns_if = f"tmh{index}", f"tmn{index}"
+        ns.host_ip, ns.node_ip = f"10.213.{index}.1", f"10.213.{index}.2"
+        ns.is_cut, ns._closed, ns._cut_qdisc, ns._made_link = False, False, None, False
+        ns._owner = False
+        return ns
+
     def wrap(self, argv: list[str]) -> list[str]:
         """``argv`` run inside the namespace."""
         return ["ip", "netns", "exec", self.name, *argv]
@@ -257,6 +269,8 @@ class NodeNamespace:
         if self._closed:
             return
         self._closed = True
+        if not getattr(self, "_owner", True):
+            return
         try:
             atexit.unregister(self.close)
         except Exception:

@@ -262,6 +262,15 @@ class MigrationReply(Message):
 
 
 @dataclasses.dataclass
+class AddStandbyRequest(Message):
+    """Grow the standby pool by node ``node`` (local mode: tmd starts its processes). Answered by
+    StatusReply or ErrorReply (bad_request: a name already in use; not_supported: SLURM mode, where a standby
+    job is submitted instead)."""
+
+    node: str
+
+
+@dataclasses.dataclass
 class EventsRequest(Message):
     """Events with sequence number > ``after``, at most ``limit``."""
 
