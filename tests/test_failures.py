@@ -86,7 +86,7 @@ def assert_recovered(job: Job, reference: dict[int, str], rc: int, incidents: in
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("phase", ["forward", "optimizer", "between"])
+@pytest.mark.parametrize("phase", ["optimizer"])  # forward and between: test_two_failures_in_a_row_use_two_standbys
 def test_kill_node_during_a_step(tmp_path, reference, phase):
     job = Job(tmp_path, 1, "--fault", f"n2:12:{phase}")
     done = assert_recovered(job, reference, job.finish())
@@ -111,19 +111,25 @@ def test_sigstop_hang_then_sigcont_is_fenced(tmp_path, reference):
         os.kill(pid, signal.SIGSTOP)
     job.wait_event("recovery_done")
     assert [e["signal"] for e in job.events("node_failed")] == ["stopped"]
+    assert sorted(job.events("node_fenced")[0]["killed_pids"]) == sorted(stopped)
     for pid in stopped:
-        os.kill(pid, signal.SIGCONT)  # the old process wakes up: tmd tells it to go, it must not rejoin
+        try:
+            os.kill(pid, signal.SIGCONT)  # too late: fenced (killed, or told to exit when it calls in)
+        except ProcessLookupError:
+            pass
     rc = job.finish()
     assert_recovered(job, reference, rc)
     exits = {e["local_rank"]: e["returncode"] for e in job.events("process_exit") if e["node"] == "n2"}
-    assert exits == {0: 3, 1: 3}, exits  # FENCED_EXIT_CODE: they exited by themselves, told so by tmd
+    assert set(exits.values()) <= {-9, 3}, exits  # never 0: it did not finish the job as a rank
 
 
 @pytest.mark.timeout(300)
 def test_two_failures_in_a_row_use_two_standbys(tmp_path, reference):
+    # n2 dies in the forward pass of step 10 (redone), n1 between steps 30 and 31 (step 30 stands)
     job = Job(tmp_path, 2, "--fault", "n2:10:forward", "--fault", "n1:30:between")
     done = assert_recovered(job, reference, job.finish(), incidents=2)
     assert [d["standbys"] for d in done] == [{"n2": "s1"}, {"n1": "s2"}]
+    assert [d["resume_step"] for d in done] == [10, 31]
 
 
 @pytest.mark.timeout(300)
@@ -199,5 +205,6 @@ def test_network_partition_of_a_node(tmp_path, reference):
     ns.cut()  # n2's processes live on, but no packet gets in or out
     job.wait_event("recovery_done")
     assert [e["signal"] for e in job.events("node_failed")] == ["silent"]
-    ns.heal()  # they hear from tmd again: told they were replaced, they exit
+    assert job.events("node_fenced")  # on this host tmd can make sure they never come back
+    ns.heal()
     assert_recovered(job, reference, job.finish())

@@ -386,6 +386,7 @@ class Daemon:
         self.journal.record("node_failed", node=n.name, reason=reason, signal=signal, ranks=n.ranks)
         for w in n.workers.values():
             w.fenced = True  # whatever it sends from now on is answered with a Release
+        self._stonith(n)
         if n.role == "joining" and self._replacing(n):
             self.incidents.on_replacement_lost(n, reason)
             return
@@ -400,6 +401,24 @@ class Daemon:
             else:
                 self.migrations.abort(m, f"node {n.name} lost during {m.state}: {reason}")
         self.incidents.on_node_failed(n.name, reason, adopt)
+
+    def _stonith(self, n: Node) -> None:
+        """Fence a failed node's processes that run on this host by killing them (SIGKILL works on a stopped
+        process too). A hung or cut-off process that came back could otherwise finish a collective it was in:
+        gloo cannot cancel an op in flight, and the survivors' abandoned op would write into buffers they reuse.
+        Remote processes cannot be reached: they are fenced by the Release they get when they call in."""
+        killed = []
+        for w in n.workers.values():
+            proc = self._process(w)
+            if proc is None or w.exited:
+                continue
+            try:
+                proc.kill()
+                killed.append(w.pid)
+            except psutil.Error:
+                pass
+        if killed:
+            self.journal.record("node_fenced", node=n.name, killed_pids=killed)
 
     def _check_processes(self) -> None:
         for proc in self.launcher.poll():
