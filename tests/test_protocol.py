@@ -22,6 +22,8 @@ def test_every_message_round_trips():
         p.Switch(1, 20),
         p.Decide(1, True, "transferred"),
         p.Release("job finished", 0),
+        p.Reregister("127.0.0.1", 29501, 2),
+        p.Rejoin("n1", 1, 123, "host", 1, "active", 57, 2),
         p.StatusReply("job", 4, 1, 10, [{"name": "n1"}], None, None),
         p.MigrateRequest("n2", "s1"),
         p.ErrorReply("unknown_node", "unknown node 'n9'"),

@@ -115,6 +115,23 @@ class RecoveryReport(Message):
 
 
 @dataclasses.dataclass
+class Rejoin(Message):
+    """A worker's answer to :class:`Reregister`: what this process holds now, so a restarted tmd can re-learn
+    the job. ``role`` is ``active``, ``joiner`` or ``standby`` (never assigned a rank; ``rank`` is -1 then);
+    ``step`` is the step it is running (-1 before training); ``generation`` is the highest group generation
+    it built (-1: none). Sent after the worker switched its group builder to the new store."""
+
+    node: str
+    local_rank: int
+    pid: int
+    host: str
+    rank: int
+    role: str
+    step: int
+    generation: int
+
+
+@dataclasses.dataclass
 class Done(Message):
     """A rank finished its training loop (``final_step`` is the last step it ran) or, as a leaver, left."""
 
@@ -202,6 +219,17 @@ class Recover(Message):
     generation: int
     resume_step: int
     sends: list
+
+
+@dataclasses.dataclass
+class Reregister(Message):
+    """Sent by a restarted tmd (``tmd resume``) to a worker it does not know yet. The job's store moved with
+    tmd: the worker builds its future groups in the store at ``store_host:store_port`` and answers with
+    :class:`Rejoin`. ``generation`` is the highest group generation tmd knows of (it continues after it)."""
+
+    store_host: str
+    store_port: int
+    generation: int
 
 
 @dataclasses.dataclass

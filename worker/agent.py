@@ -58,6 +58,11 @@ class Agent:
         with self._wake_lock:
             self._wake_tx.send(b"", zmq.NOBLOCK)
 
+    def rejoin(self, rank: int, role: str, step: int, generation: int) -> None:
+        """Tell a restarted tmd (it sent Reregister) what this process holds now (see :class:`p.Rejoin`)."""
+        self.send(p.Rejoin(self.node, self.local_rank, os.getpid(), socket.gethostname(), rank, role, step,
+                           generation))
+
     def close(self, flush_timeout_s: float = 2.0) -> None:
         """Send what is queued (up to ``flush_timeout_s`` seconds), then stop the thread."""
         self._stop.set()

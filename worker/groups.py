@@ -51,10 +51,21 @@ class GroupManager:
         self.timeout_s = timeout_s
         self.world: Optional[mb.MoverBackend] = None
         self.groups: dict[str, Group] = {}  # this rank's groups by name, the world group included
+        self.generation = -1  # the highest generation this process built or installed a group of
         self._lock = threading.Lock()
         self._pending: Optional[_Pending] = None
 
+    def set_store(self, host: str, port: int) -> None:
+        """Build future groups in the store at ``host:port``: a restarted tmd hosts a new one (the old store died
+        with the old tmd). The groups in use keep working: gloo needs the store only while a group is set up."""
+        import datetime
+
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s))
+
     def _inner(self, generation: int, group: str, ranks: list[int]):
+        self.generation = max(self.generation, generation)
         return mb.build_inner(self.store, f"tm/g{generation}/{group}", ranks.index(self.rank), len(ranks),
                               self.timeout_s, self.host)
 
@@ -62,6 +73,7 @@ class GroupManager:
         """Install the mover-backed world group as the default group. ``connect`` false leaves it without an
         inner backend (a joiner's sandbox: every collective is replayed)."""
         ranks = list(range(self.world_size))
+        self.generation = max(self.generation, generation)
         inner = self._inner(generation, "world", ranks) if connect else None
         self.world = mb.init_mover_world(self.store, self.rank, self.world_size, inner, mode)
         self.groups["world"] = Group("world", ranks, self.world)

@@ -134,6 +134,10 @@ class Session:
                 self._cv.notify_all()
             if self.groups is not None and self.role == "active":
                 self.groups.fail_all(f"halted by tmd (incident {msg.incident_id}): {msg.reason}")
+        elif isinstance(msg, p.Reregister):  # a restarted tmd (tmd resume) re-learns the job from its workers
+            if self.groups is not None:
+                self.groups.set_store(msg.store_host, msg.store_port)
+            self.agent.rejoin(self.rank, self.role, self._step, self.groups.generation if self.groups else -1)
         elif isinstance(msg, p.Recover):
             with self._cv:
                 self._plan = msg
