@@ -2,8 +2,10 @@
 
 Each process gets its identity by environment: ``TM_COORDINATOR`` (tmd's address), ``TM_NODE``, ``TM_LOCAL_RANK``,
 ``TM_STANDBY`` (1 on standby nodes), ``TM_RUN_DIR``; ``OMP_NUM_THREADS=1`` and ``TM_GLOO_HOST=127.0.0.1`` keep
-ranks from oversubscribing the cores and gloo on loopback. Output of every process goes to
-``<run_dir>/logs/<node>.<local_rank>.log`` and, with ``echo``, to tmd's stdout prefixed by ``[node/local_rank]``.
+ranks from oversubscribing the cores and gloo on loopback. Every process writes its output to
+``<run_dir>/logs/<node>.<local_rank>.log`` itself (not through a pipe to tmd: its output, and so its training,
+outlives a killed tmd); with ``echo`` tmd follows the file and prints each line prefixed by ``[node/local_rank]``.
+A restarted tmd (``tmd resume``) adopts the processes it did not start (:meth:`LocalLauncher.adopt`).
 In SLURM mode srun starts the processes instead and this module is not used.
 """
 from __future__ import annotations
@@ -13,15 +15,67 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Optional
+import time
+from typing import Optional, Union
+
+import psutil
+
+
+class Adopted:
+    """A process this tmd did not start (found by ``tmd resume``), with the part of Popen's interface the
+    launcher uses. Its exit code is unknown (a non-child cannot be waited for): ``poll()`` returns -1 once
+    it is gone or a zombie."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: Optional[int] = None
+        try:
+            self._proc: Optional[psutil.Process] = psutil.Process(pid)
+        except psutil.Error:
+            self._proc = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            try:
+                gone = self._proc is None or self._proc.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                gone = True
+            except psutil.Error:
+                gone = False
+            if gone:
+                self.returncode = -1
+        return self.returncode
+
+    def terminate(self) -> None:
+        if self._proc is not None:
+            try:
+                self._proc.terminate()
+            except psutil.Error:
+                pass
+
+    def kill(self) -> None:
+        if self._proc is not None:
+            try:
+                self._proc.kill()
+            except psutil.Error:
+                pass
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.05)  # a non-child: nothing to block on
+        return self.returncode
 
 
 @dataclasses.dataclass
 class Proc:
     node: str
     local_rank: int
-    popen: subprocess.Popen
+    popen: Union[subprocess.Popen, Adopted]
     returncode: Optional[int] = None
+    pump: Optional[threading.Thread] = None  # echoes its log file (with echo)
 
 
 class LocalLauncher:
@@ -44,8 +98,9 @@ class LocalLauncher:
         os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
 
     def start_node(self, node: str, standby: bool) -> None:
-        """Start ``ranks_per_node`` processes for ``node``."""
-        for local_rank in range(self.ranks_per_node):
+        """Start ``ranks_per_node`` processes for ``node`` (none without a command: ``tmd resume`` of a job
+        whose tmd.json does not say it)."""
+        for local_rank in range(self.ranks_per_node if self.command else 0):
             self._spawn(node, local_rank, standby)
 
     def base_env(self) -> dict[str, str]:
@@ -71,23 +126,50 @@ class LocalLauncher:
             **self.extra_env,
         }
         argv = self.argv(node, local_rank)
-        popen = subprocess.Popen(ns.wrap(argv) if ns else argv, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        proc = Proc(node, local_rank, popen)
+        with open(self._log_path(node, local_rank), "ab") as log:
+            start = log.tell()
+            popen = subprocess.Popen(ns.wrap(argv) if ns else argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        return self._track(Proc(node, local_rank, popen), start)
+
+    def adopt(self, node: str, local_rank: int, pid: int) -> Proc:
+        """Track a running worker process this launcher did not start (a restarted tmd re-learns it)."""
+        path = self._log_path(node, local_rank)
+        return self._track(Proc(node, local_rank, Adopted(pid)), os.path.getsize(path) if os.path.exists(path) else 0)
+
+    def _log_path(self, node: str, local_rank: int) -> str:
+        return os.path.join(self.run_dir, "logs", f"{node}.{local_rank}.log")
+
+    def _track(self, proc: Proc, log_offset: int) -> Proc:
         self.procs.append(proc)
-        threading.Thread(target=self._pump, args=(proc,), daemon=True, name=f"log-{node}.{local_rank}").start()
+        if self.echo:
+            proc.pump = threading.Thread(target=self._pump, args=(proc, log_offset), daemon=True,
+                                         name=f"log-{proc.node}.{proc.local_rank}")
+            proc.pump.start()
         return proc
 
-    def _pump(self, proc: Proc) -> None:
-        path = os.path.join(self.run_dir, "logs", f"{proc.node}.{proc.local_rank}.log")
-        with open(path, "ab") as log:
-            for line in proc.popen.stdout:  # type: ignore[union-attr]
-                log.write(line)
-                log.flush()
-                if self.echo:
-                    with self._print_lock:
-                        sys.stdout.write(f"[{proc.node}/{proc.local_rank}] {line.decode(errors='replace')}")
-                        sys.stdout.flush()
+    def _pump(self, proc: Proc, offset: int) -> None:
+        """Echo what the process appends to its log file (from ``offset``) until it exited."""
+        with open(self._log_path(proc.node, proc.local_rank), "rb") as log:
+            log.seek(offset)
+            pending = b""
+            while True:
+                exited = proc.returncode is not None or proc.popen.poll() is not None
+                chunk = log.read(1 << 16)
+                if not chunk:
+                    if exited:
+                        break
+                    time.sleep(0.05)  # another process writes the file: nothing to block on
+                    continue
+                *lines, pending = (pending + chunk).split(b"\n")
+                with self._print_lock:
+                    for line in lines:
+                        sys.stdout.write(f"[{proc.node}/{proc.local_rank}] {line.decode(errors='replace')}\n")
+                    sys.stdout.flush()
+            if pending:
+                with self._print_lock:
+                    sys.stdout.write(f"[{proc.node}/{proc.local_rank}] {pending.decode(errors='replace')}\n")
+                    sys.stdout.flush()
 
     def poll(self) -> list[Proc]:
         """Processes that exited since the last call."""
@@ -120,5 +202,8 @@ class LocalLauncher:
                 proc.popen.kill()
                 proc.popen.wait()
             proc.returncode = proc.popen.returncode
+        for proc in self.procs:  # echo the last lines (the pumps end at the end of their files)
+            if proc.pump is not None:
+                proc.pump.join(timeout=1.0)
         for ns in self.namespaces.values():
             ns.close()
