@@ -14,11 +14,12 @@ from typing import Any, Optional
 
 
 class Journal:
-    def __init__(self, path: Optional[str], keep: int = 10_000, echo: bool = False) -> None:
-        """``path``: the JSON-lines file (None: memory only). ``echo``: also print each event to stdout."""
+    def __init__(self, path: Optional[str], keep: int = 10_000, echo: bool = False, seq: int = 0) -> None:
+        """``path``: the JSON-lines file (None: memory only). ``echo``: also print each event to stdout.
+        ``seq``: the last sequence number already in the file (a restarted tmd goes on after it)."""
         self._file = open(path, "a", buffering=1) if path else None
         self._recent: collections.deque[dict] = collections.deque(maxlen=keep)
-        self._seq = 0
+        self._seq = seq
         self._echo = echo
 
     def record(self, event: str, **fields: Any) -> dict:
@@ -43,3 +44,18 @@ class Journal:
             os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
+
+
+def read_events(path: str) -> list[dict]:
+    """The events of a journal file, oldest first. A line that does not parse (the last one, cut short when
+    tmd was killed while writing it) is skipped."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(entry, dict) and "event" in entry:
+                out.append(entry)
+    return out

@@ -137,7 +137,8 @@ class Migrations:
         self.record_steps = record_steps
         self.deadlines_s = {**DEFAULT_DEADLINES_S, **(deadlines_s or {})}
         self.all: list[Migration] = []
-        self.generation = 0
+        self.generation = 0  # the highest group generation used (migrations and recoveries; never reused)
+        self.first_id = 1  # id of the first migration (a restarted tmd goes on after the journal's last)
 
     @property
     def current(self) -> Optional[Migration]:
@@ -191,11 +192,11 @@ class Migrations:
         leavers = {r: reg.rank_owner[r] for r in src.ranks}
         joiners = {r: dst.workers[i] for i, r in enumerate(src.ranks)}
         stayers = {r: w for r, w in reg.rank_owner.items() if r not in leavers}
-        m = Migration(len(self.all) + 1, source, target, self.generation, leavers, joiners, stayers)
+        m = Migration(self.first_id + len(self.all), source, target, self.generation, leavers, joiners, stayers)
         m.request_step = reg.current_step()
         self.all.append(m)
         dst.role = "joining"
-        self._enter(m, "requested")
+        self._enter(m, "requested", generation=m.generation)
         for rank, joiner in joiners.items():
             self._assign(joiner, rank, m.id)
         self._enter(m, "warming")
