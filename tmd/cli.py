@@ -5,6 +5,7 @@ x 2 ranks with standby s1). COMMAND is the training script every rank and standb
 ``tmd slurm [OPTIONS] -- COMMAND ...`` runs in a SLURM batch script (slurm/train.sbatch): the same, with the ranks
 started by srun on the job's nodes and standbys taken from standby jobs in a reservation (see tmd/slurm.py).
 ``tmd standby --job JOBID`` is the body of a standby job (slurm/standby.sbatch).
+``tmd resume --run-dir DIR`` restarts a local job's tmd that died (even by ``kill -9``) while its ranks train on.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def local(
                     record_steps=record_steps, heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
                     bind_host="0.0.0.0" if host else "127.0.0.1", store_host=host or "127.0.0.1",
                     advertise_host=host, migrate_stragglers=migrate_stragglers,
-                    netns={n: {"name": ns.name, "index": ns.index} for n, ns in namespaces.items()})
+                    netns={n: {"name": ns.name, "index": ns.index} for n, ns in namespaces.items()},
+                    command=command)
     launcher = LocalLauncher(command, daemon.run_dir, daemon.address, ranks_per_node, echo=not quiet,
                              namespaces=namespaces, host_ip=host)
     daemon.launcher = launcher
@@ -140,6 +142,47 @@ def standby(
     from tmd.slurm import hold_standby
 
     raise typer.Exit(hold_standby(job, poll_s, echo=lambda line: print(line, flush=True)))
+
+
+@app.command()
+def resume(
+    run_dir: str = typer.Option("tmrun", envvar="TM_RUN_DIR", help="The run directory of the job (tmd.json, events)."),
+    record_steps: int = typer.Option(3, min=1, help="Used only when the journal does not say (older tmd)."),
+    heartbeat_timeout_s: float = typer.Option(5.0, help="Seconds of silence before a node is marked unhealthy."),
+    quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
+) -> None:
+    """Restart tmd for a local job whose tmd died while its ranks train on: bind the same address, host a new
+    store, re-learn the job from the journal and the workers' re-registration, and serve it until it ends
+    (see tmd/resume.py). Exits with the job's code; 2 when there is no job to resume."""
+    from tmd.daemon import Daemon
+    from tmd.local import LocalLauncher
+    from tmd.resume import ResumeError, load, split_address
+
+    try:
+        state = load(run_dir)
+    except ResumeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2)
+    host, port = split_address(state.address)
+    if state.cwd and os.path.isdir(state.cwd):
+        os.chdir(state.cwd)  # where the job's command (relative paths, python -m) runs: standbys start there
+    started = time.monotonic()
+    try:
+        daemon = Daemon(state.job, state.run_dir, state.nodes, state.ranks_per_node, state.standbys,
+                        bind_host=host, store_host=host, port=port,
+                        record_steps=state.record_steps or record_steps, heartbeat_timeout_s=heartbeat_timeout_s,
+                        echo=not quiet, command=state.command, netns=state.netns, resume=state)
+    except Exception as e:  # noqa: BLE001 - e.g. the address is taken: one line, not a traceback
+        print(f"error: cannot restart tmd of job {state.job} at {state.address}: {e}", file=sys.stderr)
+        raise typer.Exit(2)
+    # The job's processes are not this tmd's children: the launcher adopts them as they re-register, and
+    # starts standbys afresh with the job's command.
+    daemon.launcher = LocalLauncher(list(state.command or []), daemon.run_dir, daemon.address, state.ranks_per_node,
+                                    echo=not quiet)
+    code = daemon.run()
+    print(f"[tmd] job {daemon.job} ended with code {code} {time.monotonic() - started:.1f} s after the restart",
+          flush=True)
+    raise typer.Exit(code)
 
 
 @app.command()

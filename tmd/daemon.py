@@ -5,7 +5,8 @@ local launcher's process exits, migration deadlines). All state lives in this th
 tmd hosts the job's TCPStore, so the store outlives any rank, leavers included.
 
 Assumption (as in torchft's lighthouse): tmd is a single point of coordination, not of training. If it dies the
-ranks keep training; they just cannot migrate until it is back (re-learning the job is a later issue).
+ranks keep training; they just cannot migrate (or recover from a failure) until it is back: ``tmd resume``
+restarts it on the same address, and it re-learns the job from the journal and the workers (tmd/resume.py).
 
 Failure detection (defaults), cheapest signal first:
 - a rank process exits (local mode: Popen poll each tick, ~50 ms) or turns zombie/stopped (psutil, for processes
@@ -34,6 +35,7 @@ from tmd.local import LocalLauncher
 from tmd.migration import MigrationError, Migrations
 from tmd.recovery import FENCED_EXIT_CODE, Incidents, RecoveryError
 from tmd.registry import Node, Registry, Worker
+from tmd.resume import JobState, Resumed
 
 TICK_S = 0.05
 RELEASE_GRACE_S = 30.0  # processes still running this long after the job finished are terminated
@@ -58,12 +60,16 @@ class Daemon:
         migrate_stragglers: bool = False,
         advertise_host: Optional[str] = None,
         netns: Optional[dict] = None,
+        command: Optional[list[str]] = None,
+        resume: Optional[JobState] = None,
     ) -> None:
         """``record_steps``: steps whose collective outputs the active ranks record for joiners' replay (and
         the joiners' number of shadow iterations). ``heartbeat_timeout_s``: silence after which a node is
         failed whatever its peers do (seconds). ``suspect_after_s``: silence after which a node is failed if a
         peer has been blocked in a collective for ``blocked_after_s`` (seconds). ``migrate_stragglers``: move a
-        node with a straggler rank to a warm standby (a planned migration)."""
+        node with a straggler rank to a warm standby (a planned migration). ``command``: the workers' command
+        line in local mode (kept in tmd.json for ``tmd resume``). ``resume``: take over this running job (its
+        journal goes on; the workers re-register) instead of starting one."""
         import torch.distributed as dist  # only tmd pays for torch: it hosts the job's store
 
         self.job = job
@@ -78,7 +84,8 @@ class Daemon:
         self._gpu_verdicts: dict[int, Optional[tuple[str, str]]] = {}
         self._processes: dict[int, psutil.Process] = {}  # pid -> handle, for processes on this host
         self._hostname = socket.gethostname()
-        self.journal = Journal(os.path.join(self.run_dir, "events.jsonl"), echo=echo)
+        self.journal = Journal(os.path.join(self.run_dir, "events.jsonl"), echo=echo,
+                               seq=resume.last_seq if resume else 0)
         self.registry = Registry(nodes, ranks_per_node, standbys)
         self.migrations = Migrations(self.registry, self.journal, self._send, self._assign_joiner,
                                      record_steps=record_steps)
@@ -101,11 +108,18 @@ class Daemon:
         self.exit_code: Optional[int] = None
         self._released = False
         self._release_deadline = float("inf")
+        info = {"address": self.address, "pid": os.getpid(), "job": job, "run_dir": self.run_dir, "netns": netns or {}}
+        if command:
+            info.update(command=command, cwd=os.getcwd())
         with open(os.path.join(self.run_dir, "tmd.json"), "w") as f:
-            json.dump({"address": self.address, "pid": os.getpid(), "job": job, "run_dir": self.run_dir,
-                       "netns": netns or {}}, f)
-        self.journal.record("tmd_started", job=job, address=self.address, world_size=self.registry.world_size,
-                            nodes=nodes, standbys=standbys, store_port=self.store.port)
+            json.dump(info, f)
+        self.resumed: Optional[Resumed] = None
+        if resume is not None:
+            self.resumed = Resumed(self, resume, rejoin_grace_s=max(10.0, 2 * heartbeat_timeout_s))
+            self.resumed.start()
+        else:
+            self.journal.record("tmd_started", job=job, address=self.address, world_size=self.registry.world_size,
+                                nodes=nodes, standbys=standbys, store_port=self.store.port, record_steps=record_steps)
 
     # ---------------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -170,6 +184,9 @@ class Daemon:
 
     def _worker(self, identity: bytes, msg: p.Message) -> Optional[Worker]:
         w = self.registry.by_identity.get(identity)
+        if w is None and self.resumed is not None:  # a worker this restarted tmd has not re-learned yet
+            self.resumed.ask(identity)
+            return None
         if w is None:
             self.journal.record("bad_message", sender=identity.decode(errors="replace"),
                                 error=f"{msg.TYPE} from a process that never registered")
@@ -201,6 +218,13 @@ class Daemon:
                                    0, self.record_steps, os.path.join(self.run_dir, "record"), 0, 0))
         if node.role == "standby" and node.warm:
             self.journal.record("standby_warm", node=node.name)
+
+    def _on_Rejoin(self, identity: bytes, msg: p.Rejoin) -> None:
+        if self.resumed is None:
+            self.journal.record("bad_message", sender=identity.decode(errors="replace"),
+                                error="Rejoin, but this tmd did not restart")
+            return
+        self.resumed.on_rejoin(identity, msg)
 
     def _assign_joiner(self, joiner: Worker, rank: int, migration_id: int) -> None:
         self._send(joiner, p.Assign("joiner", rank, self.registry.world_size, self.store_host, self.store.port,
@@ -366,6 +390,8 @@ class Daemon:
         self.migrations.tick(now)
         self.incidents.tick(now)
         self._check_stragglers(now)
+        if self.resumed is not None:
+            self.resumed.tick(now)
         if self.cluster is not None:
             self.cluster.tick(now)
         self._check_finished()

@@ -1,0 +1,173 @@
+"""tmd killed with SIGKILL during training: the ranks train on; ``tmd resume`` re-learns the job from the workers'
+re-registration and the journal, and the job can migrate again (tmd/resume.py).
+
+End to end in local mode with real processes (2 nodes x 2 ranks, standby s1, a tiny GPT), checked bit for bit
+against an uninterrupted run; and the journal replay alone on made-up journals.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from examples.demo import final_hashes, tmd_command, wait_for_address
+from tmctl.client import Client
+from tmd import protocol as p
+from tmd.resume import ResumeError, load
+
+from tests.helpers import events, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 900
+ARGS = ("--group-size", "2", "--min-step-time-s", "0.03")  # neither changes the numerics
+
+
+def rank0_step(run_dir: str) -> int:
+    """The last step rank 0 logged (it prints every 5 steps to its log file), -1 before the first."""
+    path = os.path.join(run_dir, "logs", "n1.0.log")
+    if not os.path.exists(path):
+        return -1
+    with open(path, errors="replace") as f:
+        steps = re.findall(r"^step\s+(\d+)/", f.read(), re.MULTILINE)
+    return int(steps[-1]) if steps else -1
+
+
+def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path):
+    ref_dir, run_dir = str(tmp_path / "reference"), str(tmp_path / "job")
+    reference = subprocess.Popen(tmd_command(ref_dir, 0, STEPS, True, True), stdout=subprocess.DEVNULL)
+    tmd = subprocess.Popen(tmd_command(run_dir, 1, STEPS, True, True, ARGS), stdout=subprocess.DEVNULL)
+    resumed = None
+    workers: list[psutil.Process] = []
+    try:
+        client = Client(wait_for_address(run_dir, tmd), timeout_s=10.0)
+        status = lambda: client.request(p.StatusRequest())  # noqa: E731
+        wait_until(lambda: status().step > 5 and any(n["warm"] for n in status().nodes), 120,
+                   "training and a warm s1")
+        workers = psutil.Process(tmd.pid).children()
+        assert len(workers) == 6
+
+        os.kill(tmd.pid, signal.SIGKILL)
+        assert tmd.wait(timeout=10) == -signal.SIGKILL
+        killed = time.time()
+        # Training goes on without tmd: rank 0 keeps logging steps, every process is still there.
+        at_kill = rank0_step(run_dir)
+        wait_until(lambda: rank0_step(run_dir) >= at_kill + 20, 30, "training to go on without tmd")
+        assert all(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+
+        resumed = subprocess.Popen([sys.executable, "-m", "tmd.cli", "resume", "--run-dir", run_dir, "--quiet"],
+                                   stdout=subprocess.DEVNULL)
+
+        def relearned():
+            st = status()
+            nodes = {n["name"]: n for n in st.nodes}
+            ok = all(nodes[n]["processes"] == 2 and nodes[n]["role"] == "active" for n in ("n1", "n2"))
+            return st if ok and nodes["s1"]["warm"] and sorted(r for n in ("n1", "n2") for r in nodes[n]["ranks"]) \
+                == [0, 1, 2, 3] else None
+
+        wait_until(lambda: resumed.poll() is None and relearned(), 60, "the restarted tmd to re-learn the job")
+        r = subprocess.run([sys.executable, "-m", "tmctl.cli", "status", "--json", "--run-dir", run_dir],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        st = json.loads(r.stdout)
+        assert {n["name"]: n["ranks"] for n in st["nodes"]} == {"n1": [0, 1], "n2": [2, 3], "s1": []}
+        assert st["step"] > at_kill
+
+        r = subprocess.run([sys.executable, "-m", "tmctl.cli", "migrate", "--from", "n2", "--to", "s1", "--json",
+                            "--timeout-s", "90", "--run-dir", run_dir], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        m = json.loads(r.stdout.strip().splitlines()[-1])
+        assert m["state"] == "committed" and m["id"] == 1 and m["generation"] == 1
+        assert m["bytes_moved"] > 10_000
+
+        assert resumed.wait(timeout=120) == 0  # every rank finished: the resumed tmd ends the job
+        assert reference.wait(timeout=120) == 0
+    finally:
+        for proc in (tmd, resumed, reference):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        for w in workers:  # orphans of the killed tmd, if the resumed one did not end them
+            if w.is_running():
+                w.kill()
+
+    assert final_hashes(run_dir) == final_hashes(ref_dir) and len(final_hashes(ref_dir)) == 4
+    ev = events(run_dir)
+    seqs = [e["seq"] for e in ev]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), "the journal's seq goes on across the restart"
+    names = [e["event"] for e in ev]
+    assert names.count("tmd_started") == 1 and names.count("tmd_restarted") == 1
+    restart = next(e for e in ev if e["event"] == "tmd_restarted")
+    relearn = next(e for e in ev if e["event"] == "job_relearned")
+    assert names.count("worker_rejoined") == 6 and "rejoin_refused" not in names
+    assert names.count("migration_committed") == 1 and names[-1] == "tmd_stopped"
+    assert restart["address"] == next(e for e in ev if e["event"] == "tmd_started")["address"]
+    n2_exits = [e for e in ev if e["event"] == "process_exit" and e["node"] == "n2"]
+    assert len(n2_exits) == 2 and all(e["expected"] for e in n2_exits)
+    print(f"\n[restart] tmd down -> restarted (journalled): {restart['ts'] - killed:.2f} s; "
+          f"restarted -> all ranks re-learned: {relearn['ts'] - restart['ts']:.2f} s "
+          f"(after_s {relearn['after_s']}, since the process started {relearn['since_process_start_s']} s); "
+          f"migration after the restart: {m['phases_s']}")
+
+
+# --- the journal replay alone ------------------------------------------------------------------------------------
+def _write_job(tmp_path, *evs: dict, pid: int = 999_999_999) -> str:
+    (tmp_path / "tmd.json").write_text(json.dumps({"address": "tcp://127.0.0.1:5555", "pid": pid, "job": "j",
+                                                   "run_dir": str(tmp_path), "command": ["train"]}))
+    start = {"event": "tmd_started", "job": "j", "world_size": 4, "nodes": ["n1", "n2"], "standbys": ["s1", "s2"],
+             "store_port": 1, "record_steps": 3}
+    with open(tmp_path / "events.jsonl", "w") as f:
+        for i, e in enumerate([start, *evs]):
+            f.write(json.dumps({"seq": i + 1, "ts": 1000.0 + i, **e}) + "\n")
+        f.write('{"seq": 99, "ts": 1')  # a line cut short by the kill
+    return str(tmp_path)
+
+
+def test_replay_after_migrations_and_a_recovery(tmp_path):
+    run_dir = _write_job(
+        tmp_path,
+        {"event": "migration_requested", "migration_id": 1, "source": "n2", "target": "s1", "generation": 1},
+        {"event": "migration_transferred", "migration_id": 1, "source": "n2", "target": "s1"},
+        {"event": "migration_committed", "migration_id": 1, "source": "n2", "target": "s1"},
+        {"event": "node_failed", "node": "n1", "ranks": [0, 1]},
+        {"event": "recovery_started", "incident_id": 1, "adopted": {}},
+        {"event": "standby_promoted", "incident_id": 1, "failed_node": "n1", "standby": "s2", "ranks": [0, 1]},
+        {"event": "recovery_plan", "incident_id": 1, "generation": 2, "resume_step": 50, "sends": []},
+        {"event": "recovery_done", "incident_id": 1, "standbys": {"n1": "s2"}},
+    )
+    st = load(run_dir)
+    assert st.roles == {"n1": ("failed", []), "n2": ("left", []), "s1": ("active", [2, 3]), "s2": ("active", [0, 1])}
+    assert (st.generation, st.last_migration_id, st.last_seq, st.record_steps) == (2, 1, 9, 3)
+    assert st.ranks_per_node == 2 and st.command == ["train"] and st.cut_migration is None
+
+
+def test_replay_of_a_migration_cut_by_the_crash(tmp_path):
+    requested = {"event": "migration_requested", "migration_id": 4, "source": "n1", "target": "s2"}  # no generation
+    st = load(_write_job(tmp_path, requested))
+    assert st.roles["s2"] == ("standby", []) and st.roles["n1"] == ("active", [0, 1])
+    assert st.cut_migration == {"id": 4, "source": "n1", "target": "s2", "commit": False}
+    assert st.generation == 1  # counted: every migration takes a generation
+    # once every joiner had its state the decision was to commit: the restart completes it
+    st = load(_write_job(tmp_path, requested, {"event": "migration_transferred", "migration_id": 4}))
+    assert st.cut_migration["commit"] and st.roles["s2"] == ("active", [0, 1]) and st.roles["n1"] == ("left", [])
+
+
+def test_nothing_to_resume(tmp_path):
+    with pytest.raises(ResumeError, match="no job to resume"):
+        load(str(tmp_path))
+    with pytest.raises(ResumeError, match="stopped with exit code 0"):
+        load(_write_job(tmp_path, {"event": "job_finished"}, {"event": "tmd_stopped", "exit_code": 0}))
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "tmd"])  # stands in for tmd
+    try:
+        with pytest.raises(ResumeError, match=f"still runs \\(pid {alive.pid}\\)"):
+            load(_write_job(tmp_path, pid=alive.pid))
+    finally:
+        alive.kill()
+        alive.wait()

@@ -1,0 +1,325 @@
+"""Restarting tmd for a running job: ``tmd resume --run-dir DIR`` (local mode).
+
+tmd is a single point of coordination, not of training. When it dies (even ``kill -9``) the ranks train on:
+their groups do not need the store once set up, their output goes to their log files, and their agents keep
+heartbeating into a socket that ZeroMQ reconnects on its own. While tmd is down nothing that needs it can
+start: no migration, no failure recovery (a failure meanwhile is handled once tmd is back: see below), and a
+rank that finishes cannot report it (its Done is lost if it exits before tmd is back, so the job must still run
+when tmd is restarted).
+
+A restarted tmd re-learns the job from two sources:
+
+- the journal (``events.jsonl``, the events of the job since its ``tmd_started``, :func:`load`): the layout
+  (which node holds which ranks after the migrations and recoveries that completed), the highest group
+  generation used (new generations go on after it: a store prefix is never reused), the last migration id,
+  and ``tmd.json``'s address and launch command;
+- the workers: it binds the same ZeroMQ address, so every agent reconnects; to any worker message from an
+  identity it does not know it answers :class:`~tmd.protocol.Reregister`, carrying the new store (the old
+  store died with the old tmd); the worker points its group builder at the new store and answers
+  :class:`~tmd.protocol.Rejoin` with its rank, role, step and generation. Processes on this host are adopted
+  by the launcher, so their exits and liveness are watched as if tmd had started them (psutil: they are not
+  its children).
+
+Cases at the restart:
+
+- a migration that was cut by the crash is aborted (its stayers and leaver are told, its joiners exit and
+  the standby is started afresh), unless every joiner had received its state: the decision was then to
+  commit, and it is sent again;
+- an active node whose processes did not re-register within ``rejoin_grace_s`` of the restart failed while
+  tmd was down (or hangs): it is failed and recovered like any failure;
+- a standby node with no process left is started again;
+- a standby the journal replay does not know (added at run time) is added when its processes re-register.
+
+Not resumed: a failure recovery (incident) that was in progress when tmd died; SLURM mode (its standby jobs
+and srun steps are not re-learned). Incident ids start again at 1 after a restart; migration ids go on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import TYPE_CHECKING, Optional
+
+import psutil
+
+from tmd import protocol as p
+from tmd.journal import read_events
+from tmd.recovery import FENCED_EXIT_CODE
+from tmd.registry import Worker
+
+if TYPE_CHECKING:
+    from tmd.daemon import Daemon
+
+REASK_S = 1.0  # a worker that has not answered Reregister is asked again after this many seconds
+
+
+class ResumeError(RuntimeError):
+    """The run directory holds no job that a restarted tmd can take over (the message says why)."""
+
+
+@dataclasses.dataclass
+class JobState:
+    """What the journal and ``tmd.json`` say about the job at the time tmd died."""
+
+    job: str
+    run_dir: str
+    address: str
+    command: Optional[list]  # what local mode starts every worker with (None: not recorded)
+    cwd: Optional[str]  # the directory it ran in
+    netns: dict  # nodes in network namespaces of their own (tmd.json's, for tmctl; see tmd/netns.py)
+    nodes: list[str]  # the job's first active nodes, in rank order
+    ranks_per_node: int
+    standbys: list[str]
+    record_steps: Optional[int]
+    roles: dict[str, tuple[str, list[int]]]  # node -> (role, ranks) now
+    generation: int  # the highest group generation used
+    last_migration_id: int
+    cut_migration: Optional[dict]  # a migration the crash interrupted: id, source, target, commit
+    open_incident: Optional[int]  # a recovery the crash interrupted (not resumed)
+    last_seq: int
+    last_ts: float
+    previous_pid: Optional[int]
+
+
+def load(run_dir: str) -> JobState:
+    """Read ``tmd.json`` and the journal of ``run_dir``. Raises ResumeError when there is nothing to resume:
+    no such job, the job ended, or its tmd still runs."""
+    run_dir = os.path.abspath(run_dir)
+    info_path, journal_path = os.path.join(run_dir, "tmd.json"), os.path.join(run_dir, "events.jsonl")
+    try:
+        with open(info_path) as f:
+            info = json.load(f)
+        events = read_events(journal_path)
+    except (OSError, ValueError) as e:
+        raise ResumeError(f"no job to resume in {run_dir}: {e}") from None
+    starts = [i for i, e in enumerate(events) if e["event"] == "tmd_started"]
+    if not starts:
+        raise ResumeError(f"no job to resume in {run_dir}: its journal has no tmd_started event")
+    events = events[starts[-1]:]
+    started = events[0]
+    ends = [e for e in events if e["event"] in ("tmd_started", "tmd_restarted", "tmd_stopped", "job_finished")]
+    if ends[-1]["event"] == "tmd_stopped":
+        code = ends[-1].get("exit_code")
+        raise ResumeError(f"job {started.get('job')} is over: its tmd stopped with exit code {code}")
+    if any(e["event"] == "job_finished" for e in ends):
+        raise ResumeError(f"job {started.get('job')} is over: it finished")
+    pid = info.get("pid")
+    if isinstance(pid, int) and pid != os.getpid() and _is_tmd(pid):
+        raise ResumeError(f"tmd of job {started.get('job')} still runs (pid {pid})")
+
+    nodes, standbys = list(started["nodes"]), list(started["standbys"])
+    rpn = started["world_size"] // len(nodes)
+    roles: dict[str, tuple[str, list[int]]] = {n: ("active", list(range(i * rpn, (i + 1) * rpn)))
+                                              for i, n in enumerate(nodes)}
+    roles.update({s: ("standby", []) for s in standbys})
+    generation = consumed = last_mid = 0
+    migration: Optional[dict] = None
+    incident: Optional[int] = None
+    lost: dict[str, list[int]] = {}  # failed node -> the ranks it held
+    for e in events:
+        ev = e["event"]
+        if isinstance(e.get("generation"), int):
+            generation = max(generation, e["generation"])
+        if ev == "migration_requested":
+            consumed += 1
+            last_mid = max(last_mid, e["migration_id"])
+            migration = {"id": e["migration_id"], "source": e["source"], "target": e["target"], "commit": False}
+            roles[e["target"]] = ("joining", [])
+        elif ev == "migration_transferred" and migration and migration["id"] == e["migration_id"]:
+            migration["commit"] = True  # tmd journals this, then tells every party to commit
+        elif ev in ("migration_committed", "migration_aborted") and migration and migration["id"] == e["migration_id"]:
+            if ev == "migration_committed":
+                _hand_over(roles, migration)
+            elif roles.get(migration["target"], ("",))[0] == "joining" and not _adopted_by_recovery(events, e):
+                roles[migration["target"]] = ("standby", [])
+            migration = None
+        elif ev == "node_failed":
+            lost[e["node"]] = list(e.get("ranks") or [])
+            roles[e["node"]] = ("failed", [])
+        elif ev == "standby_promoted":
+            roles[e["standby"]] = ("joining", [])
+        elif ev == "recovery_started":
+            incident = e["incident_id"]
+        elif ev == "recovery_plan":
+            consumed += 1
+        elif ev == "recovery_done":
+            incident = None
+            for failed_node, standby in e["standbys"].items():
+                roles[standby] = ("active", sorted(lost.get(failed_node, [])))
+    if migration is not None and migration["commit"]:
+        _hand_over(roles, migration)
+    for name, (role, _) in roles.items():
+        if role == "joining":  # a cut migration's target, or a cut recovery's standby: a standby again
+            roles[name] = ("standby", [])
+    seqs = [e["seq"] for e in events if isinstance(e.get("seq"), int)]
+    return JobState(
+        job=started.get("job") or info.get("job"), run_dir=run_dir, address=info["address"],
+        command=info.get("command"), cwd=info.get("cwd"), netns=info.get("netns") or {},
+        nodes=nodes, ranks_per_node=rpn, standbys=standbys,
+        record_steps=started.get("record_steps"), roles=roles,
+        generation=max(generation, consumed),  # each migration and each recovery plan took one
+        last_migration_id=last_mid, cut_migration=migration, open_incident=incident,
+        last_seq=max(seqs, default=0), last_ts=events[-1].get("ts", time.time()),
+        previous_pid=pid if isinstance(pid, int) else None)
+
+
+def _is_tmd(pid: int) -> bool:
+    try:
+        return any("tmd" in part for part in psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+
+
+def _hand_over(roles: dict, migration: dict) -> None:
+    ranks = roles[migration["source"]][1]
+    roles[migration["target"]] = ("active", list(ranks))
+    roles[migration["source"]] = ("left", [])
+
+
+def _adopted_by_recovery(events: list[dict], aborted: dict) -> bool:
+    """A migration aborted because its leaver died hands its warm joiners to the recovery that follows."""
+    return any(e["event"] == "recovery_started" and aborted["target"] in (e.get("adopted") or {}).values()
+               for e in events if e["seq"] > aborted["seq"])
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` -> (HOST, PORT)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    return host, int(port)
+
+
+class Resumed:
+    """The restarted tmd's side of re-learning the job (``daemon.resumed``)."""
+
+    def __init__(self, daemon: "Daemon", state: JobState, rejoin_grace_s: float = 10.0) -> None:
+        """``rejoin_grace_s``: an active node with a process that has not re-registered this many seconds
+        after the restart is failed."""
+        self.daemon = daemon
+        self.state = state
+        self.rejoin_grace_s = rejoin_grace_s
+        self.started = time.monotonic()
+        self._asked: dict[bytes, float] = {}  # identity -> time.monotonic() of the last Reregister
+        self._refused: set[bytes] = set()
+        self._relearned = False
+        self._checked = False
+        self.decision: Optional[p.Decide] = None  # for the parties of a migration the crash cut
+
+    def start(self) -> None:
+        """Apply the journal's layout to the registry and journal the restart."""
+        d, st = self.daemon, self.state
+        reg = d.registry
+        for name, (role, ranks) in st.roles.items():
+            node = reg.nodes.get(name) or reg.add_node(name)  # (or a standby added at run time)
+            node.role, node.ranks = role, list(ranks)
+            if role == "failed":
+                node.health, node.reason = "unhealthy", "failed before tmd restarted"
+            elif role == "left":
+                node.reason = "its ranks were handed over before tmd restarted"
+        d.migrations.generation = st.generation
+        d.migrations.first_id = st.last_migration_id + 1
+        d.journal.record("tmd_restarted", job=st.job, address=d.address, store_port=d.store.port,
+                         world_size=reg.world_size, generation=st.generation, previous_pid=st.previous_pid,
+                         down_s=round(time.time() - st.last_ts, 3),
+                         layout={n: list(r) for n, r in st.roles.items()})
+        m = st.cut_migration
+        if m is not None:
+            if m["commit"]:
+                self.decision = p.Decide(m["id"], True, "every joiner had its state before tmd restarted")
+                d.journal.record("migration_committed", migration_id=m["id"], source=m["source"],
+                                 target=m["target"], reason="decided before tmd restarted")
+            else:
+                self.decision = p.Decide(m["id"], False, "tmd restarted during the migration")
+                d.journal.record("migration_aborted", migration_id=m["id"], source=m["source"],
+                                 target=m["target"], reason=self.decision.reason)
+        if st.open_incident is not None:
+            d.journal.record("recovery_not_resumed", incident_id=st.open_incident,
+                             reason="tmd restarted during this recovery; it is not resumed")
+
+    # ---------------------------------------------------------------------------------------------------------
+    def ask(self, identity: bytes) -> None:
+        """A worker message from ``identity``, which this tmd does not know: ask it to re-register."""
+        if identity in self._refused:
+            return
+        now = time.monotonic()
+        last = self._asked.get(identity)
+        if last is not None and now - last < REASK_S:
+            return
+        self._asked[identity] = now
+        d = self.daemon
+        if last is None:
+            d.journal.record("rejoin_requested", worker=identity.decode(errors="replace"))
+        d._reply(identity, p.Reregister(d.store_host, d.store.port, d.migrations.generation))
+
+    def on_rejoin(self, identity: bytes, msg: p.Rejoin) -> None:
+        d = self.daemon
+        reg = d.registry
+        now = time.monotonic()
+        known = reg.by_identity.get(identity)
+        if known is not None and known.pid == msg.pid:
+            known.last_heartbeat = now  # a second answer (it was asked again before its first one arrived)
+            return
+        self._asked.pop(identity, None)
+        fields = {"node": msg.node, "local_rank": msg.local_rank, "pid": msg.pid, "rank": msg.rank,
+                  "role": msg.role, "step": msg.step, "generation": msg.generation}
+        node = reg.nodes.get(msg.node)
+        if node is None and msg.role == "standby":  # a standby added at run time, unknown to the journal replay
+            node = reg.add_node(msg.node)
+        if node is None or not 0 <= msg.local_rank < node.expected_workers:
+            return self._refuse(identity, fields, f"unknown process {msg.node}/{msg.local_rank}", 2)
+        if node.role == "failed":
+            return self._refuse(identity, fields, f"{node.name} was declared failed", FENCED_EXIT_CODE)
+        if msg.role == "joiner" and node.role != "active":
+            return self._refuse(identity, fields, "joiner of a migration tmd's restart aborted", 0)
+        if msg.role == "standby" and node.role == "active":
+            return self._refuse(identity, fields, "tmd restarted before this process had its rank", 2)
+        if msg.role != "standby" and node.role == "standby":
+            return self._refuse(identity, fields, f"holds rank {msg.rank}, but {node.name} is a standby",
+                                FENCED_EXIT_CODE)
+        d.migrations.generation = max(d.migrations.generation, msg.generation)
+        w = Worker(identity, msg.node, msg.local_rank, msg.pid, msg.host, step=msg.step, last_heartbeat=now)
+        if node.role == "left":  # a leaver whose migration committed: it leaves once it has the decision
+            w.done = True
+            node.workers[w.local_rank] = w
+            reg.by_identity[identity] = w
+        else:
+            try:
+                reg.add_worker(w)
+            except ValueError as e:
+                return self._refuse(identity, fields, str(e), 2)
+        if w.rank is not None and w.rank != msg.rank:
+            d.journal.record("rejoin_mismatch", **fields, journal_rank=w.rank)
+        if d.launcher is not None and msg.host == d._hostname:
+            d.launcher.adopt(msg.node, msg.local_rank, msg.pid)
+        d.journal.record("worker_rejoined", **fields)
+        if self.decision is not None and msg.role != "standby":
+            d._send(w, self.decision)
+        if node.role == "standby" and node.warm:
+            d.journal.record("standby_warm", node=node.name)
+        if not self._relearned and reg.all_ranks_assigned():
+            self._relearned = True
+            d.journal.record("job_relearned", after_s=round(now - self.started, 3),
+                             since_process_start_s=round(time.time() - psutil.Process().create_time(), 3),
+                             step=reg.current_step(), generation=d.migrations.generation)
+
+    def _refuse(self, identity: bytes, fields: dict, reason: str, exit_code: int) -> None:
+        self._refused.add(identity)
+        self.daemon.journal.record("rejoin_refused", **fields, reason=reason)
+        self.daemon._reply(identity, p.Release(reason, exit_code))
+
+    # ---------------------------------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Once ``rejoin_grace_s`` passed: fail active nodes that did not re-register, restart empty standbys."""
+        if self._checked or now - self.started < self.rejoin_grace_s:
+            return
+        self._checked = True
+        d = self.daemon
+        for n in list(d.registry.nodes.values()):
+            missing = [f"{n.name}/{i}" for i in range(n.expected_workers) if i not in n.workers]
+            if n.role == "active" and missing:
+                d._fail_node(n, f"{', '.join(missing)} did not re-register within {self.rejoin_grace_s:.0f} s of "
+                                "tmd's restart", "silent")
+            elif n.role == "standby" and not n.workers and d.launcher is not None and d.launcher.command \
+                    and not d.launcher.running(n.name):
+                d.journal.record("standby_restarted", node=n.name, reason="no process of it re-registered")
+                d.launcher.start_node(n.name, standby=True)
