@@ -26,7 +26,7 @@ from tests.helpers import events, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
-STEPS = 900
+STEPS = 600
 ARGS = ("--group-size", "2", "--min-step-time-s", "0.03")  # neither changes the numerics
 
 
@@ -42,7 +42,6 @@ def rank0_step(run_dir: str) -> int:
 
 def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path):
     ref_dir, run_dir = str(tmp_path / "reference"), str(tmp_path / "job")
-    reference = subprocess.Popen(tmd_command(ref_dir, 0, STEPS, True, True), stdout=subprocess.DEVNULL)
     tmd = subprocess.Popen(tmd_command(run_dir, 1, STEPS, True, True, ARGS), stdout=subprocess.DEVNULL)
     resumed = None
     workers: list[psutil.Process] = []
@@ -88,9 +87,8 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path):
         assert m["bytes_moved"] > 10_000
 
         assert resumed.wait(timeout=120) == 0  # every rank finished: the resumed tmd ends the job
-        assert reference.wait(timeout=120) == 0
     finally:
-        for proc in (tmd, resumed, reference):
+        for proc in (tmd, resumed):
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=30)
@@ -98,6 +96,8 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path):
             if w.is_running():
                 w.kill()
 
+    # the uninterrupted run, once the job is done (alone: a busy machine slows heartbeats)
+    subprocess.run(tmd_command(ref_dir, 0, STEPS, True, True), check=True, timeout=120, stdout=subprocess.DEVNULL)
     assert final_hashes(run_dir) == final_hashes(ref_dir) and len(final_hashes(ref_dir)) == 4
     ev = events(run_dir)
     seqs = [e["seq"] for e in ev]
