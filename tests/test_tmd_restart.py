@@ -171,3 +171,37 @@ def test_nothing_to_resume(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+# --- a restarted daemon in process (no worker processes, no sockets to workers) ---------------------------------
+def test_restarted_daemon_relearns_from_rejoins(tmp_path):
+    from tmd.daemon import Daemon
+
+    (tmp_path / "tmd.json").write_text(json.dumps({"address": "tcp://127.0.0.1:1", "pid": 999_999_999, "job": "j"}))
+    start = {"event": "tmd_started", "job": "j", "world_size": 2, "nodes": ["n1", "n2"], "standbys": ["s1"],
+             "record_steps": 1}
+    cut = {"event": "migration_requested", "migration_id": 3, "source": "n2", "target": "s1", "generation": 2}
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps({"seq": i + 1, "ts": 1.0, **e}) + "\n"
+                                                   for i, e in enumerate([start, cut])))
+    st = load(str(tmp_path))
+    d = Daemon(st.job, str(tmp_path), st.nodes, st.ranks_per_node, st.standbys, record_steps=1, echo=False, resume=st)
+    sent: list[tuple[bytes, p.Message]] = []
+    d._reply = lambda identity, msg: sent.append((identity, msg))  # noqa: SLF001 - observe, no sockets
+    try:
+        d._on_frames([b"n1/0", p.encode(p.Heartbeat(40, {}))])
+        d._on_frames([b"n1/0", p.encode(p.Heartbeat(40, {}))])  # asked again only after a second
+        assert sent == [(b"n1/0", p.Reregister("127.0.0.1", d.store.port, 2))]
+        d._on_frames([b"s1/0", p.encode(p.Rejoin("s1", 0, 11, "h", 1, "joiner", 2, 3))])
+        assert sent[-1] == (b"s1/0", p.Release("joiner of a migration tmd's restart aborted", 0))
+        d._on_frames([b"n1/0", p.encode(p.Rejoin("n1", 0, 12, "h", 0, "active", 41, 0))])
+        assert sent[-1] == (b"n1/0", p.Decide(3, False, "tmd restarted during the migration"))
+        assert not d.registry.all_ranks_assigned()
+        d._on_frames([b"n2/0", p.encode(p.Rejoin("n2", 0, 13, "h", 1, "active", 42, 0))])
+        assert d.registry.all_ranks_assigned() and d.registry.current_step() == 42
+        assert d.migrations.generation == 2 and d.migrations.first_id == 4
+        names = [e["event"] for e in d.journal.since(0, 100)]
+        assert names[:2] == ["tmd_restarted", "migration_aborted"] and d.journal.since(0, 1)[0]["seq"] == 3
+        assert names.count("worker_rejoined") == 2 and names[-1] == "job_relearned" and "rejoin_refused" in names
+    finally:
+        d.journal.close()
+        d.sock.close()
