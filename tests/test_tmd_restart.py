@@ -61,6 +61,7 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path):
         wait_until(lambda: rank0_step(run_dir) >= at_kill + 20, 30, "training to go on without tmd")
         assert all(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
 
+        launched = time.time()
         resumed = subprocess.Popen([sys.executable, "-m", "tmd.cli", "resume", "--run-dir", run_dir, "--quiet"],
                                    stdout=subprocess.DEVNULL)
 
@@ -111,10 +112,10 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path):
     assert restart["address"] == next(e for e in ev if e["event"] == "tmd_started")["address"]
     n2_exits = [e for e in ev if e["event"] == "process_exit" and e["node"] == "n2"]
     assert len(n2_exits) == 2 and all(e["expected"] for e in n2_exits)
-    print(f"\n[restart] tmd down -> restarted (journalled): {restart['ts'] - killed:.2f} s; "
-          f"restarted -> all ranks re-learned: {relearn['ts'] - restart['ts']:.2f} s "
-          f"(after_s {relearn['after_s']}, since the process started {relearn['since_process_start_s']} s); "
-          f"migration after the restart: {m['phases_s']}")
+    print(f"\n[restart] killed -> tmd resume launched (training checked): {launched - killed:.2f} s; "
+          f"launched -> restarted tmd up (journalled): {restart['ts'] - launched:.2f} s; "
+          f"up -> all ranks re-learned: {relearn['after_s']:.3f} s; training went on meanwhile: step {at_kill} at the "
+          f"kill, {relearn['step']} re-learned; migration after the restart: {m['phases_s']}")
 
 
 # --- the journal replay alone ------------------------------------------------------------------------------------
@@ -141,10 +142,12 @@ def test_replay_after_migrations_and_a_recovery(tmp_path):
         {"event": "standby_promoted", "incident_id": 1, "failed_node": "n1", "standby": "s2", "ranks": [0, 1]},
         {"event": "recovery_plan", "incident_id": 1, "generation": 2, "resume_step": 50, "sends": []},
         {"event": "recovery_done", "incident_id": 1, "standbys": {"n1": "s2"}},
+        {"event": "standby_added", "node": "s3"},
     )
     st = load(run_dir)
-    assert st.roles == {"n1": ("failed", []), "n2": ("left", []), "s1": ("active", [2, 3]), "s2": ("active", [0, 1])}
-    assert (st.generation, st.last_migration_id, st.last_seq, st.record_steps) == (2, 1, 9, 3)
+    assert st.roles == {"n1": ("failed", []), "n2": ("left", []), "s1": ("active", [2, 3]), "s2": ("active", [0, 1]),
+                        "s3": ("standby", [])}
+    assert (st.generation, st.last_migration_id, st.last_seq, st.record_steps) == (2, 1, 10, 3)
     assert st.ranks_per_node == 2 and st.command == ["train"] and st.cut_migration is None
 
 

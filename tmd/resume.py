@@ -134,6 +134,8 @@ def load(run_dir: str) -> JobState:
             elif roles.get(migration["target"], ("",))[0] == "joining" and not _adopted_by_recovery(events, e):
                 roles[migration["target"]] = ("standby", [])
             migration = None
+        elif ev == "standby_added":  # tmctl standby add (local mode)
+            roles[e["node"]] = ("standby", [])
         elif ev == "node_failed":
             lost[e["node"]] = list(e.get("ranks") or [])
             roles[e["node"]] = ("failed", [])
@@ -298,9 +300,8 @@ class Resumed:
             d.journal.record("standby_warm", node=node.name)
         if not self._relearned and reg.all_ranks_assigned():
             self._relearned = True
-            d.journal.record("job_relearned", after_s=round(now - self.started, 3),
-                             since_process_start_s=round(time.time() - psutil.Process().create_time(), 3),
-                             step=reg.current_step(), generation=d.migrations.generation)
+            d.journal.record("job_relearned", after_s=round(now - self.started, 3), step=reg.current_step(),
+                             generation=d.migrations.generation)
 
     def _refuse(self, identity: bytes, fields: dict, reason: str, exit_code: int) -> None:
         self._refused.add(identity)
