@@ -303,8 +303,18 @@ class Daemon:
 
     def _on_PhaseDone(self, identity: bytes, msg: p.PhaseDone) -> None:
         w = self._worker(identity, msg)
-        if w:
-            self.migrations.on_phase(w, msg)
+        if w is None:
+            return
+        m = self.migrations.current
+        if m is not None and not msg.ok and msg.phase == "transferred":
+            # A joiner's transfer broke: if its leaver is dead, that is a node failure (the warm joiners are kept
+            # and get their state from a replica), not merely an aborted migration.
+            source = self.registry.nodes[m.source]
+            dead = next((f"{x.node}/{x.local_rank} (pid {x.pid}) {s}" for x in m.leavers.values()
+                         if (s := self._liveness(x)) is not None), None)
+            if dead is not None:
+                self._fail_node(source, dead, "process_exit")
+        self.migrations.on_phase(w, msg)
 
     def _on_Done(self, identity: bytes, msg: p.Done) -> None:
         w = self._worker(identity, msg)
@@ -481,6 +491,21 @@ class Daemon:
                 return None
         return proc
 
+    def _liveness(self, w: Worker) -> Optional[str]:
+        """"died" or "is stopped" for a process on this host that is, else None (fine, or not ours to see)."""
+        proc = self._process(w)
+        if proc is None:
+            return None
+        try:
+            status = proc.status()
+        except psutil.NoSuchProcess:
+            return "died"
+        except psutil.Error:
+            return None
+        if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return "died"
+        return "is stopped" if status == psutil.STATUS_STOPPED else None
+
     def _check_liveness(self) -> None:
         """Processes on this host: a zombie or vanished one has died, a stopped one (SIGSTOP) hangs."""
         for n in list(self.registry.nodes.values()):
@@ -489,20 +514,10 @@ class Daemon:
             for w in n.workers.values():
                 if w.exited or w.done or w.fenced:
                     continue
-                proc = self._process(w)
-                if proc is None:
-                    continue
-                try:
-                    status = proc.status()
-                except psutil.NoSuchProcess:
-                    status = psutil.STATUS_DEAD
-                except psutil.Error:
-                    continue
-                if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-                    self._fail_node(n, f"{w.node}/{w.local_rank} (pid {w.pid}) died", "process_exit")
-                    break
-                if status == psutil.STATUS_STOPPED:
-                    self._fail_node(n, f"{w.node}/{w.local_rank} (pid {w.pid}) is stopped", "stopped")
+                state = self._liveness(w)
+                if state is not None:
+                    self._fail_node(n, f"{w.node}/{w.local_rank} (pid {w.pid}) {state}",
+                                    "stopped" if state == "is stopped" else "process_exit")
                     break
 
     def _peer_blocked_s(self, n: Node) -> float:

@@ -411,11 +411,10 @@ class Session:
             try:
                 # One thread, one order on every rank (transfer groups by receiver, then the groups): the job's
                 # TCPStore client serialises blocking waits, so two rendezvous in flight could deadlock.
-                moved = 0
+                moved = 0  # bytes received here (senders do not count them twice)
                 for dst in send_to:
                     pg = mb.build_inner(store, f"tm/g{plan.generation}/recover/r{dst}", 0, 2, timeout_s, host)
-                    moved += transfer.send_state(pg, self._replicated,
-                                                 {"step": plan.resume_step, "rng": rng_next})[0]
+                    transfer.send_state(pg, self._replicated, {"step": plan.resume_step, "rng": rng_next})
                     mb.release_in_background(pg)
                     pg = None
                 if receive_from is not None:
