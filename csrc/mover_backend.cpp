@@ -501,38 +501,34 @@ int64_t MoverBackend::replayRemaining() {
 }
 
 int64_t MoverBackend::abortPending(const std::string& reason) {
-  std::unordered_map<uint64_t, c10::intrusive_ptr<MoverWork>> victims;
-  {
-    std::lock_guard<std::mutex> lock(state_->mu);
+  // The inner ops are abandoned, not waited for: gloo's abort() cannot unblock them anyway.
+  return releasePending(abortError(reason), [&] {
     state_->aborted = true;
     state_->abortReason = reason;
-    victims.swap(state_->pending);
-  }
-  // The inner ops are abandoned, not waited for: gloo's abort() cannot unblock them anyway.
-  const auto error = abortError(reason);
-  int64_t count = 0;
-  for (auto& entry : victims) {
-    if (entry.second->settle(error)) {
-      entry.second->markAbandoned();
-      ++count;
-    }
-  }
-  return count;
+  });
 }
 
 int64_t MoverBackend::fail(const std::string& reason) {
-  std::unordered_map<uint64_t, c10::intrusive_ptr<MoverWork>> victims;
-  {
-    std::lock_guard<std::mutex> lock(state_->mu);
+  return releasePending(nullptr, [&] {
     if (!state_->failed) {
       state_->failed = true;
       state_->failReason = reason;
     }
+  });
+}
+
+int64_t MoverBackend::releasePending(
+    std::exception_ptr error,
+    const std::function<void()>& underLock) {
+  std::unordered_map<uint64_t, c10::intrusive_ptr<MoverWork>> victims;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    underLock();
     victims.swap(state_->pending);
   }
   int64_t count = 0;
   for (auto& entry : victims) {
-    if (entry.second->settle(nullptr)) {
+    if (entry.second->settle(error)) {
       entry.second->markAbandoned();
       ++count;
     }

@@ -13,6 +13,7 @@
 #include <array>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -330,6 +331,10 @@ class MoverBackend : public c10d::Backend {
       const c10::intrusive_ptr<c10d::Work>& innerWork,
       bool lacksFuture,
       std::vector<RecordTarget> targets);
+  // Under the state lock run `underLock` (it sets the aborted or failed latch) and take every
+  // pending work; then settle each with `error` (null: success, outputs as they are) and mark its
+  // inner op abandoned. Returns how many works this settled. abortPending() and fail() share it.
+  int64_t releasePending(std::exception_ptr error, const std::function<void()>& underLock);
   // A MoverWork that completed already (replay, bypass, no inner work).
   c10::intrusive_ptr<MoverWork> completedWork(
       c10d::OpType opType,

@@ -311,6 +311,45 @@ def test_abort_releases_blocked_wait(tmp_path):
         assert r["sum"] == [3.0, 3.0]  # the committed inner works again
 
 
+def _fail(rank: int, ws: int, store) -> dict:
+    mover = mb.MoverBackend(rank, ws, gloo(store, "fl/g0/", rank, ws))
+    mover.tolerant = True
+    out = {}
+    if rank == 0:
+        t = torch.ones(4)
+        work = mover.allreduce([t])  # rank 1 never joins this one: blocked as on a lost peer
+        threading.Timer(0.2, lambda: out.update(released=mover.fail("peer lost"))).start()
+        work.wait()  # returns, no error: the step goes on and is refused at the optimizer
+        out["after_fail"] = t.tolist()
+        out["failure"] = mover.failure
+        u = torch.ones(2)
+        mover.allreduce([u]).wait()  # completes at once, without the network
+        out["skipped"], out["later"] = mover.counters()["ops_skipped"], u.tolist()
+    store.set(f"rank{rank}-ready", "1")
+    store.wait(["rank0-ready", "rank1-ready"])
+    mover.stage(gloo(store, "fl/g1/", rank, ws))
+    mover.commit()  # clears the latch; rank 1 drops its old inner: rank 0's abandoned op now fails, late
+    if rank == 0:
+        out["drained"] = mb.wait_for_background(20.0)
+    store.set(f"rank{rank}-drained", "1")
+    store.wait(["rank0-drained", "rank1-drained"])
+    out["failure_after_commit"] = mover.failure  # that late error of generation 0 latches nothing
+    t = torch.full((2,), float(rank + 1))
+    mover.allreduce([t]).wait()
+    out["sum"] = t.tolist()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_fail_latch_releases_blocked_op_and_skips_until_commit(tmp_path):
+    r0, r1 = run_ranks(_fail, tmp_path)
+    assert r0["released"] == 1 and r0["after_fail"] == [1.0] * 4 and r0["failure"] == "peer lost"
+    assert r0["skipped"] == 1 and r0["later"] == [1.0, 1.0]
+    assert r0["drained"]
+    for r in (r0, r1):
+        assert r["failure_after_commit"] is None and r["sum"] == [3.0, 3.0]
+
+
 # --- 5. counters, stage checks -------------------------------------------------------------------------------------
 @pytest.mark.timeout(30)
 def test_counters_and_stage_checks():
