@@ -1,15 +1,15 @@
 """Helpers shared by the end-to-end tests."""
 from __future__ import annotations
 
-import json
 import os
 import time
+
+from tmd.journal import read_events
 
 
 def events(run_dir: str) -> list[dict]:
     """tmd's journal of ``run_dir`` (``events.jsonl``), oldest first."""
-    with open(os.path.join(run_dir, "events.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return read_events(os.path.join(run_dir, "events.jsonl"))
 
 
 def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1):

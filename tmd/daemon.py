@@ -269,6 +269,10 @@ class Daemon:
             node.health, node.reason = "unhealthy", reason
             self._evacuate(node, reason)
 
+    def _gpu_unhealthy(self, n: Node) -> bool:
+        """Whether a rank of ``n`` has an unhealthy GPU verdict (heartbeats coming back do not clear it)."""
+        return any((self._gpu_verdicts.get(r) or ("",))[0] == "unhealthy" for r in n.ranks)
+
     def _evacuate(self, node: Node, reason: str) -> None:
         """Move a live but failing node (bad GPU, straggler) to a warm standby, if one is free."""
         standby = next((n for n in self.registry.nodes.values() if n.role == "standby" and n.warm), None)
@@ -581,7 +585,7 @@ class Daemon:
                 for w in silent:
                     self.migrations.on_worker_lost(w, n.reason)
             elif not silent and n.health == "unhealthy" and live and len(n.workers) == n.expected_workers \
-                    and not any(w.exited for w in n.workers.values()) and not n.reason.startswith("rank"):
+                    and not any(w.exited for w in n.workers.values()) and not self._gpu_unhealthy(n):
                 n.health, n.reason = "healthy", ""
                 self.journal.record("node_healthy", node=n.name)
 

@@ -429,11 +429,12 @@ class Session:
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 result["error"] = e
             finally:
-                with self._cv:
+                with self._cv:  # the waiting thread decides under the same lock: one of us drops what was built
                     finished.set()
+                    orphaned = cancelled.is_set()
                     self._cv.notify_all()
-                if cancelled.is_set() and "built" in result:
-                    for inner in result["built"].values():
+                if orphaned:
+                    for inner in result.get("built", {}).values():
                         mb.release_in_background(inner)
 
         threading.Thread(target=work, daemon=True, name=f"tm-recover-{incident}").start()
@@ -444,13 +445,13 @@ class Session:
 
         with self._cv:
             self._cv.wait_for(lambda: finished.is_set() or superseded(), RECOVERY_TIMEOUT_S)
-            superseded = superseded()
-        if superseded or not finished.is_set():
-            cancelled.set()
-            if finished.is_set():
-                for inner in result.get("built", {}).values():
-                    mb.release_in_background(inner)
-            raise _Superseded() if superseded else RuntimeError("recovery timed out")
+            newer, done = superseded(), finished.is_set()
+            if newer or not done:
+                cancelled.set()  # a helper still running drops what it builds itself
+        if newer or not done:
+            for inner in result.get("built", {}).values() if done else ():
+                mb.release_in_background(inner)
+            raise _Superseded() if newer else RuntimeError("recovery timed out")
         # The helper can no longer touch anything: load what it received and swap the groups in.
         if "error" in result:
             raise result["error"]
