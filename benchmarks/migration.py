@@ -28,7 +28,7 @@ import time
 import psutil
 
 from benchmarks.cold_restart import run_cold_restart
-from examples.demo import migrate_when_ready, tmd_command, wait_for_address
+from tests.support.job import migrate_when_ready, tmd_command, wait_for_address
 from tmctl.client import Client
 from tmd import protocol as p
 

@@ -64,7 +64,7 @@ import time
 import psutil
 
 from benchmarks.cold_restart import run_cold_restart
-from examples.demo import final_hashes, tmd_command, wait_for_address
+from tests.support.job import final_hashes, tmd_command, wait_for_address
 from tmctl.client import Client, CoordinatorUnreachable
 from tmd import protocol as p
 

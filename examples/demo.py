@@ -14,82 +14,15 @@ The last line of output is one JSON object:
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 
-from tmctl.client import Client, CoordinatorUnreachable
+from tests.support.job import final_hashes, migrate_when_ready, tmd_command, wait_for_address
+from tmctl.client import Client
 from tmd import protocol as p
-
-
-def tmd_command(run_dir: str, standbys: int, steps: int, tiny: bool, quiet: bool, script_args: tuple = ()) -> list[str]:
-    """``tmd local`` for 2 nodes x 2 ranks running examples.train_gpt (``script_args`` are appended to it)."""
-    cmd = [sys.executable, "-m", "tmd.cli", "local", "--nodes", "2", "--ranks-per-node", "2",
-           "--standbys", str(standbys), "--run-dir", run_dir]
-    if quiet:
-        cmd.append("--quiet")
-    cmd += ["--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps), *script_args]
-    return cmd + (["--tiny"] if tiny else [])
-
-
-def final_hashes(run_dir: str) -> dict[int, str]:
-    out = {}
-    for path in sorted(glob.glob(os.path.join(run_dir, "final", "rank*.json"))):
-        with open(path) as f:
-            d = json.load(f)
-        out[d["rank"]] = d["state_sha256"]
-    return out
-
-
-def wait_for_address(run_dir: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
-    path = os.path.join(run_dir, "tmd.json")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"tmd exited with {proc.returncode} before it was up")
-        if os.path.exists(path):
-            with open(path) as f:
-                return json.load(f)["address"]
-        time.sleep(0.1)  # another process writes it: nothing to wait on
-    raise TimeoutError(f"tmd did not write {path} within {timeout_s} s")
-
-
-def migrate_when_ready(client: Client, proc: subprocess.Popen, at_step: int, source: str, target: str) -> dict:
-    """Wait until training reaches ``at_step`` and the standby is warm, request the migration, follow it."""
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError("the job ended before the migration was requested")
-        st = client.request(p.StatusRequest())
-        warm = any(n["name"] == target and n["warm"] for n in st.nodes)
-        if st.step >= at_step and warm:
-            break
-        time.sleep(0.2)
-    reply = client.request(p.MigrateRequest(source, target))
-    if isinstance(reply, p.ErrorReply):
-        raise RuntimeError(f"migration refused: {reply.message}")
-    mid = reply.migration["id"]
-    print(f"[demo] migration {mid}: {source} -> {target} requested at step {st.step}", flush=True)
-    seen = set()
-    while True:
-        m = client.request(p.MigrationRequest(mid)).migration
-        if m["state"] not in seen:
-            seen.add(m["state"])
-            print(f"[demo] migration {mid}: {m['state']}" + (f" ({m['reason']})" if m["reason"] else ""), flush=True)
-        if m["state"] in ("committed", "aborted"):
-            break
-        time.sleep(0.05)
-    # downtime_s is known once the 5 steps after the switch step are done
-    while m["state"] == "committed" and m["downtime_s"] is None and proc.poll() is None:
-        time.sleep(0.2)
-        try:
-            m = client.request(p.MigrationRequest(mid)).migration
-        except CoordinatorUnreachable:
-            break
-    return m
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if not identical:
         print(f"[demo] final states differ: reference {ref} vs migrated {got}", file=sys.stderr)
     print(json.dumps(result), flush=True)
-    return 0 if (rc == 0 and identical and m["state"] == "committed") else 1
+    return 0 if (rc == 0 and identical and m["state"] == p.MigrationState.COMMITTED) else 1
 
 
 if __name__ == "__main__":

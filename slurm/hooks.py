@@ -199,7 +199,7 @@ def notify_tmd(state_dir: str | None, job_id: str, node: str, detail: str) -> st
     sock.setsockopt(zmq.SNDTIMEO, 200)
     try:
         sock.connect(address)
-        sock.send(p.encode(p.NodeNotice(node, job_id, "epilog", detail)))
+        sock.send(p.encode(p.NodeNotice(node=node, job_id=job_id, hook="epilog", detail=detail)))
         return f"notice sent to {address}"
     except zmq.ZMQError as e:
         return f"notice to {address} failed: {e}"

@@ -33,7 +33,8 @@ from tmd.health import GpuHealthPolicy, StragglerDetector
 from tmd.journal import Journal
 from tmd.local import LocalLauncher
 from tmd.migration import MigrationError, Migrations
-from tmd.recovery import FENCED_EXIT_CODE, Incidents, RecoveryError
+from tmd.recovery import Incidents, RecoveryError
+from tmd.protocol.layout import RunDir
 from tmd.registry import Node, Registry, Worker
 from tmd.resume import JobState, Resumed
 
@@ -87,11 +88,8 @@ class Daemon:
         self.journal = Journal(os.path.join(self.run_dir, "events.jsonl"), echo=echo,
                                seq=resume.last_seq if resume else 0)
         self.registry = Registry(nodes, ranks_per_node, standbys)
-        self.migrations = Migrations(self.registry, self.journal, self._send, self._assign_joiner,
-                                     record_steps=record_steps)
-        self.incidents = Incidents(self.registry, self.journal, self._send, self._assign_replacement,
-                                   self._next_generation,
-                                   lambda rank: os.path.join(self.run_dir, "record", f"rank{rank}.world.pt"))
+        self.migrations = Migrations(self.registry, self.journal, self, record_steps=record_steps)
+        self.incidents = Incidents(self.registry, self.journal, self, RunDir(self.run_dir))
         self.store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False)
         self.store_host = store_host
         self.ctx = zmq.Context.instance()
@@ -174,13 +172,14 @@ class Daemon:
         try:
             handler(identity, msg)
         except MigrationError as e:
-            self._reply(identity, p.ErrorReply(e.code, str(e)))
+            self._reply(identity, p.ErrorReply(code=e.code, message=str(e)))
 
     def _reply(self, identity: bytes, msg: p.Message) -> None:
         self.sock.send_multipart([identity, p.encode(msg)])
 
-    def _send(self, w: Worker, msg: p.Message) -> None:
-        self._reply(w.identity, msg)
+    def send(self, worker: Worker, msg: p.Message) -> None:
+        """WorkerChannel: queue ``msg`` for one worker process."""
+        self._reply(worker.identity, msg)
 
     def _worker(self, identity: bytes, msg: p.Message) -> Optional[Worker]:
         w = self.registry.by_identity.get(identity)
@@ -195,8 +194,8 @@ class Daemon:
             if not w.fence_sent:
                 w.fence_sent = True
                 self.journal.record("fenced", node=w.node, local_rank=w.local_rank, pid=w.pid, message=msg.TYPE)
-            self._send(w, p.Release(f"{w.node} was declared failed; its ranks are held by others now",
-                                    FENCED_EXIT_CODE))
+            self.send(w, p.Release(reason=f"{w.node} was declared failed; its ranks are held by others now",
+                                    exit_code=p.ExitCode.FENCED))
             return None
         w.last_heartbeat = time.monotonic()
         return w
@@ -209,13 +208,13 @@ class Daemon:
         except (KeyError, ValueError) as e:
             reason = f"unknown node '{msg.node}'" if isinstance(e, KeyError) else str(e)
             self.journal.record("register_refused", node=msg.node, local_rank=msg.local_rank, reason=reason)
-            self._reply(identity, p.Release(reason, 2))
+            self._reply(identity, p.Release(reason=reason, exit_code=2))
             return
         self.journal.record("worker_registered", node=msg.node, local_rank=msg.local_rank, pid=msg.pid,
                             rank=w.rank, role=node.role)
         if w.rank is not None:
-            self._send(w, p.Assign("active", w.rank, self.registry.world_size, self.store_host, self.store.port,
-                                   0, self.record_steps, os.path.join(self.run_dir, "record"), 0, 0))
+            self.send(w, p.Assign(role="active", rank=w.rank, world_size=self.registry.world_size, store_host=self.store_host, store_port=self.store.port,
+                                   generation=0, record_steps=self.record_steps, record_dir=os.path.join(self.run_dir, "record"), migration_id=0, incident_id=0))
         if node.role == "standby" and node.warm:
             self.journal.record("standby_warm", node=node.name)
 
@@ -226,19 +225,13 @@ class Daemon:
             return
         self.resumed.on_rejoin(identity, msg)
 
-    def _assign_joiner(self, joiner: Worker, rank: int, migration_id: int) -> None:
-        self._send(joiner, p.Assign("joiner", rank, self.registry.world_size, self.store_host, self.store.port,
-                                    self.migrations.generation, self.record_steps,
-                                    os.path.join(self.run_dir, "record"), migration_id, 0))
-
-    def _assign_replacement(self, joiner: Worker, rank: int, incident_id: int) -> None:
-        self._send(joiner, p.Assign("joiner", rank, self.registry.world_size, self.store_host, self.store.port,
-                                    self.migrations.generation, self.record_steps,
-                                    os.path.join(self.run_dir, "record"), 0, incident_id))
-
-    def _next_generation(self) -> int:
-        self.migrations.generation += 1
-        return self.migrations.generation
+    def assign(self, worker: Worker, rank: int, *, migration_id: int = 0, incident_id: int = 0) -> None:
+        """WorkerChannel: give a standby process ``rank`` as a joiner (see :class:`tmd.channel.WorkerChannel`)."""
+        self.send(worker, p.Assign(role=p.WorkerRole.JOINER, rank=rank, world_size=self.registry.world_size,
+                                   store_host=self.store_host, store_port=self.store.port,
+                                   generation=self.registry.generations.current, record_steps=self.record_steps,
+                                   record_dir=RunDir(self.run_dir).record_dir, migration_id=migration_id,
+                                   incident_id=incident_id))
 
     def _on_Heartbeat(self, identity: bytes, msg: p.Heartbeat) -> None:
         w = self._worker(identity, msg)
@@ -350,9 +343,9 @@ class Daemon:
             self.cluster.decorate(nodes)
         m = self.migrations.all[-1] if self.migrations.all else None
         inc = self.incidents.all[-1] if self.incidents.all else None
-        self._reply(identity, p.StatusReply(self.job, self.registry.world_size, self.migrations.generation,
-                                            self.registry.current_step(), nodes, m.to_dict() if m else None,
-                                            inc.to_dict() if inc else None))
+        self._reply(identity, p.StatusReply(job=self.job, world_size=self.registry.world_size, generation=self.registry.generations.current,
+                                            step=self.registry.current_step(), nodes=nodes, migration=m.to_dict() if m else None,
+                                            recovery=inc.to_dict() if inc else None))
 
     def _on_MigrateRequest(self, identity: bytes, msg: p.MigrateRequest) -> None:
         try:
@@ -365,10 +358,10 @@ class Daemon:
         except MigrationError as e:
             self.journal.record("migrate_refused", source=msg.source, target=msg.target, code=e.code, reason=str(e))
             raise
-        self._reply(identity, p.MigrationReply(m.to_dict()))
+        self._reply(identity, p.MigrationReply(migration=m.to_dict()))
 
     def _on_MigrationRequest(self, identity: bytes, msg: p.MigrationRequest) -> None:
-        self._reply(identity, p.MigrationReply(self.migrations.get(msg.migration_id).to_dict()))
+        self._reply(identity, p.MigrationReply(migration=self.migrations.get(msg.migration_id).to_dict()))
 
     def _on_NodeNotice(self, identity: bytes, msg: p.NodeNotice) -> None:
         if self.cluster is not None:
@@ -392,7 +385,7 @@ class Daemon:
         self._on_StatusRequest(identity, p.StatusRequest())
 
     def _on_EventsRequest(self, identity: bytes, msg: p.EventsRequest) -> None:
-        self._reply(identity, p.EventsReply(self.journal.since(msg.after, msg.limit)))
+        self._reply(identity, p.EventsReply(events=self.journal.since(msg.after, msg.limit)))
 
     # --- ticks ----------------------------------------------------------------------------------------------------
     def _tick(self) -> None:
@@ -616,7 +609,7 @@ class Daemon:
                 if n.role in ("standby", "joining"):
                     for w in n.workers.values():
                         if not w.exited:
-                            self._send(w, p.Release("job finished", 0))
+                            self.send(w, p.Release(reason="job finished", exit_code=0))
         if self.launcher is None or not self.launcher.running():
             self.exit_code = 0
         elif time.monotonic() > self._release_deadline:

@@ -22,10 +22,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 from tmd import protocol as p
 from tmd.journal import Journal
+from tmd.protocol.vocab import NodeRole
+from tmd.channel import WorkerChannel
 from tmd.registry import Registry, Worker
 
 STATES = ("requested", "warming", "prepared", "switching", "transferred", "committed")
@@ -121,8 +123,7 @@ class Migrations:
         self,
         registry: Registry,
         journal: Journal,
-        send: Callable[[Worker, p.Message], None],
-        assign: Callable[[Worker, int, int], None],
+        channel: WorkerChannel,
         switch_slack_s: float = 0.5,
         deadlines_s: Optional[dict[str, float]] = None,
         record_steps: int = 0,
@@ -131,13 +132,11 @@ class Migrations:
         hears of it before reaching it. ``record_steps``: migrations wait until the job has recorded them."""
         self.registry = registry
         self.journal = journal
-        self._send = send
-        self._assign = assign  # (joiner, rank, migration_id): sends Assign(role=joiner)
+        self.channel = channel
         self.switch_slack_s = switch_slack_s
         self.record_steps = record_steps
         self.deadlines_s = {**DEFAULT_DEADLINES_S, **(deadlines_s or {})}
         self.all: list[Migration] = []
-        self.generation = 0  # the highest group generation used (migrations and recoveries; never reused)
         self.first_id = 1  # id of the first migration (a restarted tmd goes on after the journal's last)
 
     @property
@@ -188,17 +187,16 @@ class Migrations:
         if any(w.done for w in reg.rank_owner.values()):
             raise MigrationError("not_ready", "the job is finishing")
 
-        self.generation += 1
         leavers = {r: reg.rank_owner[r] for r in src.ranks}
         joiners = {r: dst.workers[i] for i, r in enumerate(src.ranks)}
         stayers = {r: w for r, w in reg.rank_owner.items() if r not in leavers}
-        m = Migration(self.first_id + len(self.all), source, target, self.generation, leavers, joiners, stayers)
+        m = Migration(self.first_id + len(self.all), source, target, reg.generations.next(), leavers, joiners, stayers)
         m.request_step = reg.current_step()
         self.all.append(m)
-        dst.role = "joining"
+        reg.promote(dst)
         self._enter(m, "requested", generation=m.generation)
         for rank, joiner in joiners.items():
-            self._assign(joiner, rank, m.id)
+            self.channel.assign(joiner, rank, migration_id=m.id)
         self._enter(m, "warming")
         return m
 
@@ -242,7 +240,7 @@ class Migrations:
             self._mark_transfer_start(m, msg.seconds)
             if len(acks) == len(m.joiners):
                 self._enter(m, "transferred")
-                self._broadcast(m, p.Decide(m.id, True, "transferred"))
+                self._broadcast(m, p.Decide(migration_id=m.id, commit=True, reason="transferred"))
                 for leaver in m.leavers.values():
                     leaver.done = True  # from here on a leaver exiting is the plan, whether or not its Done arrives
         elif msg.phase == "committed" and m.state == "transferred":
@@ -294,14 +292,13 @@ class Migrations:
             return
         m.reason = reason
         self._enter(m, "aborted", reason=reason)
-        decision = p.Decide(m.id, False, reason)
+        decision = p.Decide(migration_id=m.id, commit=False, reason=reason)
         for w in m.parties():
             if not w.exited and not (spare_joiners and any(w is j for j in m.joiners.values())):
-                self._send(w, decision)
+                self.channel.send(w, decision)
         target = self.registry.nodes[m.target]
-        if target.role == "joining" and not spare_joiners:
-            target.role = "standby"  # its processes exit; the launcher brings fresh ones up
-            target.health = "unknown"
+        if target.role == NodeRole.JOINING and not spare_joiners:
+            self.registry.back_to_standby(target)  # its processes exit; the launcher brings fresh ones up
 
     @staticmethod
     def _mark_transfer_start(m: Migration, seconds: float) -> None:
@@ -316,7 +313,7 @@ class Migrations:
         for role, group in (("stayer", m.stayers), ("leaver", m.leavers), ("joiner", m.joiners)):
             for rank, w in group.items():
                 prefix = f"tm/g{m.generation}/transfer/r{rank}" if role != "stayer" else ""
-                self._send(w, p.Prepare(m.id, m.generation, role, leaver_ranks, prefix))
+                self.channel.send(w, p.Prepare(migration_id=m.id, generation=m.generation, role=role, leaver_ranks=leaver_ranks, transfer_prefix=prefix))
         m.deadline = time.monotonic() + self.deadlines_s["prepared"]
 
     def _arm(self, m: Migration) -> None:
@@ -326,16 +323,12 @@ class Migrations:
         margin = 2 + math.ceil(self.switch_slack_s / max(median, 1e-3))
         m.switch_step = step + margin
         self.journal.record("switch_step_chosen", migration_id=m.id, switch_step=m.switch_step, current_step=step)
-        self._broadcast(m, p.Switch(m.id, m.switch_step))
+        self._broadcast(m, p.Switch(migration_id=m.id, step=m.switch_step))
 
     def _commit(self, m: Migration) -> None:
         reg = self.registry
-        for rank, joiner in m.joiners.items():
-            reg.reassign(rank, joiner)
-        src, dst = reg.nodes[m.source], reg.nodes[m.target]
-        dst.role, dst.ranks = "active", list(src.ranks)
-        src.role, src.ranks = "left", []
-        src.health, src.reason = "unknown", f"ranks handed over to {dst.name} in migration {m.id}"
+        reg.hand_over(reg.nodes[m.source], reg.nodes[m.target], m.joiners,
+                      f"ranks handed over to {m.target} in migration {m.id}")
         self._enter(m, "committed", switch_step=m.switch_step, bytes_moved=m.bytes_moved, phases_s=m.phases_s())
 
     def _enter(self, m: Migration, state: str, **fields) -> None:
@@ -348,4 +341,4 @@ class Migrations:
     def _broadcast(self, m: Migration, msg: p.Message) -> None:
         for w in m.parties():
             if not w.exited:
-                self._send(w, msg)
+                self.channel.send(w, msg)

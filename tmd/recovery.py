@@ -28,13 +28,15 @@ import dataclasses
 import math
 import os
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 from tmd import protocol as p
 from tmd.journal import Journal
+from tmd.channel import WorkerChannel
+from tmd.protocol.layout import RunDir
 from tmd.registry import Registry, Worker
 
-FENCED_EXIT_CODE = 3  # worker.session exits with this when told it was fenced
+
 RECOVERY_TIMEOUT_S = 300.0  # an incident stuck this long (standby waits aside) fails the job
 
 
@@ -85,22 +87,18 @@ class Incident:
 
 
 class Incidents:
-    """Drives failure recovery. ``send(worker, message)`` delivers to one worker; ``assign(joiner, rank,
-    incident_id)`` sends it an Assign as a replacement; ``next_generation()`` returns a fresh group
-    generation (shared with migrations); ``record_path(rank)`` is where rank's world recording lives.
+    """Drives failure recovery. ``channel`` reaches the workers; ``run_dir`` holds the ranks' recordings
+    (a replacement cannot be warmed without its rank's).
     ``regroup_after_s``: a collective failure that no node failure explains within this many seconds (a
     transient network fault: every process is alive) starts an incident with no lost rank: all groups are
     rebuilt and the step is redone."""
 
-    def __init__(self, registry: Registry, journal: Journal, send: Callable[[Worker, p.Message], None],
-                 assign: Callable[[Worker, int, int], None], next_generation: Callable[[], int],
-                 record_path: Callable[[int], str], regroup_after_s: float = 2.0) -> None:
+    def __init__(self, registry: Registry, journal: Journal, channel: WorkerChannel, run_dir: RunDir,
+                 regroup_after_s: float = 2.0) -> None:
         self.registry = registry
         self.journal = journal
-        self._send = send
-        self._assign = assign
-        self._next_generation = next_generation
-        self._record_path = record_path
+        self.channel = channel
+        self.run_dir = run_dir
         self.all: list[Incident] = []
         self.lost: dict[int, str] = {}  # ranks whose node failed and that no one holds yet
         self.regroup_after_s = regroup_after_s
@@ -117,18 +115,14 @@ class Incidents:
         ``adopt``: (standby node, {rank: joiner}) of a planned migration whose leaver this node was: those warm
         joiners become the replacements. Raises RecoveryError if no replica is left."""
         reg = self.registry
-        node = reg.nodes[node_name]
-        for rank in node.ranks:
+        for rank in reg.fail_node(reg.nodes[node_name], reason):
             self.lost[rank] = node_name
-            reg.rank_owner.pop(rank, None)
-        node.ranks = []
-        node.role, node.health, node.reason = "failed", "unhealthy", reason
         self.start(f"{node_name}: {reason}", (node_name, *adopt) if adopt else None)
 
     def on_replacement_lost(self, node, reason: str) -> None:
         """A standby taking over lost ranks failed before the incident finished: it is out, the incident
         restarts (with another standby)."""
-        node.role, node.health, node.reason = "failed", "unhealthy", reason
+        self.registry.fail_node(node, reason)
         self.start(f"replacement {node.name} lost: {reason}")
 
     def start(self, reason: str, adopt: Optional[tuple[str, str, dict[int, Worker]]] = None) -> Incident:
@@ -140,7 +134,7 @@ class Incidents:
         survivors = dict(sorted(reg.rank_owner.items()))
         if not survivors:
             raise RecoveryError(f"every rank is lost ({reason}): no data-parallel replica to recover from")
-        missing = [r for r in self.lost if not os.path.exists(self._record_path(r))]
+        missing = [r for r in self.lost if not os.path.exists(self.run_dir.recording(r))]
         if missing:
             raise RecoveryError(f"ranks {missing} were lost before the job recorded its first steps; a "
                                 "replacement cannot be warmed without their recording")
@@ -165,7 +159,7 @@ class Incidents:
         self.journal.record("recovery_started", incident_id=inc.id, reason=reason, lost_ranks=sorted(inc.lost),
                             survivors=sorted(survivors), adopted=dict(inc.standbys))
         for w in survivors.values():
-            self._send(w, p.Halt(inc.id, reason, sorted(inc.lost)))
+            self.channel.send(w, p.Halt(incident_id=inc.id, reason=reason, failed_ranks=sorted(inc.lost)))
         self._promote(inc)
         return inc
 
@@ -230,7 +224,7 @@ class Incidents:
                                         reason="no warm standby: training waits until one registers")
                 return
             ranks = sorted(r for r, n in inc.lost.items() if n == failed_node)
-            standby.role = "joining"
+            reg.promote(standby)
             inc.standbys[failed_node] = standby.name
             inc.phases.setdefault("promoted", time.time())
             self.journal.record("standby_promoted", incident_id=inc.id, failed_node=failed_node,
@@ -239,7 +233,7 @@ class Incidents:
                 w.rank = rank
                 w.warm_for = None
                 inc.replacements[rank] = w
-                self._assign(w, rank, inc.id)
+                self.channel.assign(w, rank, incident_id=inc.id)
         if inc.waiting_standby:
             inc.waiting_standby = False
             inc.deadline = time.monotonic() + RECOVERY_TIMEOUT_S
@@ -258,25 +252,23 @@ class Incidents:
         sources = sorted(r for r, c in inc.halted.items() if c == committed)
         receivers = sorted(inc.replacements) + behind
         sends = [[sources[i % len(sources)], dst] for i, dst in enumerate(receivers)]
-        inc.generation = self._next_generation()
+        inc.generation = self.registry.generations.next()
         inc.resume_step = committed + 1
         inc.state = "recovering"
         inc.phases["recovering"] = time.time()
         self.journal.record("recovery_plan", incident_id=inc.id, resume_step=inc.resume_step,
                             generation=inc.generation, sends=sends)
-        plan = p.Recover(inc.id, inc.generation, inc.resume_step, sends)
+        plan = p.Recover(incident_id=inc.id, generation=inc.generation, resume_step=inc.resume_step, sends=sends)
         for w in inc.parties():
-            self._send(w, plan)
+            self.channel.send(w, plan)
 
     def _finish(self, inc: Incident) -> None:
         reg = self.registry
-        for rank, w in inc.replacements.items():
-            reg.reassign(rank, w)
-            self.lost.pop(rank, None)
-        for failed_node, standby in inc.standbys.items():
+        for standby in inc.standbys.values():
             node = reg.nodes[standby]
-            node.role = "active"
-            node.ranks = sorted(w.rank for w in node.workers.values())
+            reg.take_over(node, {r: w for r, w in inc.replacements.items() if w.node == standby})
+        for rank in inc.replacements:
+            self.lost.pop(rank, None)
         inc.state = "recovered"
         inc.phases["recovered"] = time.time()
         self.journal.record("recovery_done", incident_id=inc.id, resume_step=inc.resume_step,

@@ -1,8 +1,16 @@
-"""What tmd knows about the job: nodes, their worker processes, rank ownership and step progress.
+"""What tmd knows about the job: nodes, their worker processes, rank ownership, step progress and generations.
 
-A node is ``active`` (holds ranks), ``standby`` (warm spare, no ranks), ``joining`` (a standby taking over a
-leaver's ranks), ``left`` (a leaver that handed its ranks over), or ``failed``. Ranks are node-major at job start:
-node i of the layout holds ranks ``i*ranks_per_node ... (i+1)*ranks_per_node - 1``.
+A node's role (:class:`~tmd.protocol.vocab.NodeRole`) is ``active`` (holds ranks), ``standby`` (warm spare, no
+ranks), ``joining`` (a standby taking over ranks), ``left`` (a leaver that handed its ranks over), or ``failed``.
+Ranks are node-major at job start: node i of the layout holds ranks ``i*ranks_per_node ... (i+1)*ranks_per_node -
+1``. A role changes only through the Registry's transitions::
+
+    standby --promote--> joining --hand_over / take_over--> active
+    joining --back_to_standby--> standby        (a migration aborted: fresh standby processes come up)
+    active | joining | standby --fail_node--> failed
+    active --hand_over--> left                  (the leaver of a committed migration)
+
+:class:`Generations` is the job's one counter of process-group generations, shared by migrations and recoveries.
 """
 from __future__ import annotations
 
@@ -11,6 +19,8 @@ import dataclasses
 import statistics
 import time
 from typing import Optional
+
+from tmd.protocol.vocab import Health, NodeRole
 
 
 @dataclasses.dataclass
@@ -35,11 +45,11 @@ class Worker:
 @dataclasses.dataclass
 class Node:
     name: str
-    role: str  # active | standby | joining | left | failed
+    role: NodeRole
     ranks: list[int]
     expected_workers: int
     workers: dict[int, Worker] = dataclasses.field(default_factory=dict)  # local_rank -> worker
-    health: str = "unknown"  # unknown | healthy | unhealthy
+    health: Health = Health.UNKNOWN
     reason: str = ""
     suspect_cpu: Optional[tuple[float, float]] = None  # (monotonic s, CPU s) when it was first seen silent
 
@@ -47,11 +57,29 @@ class Node:
     def warm(self) -> bool:
         """A standby is warm when all its processes are registered, alive and heartbeating."""
         return (
-            self.role == "standby"
-            and self.health == "healthy"
+            self.role == NodeRole.STANDBY
+            and self.health == Health.HEALTHY
             and len(self.workers) == self.expected_workers
             and not any(w.exited for w in self.workers.values())
         )
+
+
+class Generations:
+    """The job's process-group generation counter: every migration and recovery builds its groups under a new
+    generation (store prefixes ``tm/g<generation>/...``, tmd.protocol.layout), never a reused one. Generation 0
+    is the job's first set of groups."""
+
+    def __init__(self, current: int = 0) -> None:
+        self.current = current
+
+    def next(self) -> int:
+        """Take a fresh generation (the previous highest + 1)."""
+        self.current += 1
+        return self.current
+
+    def restore(self, highest: int) -> None:
+        """A restarted tmd goes on after the highest generation the journal shows (``tmd resume``)."""
+        self.current = max(self.current, highest)
 
 
 class Registry:
@@ -61,9 +89,10 @@ class Registry:
         self.nodes: dict[str, Node] = {}
         for i, name in enumerate(nodes):
             ranks = list(range(i * ranks_per_node, (i + 1) * ranks_per_node))
-            self.nodes[name] = Node(name, "active", ranks, ranks_per_node)
+            self.nodes[name] = Node(name, NodeRole.ACTIVE, ranks, ranks_per_node)
         for name in standbys:
-            self.nodes[name] = Node(name, "standby", [], ranks_per_node)
+            self.nodes[name] = Node(name, NodeRole.STANDBY, [], ranks_per_node)
+        self.generations = Generations()
         self.by_identity: dict[bytes, Worker] = {}
         self.rank_owner: dict[int, Worker] = {}
         # Completed (non-shadow) step times per rank: step -> seconds; bounded.
@@ -72,15 +101,13 @@ class Registry:
         )
 
     # ---------------------------------------------------------------------------------------------------------
-    def add_node(self, name: str, role: str = "standby") -> Node:
-        """Add a node learned at run time (SLURM mode: a node of a standby job) with ``ranks_per_node`` process
-        slots. Only ``standby`` nodes can be added: the world size never changes. Raises ValueError for another
-        role or a name already known."""
-        if role != "standby":
-            raise ValueError(f"only standby nodes can be added at run time, not {role!r}")
+    def add_node(self, name: str) -> Node:
+        """Add a standby node learned at run time (SLURM mode: a node of a standby job; ``tmctl standby add``)
+        with ``ranks_per_node`` process slots: the world size never changes. Raises ValueError for a name
+        already known."""
         if name in self.nodes:
             raise ValueError(f"node '{name}' is already part of this job (it is {self.nodes[name].role})")
-        node = self.nodes[name] = Node(name, role, [], self.ranks_per_node)
+        node = self.nodes[name] = Node(name, NodeRole.STANDBY, [], self.ranks_per_node)
         return node
 
     def add_worker(self, w: Worker) -> Node:
@@ -95,11 +122,11 @@ class Registry:
         w.last_heartbeat = time.monotonic()
         node.workers[w.local_rank] = w
         self.by_identity[w.identity] = w
-        if node.role == "active":
+        if node.role == NodeRole.ACTIVE:
             w.rank = node.ranks[w.local_rank]
             self.rank_owner[w.rank] = w
         if len(node.workers) == node.expected_workers:
-            node.health = "healthy"
+            node.health = Health.HEALTHY
         return node
 
     def node_of(self, w: Worker) -> Node:
@@ -126,7 +153,63 @@ class Registry:
         """The highest step any active rank reported starting (-1 before the first)."""
         return max((w.step for w in self.rank_owner.values()), default=-1)
 
-    def reassign(self, rank: int, joiner: Worker) -> None:
-        """After a committed migration: ``joiner`` now owns ``rank``."""
-        joiner.rank = rank
-        self.rank_owner[rank] = joiner
+    def nodes_in(self, *roles: NodeRole) -> list[Node]:
+        """The nodes whose role is one of ``roles``, in registration order."""
+        return [n for n in self.nodes.values() if n.role in roles]
+
+    # --- role transitions: the only places a node's role changes ------------------------------------------------
+    def promote(self, node: Node) -> None:
+        """A standby starts taking over ranks (a migration's joiners, or a failure's replacements).
+        Raises ValueError unless ``node`` is a standby."""
+        self._expect(node, NodeRole.STANDBY, "promote")
+        node.role = NodeRole.JOINING
+
+    def back_to_standby(self, node: Node) -> None:
+        """A promoted standby is not needed after all (its migration aborted): its joiner processes exit and
+        fresh standby processes come up, so its health is unknown until they register."""
+        self._expect(node, NodeRole.JOINING, "return to standby")
+        node.role, node.health = NodeRole.STANDBY, Health.UNKNOWN
+
+    def hand_over(self, source: Node, target: Node, joiners: dict[int, Worker], reason: str) -> None:
+        """A committed migration: ``target`` (joining) takes ``source``'s ranks, each owned by its joiner process
+        from now on; ``source`` has left. Raises ValueError on nodes in the wrong roles."""
+        self._expect(source, NodeRole.ACTIVE, "hand over from")
+        self._expect(target, NodeRole.JOINING, "hand over to")
+        for rank, joiner in joiners.items():
+            joiner.rank = rank
+            self.rank_owner[rank] = joiner
+        target.role, target.ranks = NodeRole.ACTIVE, list(source.ranks)
+        source.role, source.ranks = NodeRole.LEFT, []
+        source.health, source.reason = Health.UNKNOWN, reason
+
+    def take_over(self, target: Node, replacements: dict[int, Worker]) -> None:
+        """A finished recovery: ``target`` (joining) holds the lost ranks its processes replaced."""
+        self._expect(target, NodeRole.JOINING, "take over with")
+        for rank, w in replacements.items():
+            w.rank = rank
+            self.rank_owner[rank] = w
+        target.role = NodeRole.ACTIVE
+        target.ranks = sorted(w.rank for w in target.workers.values() if w.rank is not None)
+
+    def fail_node(self, node: Node, reason: str) -> list[int]:
+        """``node`` is declared failed (lost, hung, cut off, or its standby job ended): it holds no rank any
+        more and no process of it may take part again. Returns the ranks it held (now unowned)."""
+        lost = list(node.ranks)
+        for rank in lost:
+            self.rank_owner.pop(rank, None)
+        node.ranks = []
+        node.role, node.health, node.reason = NodeRole.FAILED, Health.UNHEALTHY, reason
+        return lost
+
+    def restore(self, node: Node, role: NodeRole, ranks: list[int], reason: str = "") -> None:
+        """``tmd resume``: set a node to the role the journal shows it had when the old tmd died."""
+        node.role, node.ranks = role, list(ranks)
+        if role == NodeRole.FAILED:
+            node.health = Health.UNHEALTHY
+        if reason:
+            node.reason = reason
+
+    @staticmethod
+    def _expect(node: Node, role: NodeRole, what: str) -> None:
+        if node.role != role:
+            raise ValueError(f"cannot {what} node '{node.name}': it is {node.role}, not {role}")

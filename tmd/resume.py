@@ -45,7 +45,7 @@ import psutil
 
 from tmd import protocol as p
 from tmd.journal import read_events
-from tmd.recovery import FENCED_EXIT_CODE
+from tmd.protocol.vocab import NodeRole
 from tmd.registry import Worker
 
 if TYPE_CHECKING:
@@ -213,12 +213,10 @@ class Resumed:
         reg = d.registry
         for name, (role, ranks) in st.roles.items():
             node = reg.nodes.get(name) or reg.add_node(name)  # (or a standby added at run time)
-            node.role, node.ranks = role, list(ranks)
-            if role == "failed":
-                node.health, node.reason = "unhealthy", "failed before tmd restarted"
-            elif role == "left":
-                node.reason = "its ranks were handed over before tmd restarted"
-        d.migrations.generation = st.generation
+            why = {NodeRole.FAILED: "failed before tmd restarted",
+                   NodeRole.LEFT: "its ranks were handed over before tmd restarted"}.get(role, "")
+            reg.restore(node, NodeRole(role), ranks, why)
+        reg.generations.restore(st.generation)
         d.migrations.first_id = st.last_migration_id + 1
         d.journal.record("tmd_restarted", job=st.job, address=d.address, store_port=d.store.port,
                          world_size=reg.world_size, generation=st.generation, previous_pid=st.previous_pid,
@@ -227,11 +225,11 @@ class Resumed:
         m = st.cut_migration
         if m is not None:
             if m["commit"]:
-                self.decision = p.Decide(m["id"], True, "every joiner had its state before tmd restarted")
+                self.decision = p.Decide(migration_id=m["id"], commit=True, reason="every joiner had its state before tmd restarted")
                 d.journal.record("migration_committed", migration_id=m["id"], source=m["source"],
                                  target=m["target"], reason="decided before tmd restarted")
             else:
-                self.decision = p.Decide(m["id"], False, "tmd restarted during the migration")
+                self.decision = p.Decide(migration_id=m["id"], commit=False, reason="tmd restarted during the migration")
                 d.journal.record("migration_aborted", migration_id=m["id"], source=m["source"],
                                  target=m["target"], reason=self.decision.reason)
         if st.open_incident is not None:
@@ -251,7 +249,7 @@ class Resumed:
         d = self.daemon
         if last is None:
             d.journal.record("rejoin_requested", worker=identity.decode(errors="replace"))
-        d._reply(identity, p.Reregister(d.store_host, d.store.port, d.migrations.generation))
+        d._reply(identity, p.Reregister(store_host=d.store_host, store_port=d.store.port, generation=d.registry.generations.current))
 
     def on_rejoin(self, identity: bytes, msg: p.Rejoin) -> None:
         d = self.daemon
@@ -270,15 +268,15 @@ class Resumed:
         if node is None or not 0 <= msg.local_rank < node.expected_workers:
             return self._refuse(identity, fields, f"unknown process {msg.node}/{msg.local_rank}", 2)
         if node.role == "failed":
-            return self._refuse(identity, fields, f"{node.name} was declared failed", FENCED_EXIT_CODE)
+            return self._refuse(identity, fields, f"{node.name} was declared failed", p.ExitCode.FENCED)
         if msg.role == "joiner" and node.role != "active":
             return self._refuse(identity, fields, "joiner of a migration tmd's restart aborted", 0)
         if msg.role == "standby" and node.role == "active":
             return self._refuse(identity, fields, "tmd restarted before this process had its rank", 2)
         if msg.role != "standby" and node.role == "standby":
             return self._refuse(identity, fields, f"holds rank {msg.rank}, but {node.name} is a standby",
-                                FENCED_EXIT_CODE)
-        d.migrations.generation = max(d.migrations.generation, msg.generation)
+                                p.ExitCode.FENCED)
+        d.registry.generations.restore(msg.generation)
         w = Worker(identity, msg.node, msg.local_rank, msg.pid, msg.host, step=msg.step, last_heartbeat=now)
         if node.role == "left":  # a leaver whose migration committed: it leaves once it has the decision
             w.done = True
@@ -295,18 +293,18 @@ class Resumed:
             d.launcher.adopt(msg.node, msg.local_rank, msg.pid)
         d.journal.record("worker_rejoined", **fields)
         if self.decision is not None and msg.role != "standby":
-            d._send(w, self.decision)
+            d.send(w, self.decision)
         if node.role == "standby" and node.warm:
             d.journal.record("standby_warm", node=node.name)
         if not self._relearned and reg.all_ranks_assigned():
             self._relearned = True
             d.journal.record("job_relearned", after_s=round(now - self.started, 3), step=reg.current_step(),
-                             generation=d.migrations.generation)
+                             generation=d.registry.generations.current)
 
     def _refuse(self, identity: bytes, fields: dict, reason: str, exit_code: int) -> None:
         self._refused.add(identity)
         self.daemon.journal.record("rejoin_refused", **fields, reason=reason)
-        self.daemon._reply(identity, p.Release(reason, exit_code))
+        self.daemon._reply(identity, p.Release(reason=reason, exit_code=exit_code))
 
     # ---------------------------------------------------------------------------------------------------------
     def tick(self, now: float) -> None:

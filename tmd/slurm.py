@@ -401,7 +401,7 @@ class SlurmCluster:
                 self.journal.record("standby_node_refused", node=name, slurm_job=sj.job_id,
                                     reason=f"node '{name}' is already part of this job ({self.registry.nodes[name].role})")
                 continue
-            self.registry.add_node(name, "standby")
+            self.registry.add_node(name)
             self.launcher.assign(name, sj.job_id)
             added.append(name)
         self.adopted[sj.job_id] = added
@@ -426,7 +426,7 @@ class SlurmCluster:
         if m is not None and m.target == name:
             self.daemon.migrations.abort(m, f"{why} during {m.state}")
         if node.role == "standby":
-            node.role, node.health, node.reason = "failed", "unhealthy", why
+            self.registry.fail_node(node, why)
             self.launcher.forget(name)
             self.journal.record("standby_lost", node=name, reason=why)
         else:  # it holds ranks: its processes end with the job; the daemon sees them exit

@@ -60,8 +60,8 @@ class Agent:
 
     def rejoin(self, rank: int, role: str, step: int, generation: int) -> None:
         """Tell a restarted tmd (it sent Reregister) what this process holds now (see :class:`p.Rejoin`)."""
-        self.send(p.Rejoin(self.node, self.local_rank, os.getpid(), socket.gethostname(), rank, role, step,
-                           generation))
+        self.send(p.Rejoin(node=self.node, local_rank=self.local_rank, pid=os.getpid(), host=socket.gethostname(), rank=rank, role=role, step=step,
+                           generation=generation))
 
     def close(self, flush_timeout_s: float = 2.0) -> None:
         """Send what is queued (up to ``flush_timeout_s`` seconds), then stop the thread."""
@@ -75,7 +75,7 @@ class Agent:
         sock.setsockopt(zmq.IDENTITY, f"{self.node}/{self.local_rank}".encode())
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(self.address)
-        sock.send(p.encode(p.Register(self.node, self.local_rank, os.getpid(), socket.gethostname(), self.standby)))
+        sock.send(p.encode(p.Register(node=self.node, local_rank=self.local_rank, pid=os.getpid(), host=socket.gethostname(), standby=self.standby)))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)

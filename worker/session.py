@@ -38,7 +38,7 @@ log = logging.getLogger("worker.session")
 
 DECISION_TIMEOUT_S = 300.0  # a party waiting at the switch step for tmd's decision gives up (keeps old groups)
 RECOVERY_TIMEOUT_S = 600.0  # a halted rank that hears nothing from tmd this long exits with an error
-FENCED_EXIT_CODE = 3  # exit code of a process tmd declared failed that turned up again (e.g. after SIGCONT)
+
 
 
 def _exit_now(code: int) -> None:
@@ -122,7 +122,7 @@ class Session:
         elif isinstance(msg, p.Release):
             self._release = msg
             self._assigned.set()
-            if self.role in ("standby", "joiner") or msg.exit_code == FENCED_EXIT_CODE:
+            if self.role in ("standby", "joiner") or msg.exit_code == p.ExitCode.FENCED:
                 # A standby or joiner holds nothing of value; a fenced process (declared failed, its ranks
                 # taken over) must not touch the job again, wherever it is blocked.
                 print(f"[worker] released by tmd: {msg.reason}", flush=True)
@@ -179,8 +179,8 @@ class Session:
 
     def _report(self, migration_id: int, phase: str, ok: bool = True, error: str = "", step: int = -1,
                 bytes_moved: int = 0, seconds: float = 0.0, groups: Optional[list] = None) -> None:
-        self.agent.send(p.PhaseDone(migration_id, self.rank, phase, ok, error, step, bytes_moved, seconds,
-                                    groups or []))
+        self.agent.send(p.PhaseDone(migration_id=migration_id, rank=self.rank, phase=phase, ok=ok, error=error, step=step, bytes_moved=bytes_moved, seconds=seconds,
+                                    groups=groups or []))
 
     def _heartbeat(self) -> p.Heartbeat:
         mover = self.groups.world if self.groups is not None else None
@@ -188,12 +188,12 @@ class Session:
         gpu = self._gpu.sample()
         if gpu:
             counters["gpu"] = gpu
-        return p.Heartbeat(self._step, counters)
+        return p.Heartbeat(step=self._step, counters=counters)
 
     def _report_recovery(self, incident_id: int, phase: str, ok: bool = True, error: str = "",
                          committed_step: int = -1, bytes_moved: int = 0, seconds: float = 0.0) -> None:
-        self.agent.send(p.RecoveryReport(incident_id, self.rank, phase, ok, error, committed_step, bytes_moved,
-                                         seconds))
+        self.agent.send(p.RecoveryReport(incident_id=incident_id, rank=self.rank, phase=phase, ok=ok, error=error, committed_step=committed_step, bytes_moved=bytes_moved,
+                                         seconds=seconds))
 
     # --- set-up -------------------------------------------------------------------------------------------------
     def _start(self, timeout_s: float) -> None:
@@ -309,7 +309,7 @@ class Session:
         while step < total:
             t0 = time.perf_counter()
             if prev is not None:
-                self.agent.send(p.StepReport(self.rank, step - 1, t0 - prev, False))
+                self.agent.send(p.StepReport(rank=self.rank, step=step - 1, step_time_s=t0 - prev, shadow=False))
             prev = t0
             with self._lock:
                 self._step = step
@@ -332,7 +332,7 @@ class Session:
             step = self._recover(step, done)
             prev = None  # the recovery is downtime, not a step time
         if prev is not None:
-            self.agent.send(p.StepReport(self.rank, step - 1, time.perf_counter() - prev, False))
+            self.agent.send(p.StepReport(rank=self.rank, step=step - 1, step_time_s=time.perf_counter() - prev, shadow=False))
         with self._lock:
             self._step = step
 
@@ -480,7 +480,7 @@ class Session:
             self._step = step
             yield step
             now = time.perf_counter()
-            self.agent.send(p.StepReport(self.rank, step, now - prev, True))
+            self.agent.send(p.StepReport(rank=self.rank, step=step, step_time_s=now - prev, shadow=True))
             prev = now
         self.is_shadow = False
         for g in self.groups.groups.values():
@@ -548,7 +548,7 @@ class Session:
         if role == "leaver":
             pg = None  # the traceback of LeaverExit keeps this frame alive: hold no group in it
             self.groups.finish_transfer(mid)
-            self.agent.send(p.Done(self.rank, switch.step - 1, True))
+            self.agent.send(p.Done(rank=self.rank, final_step=switch.step - 1, left=True))
             self.agent.close()
             print(f"[worker] rank {self.rank} handed over at step {switch.step}; leaving", flush=True)
             # The script's own finally blocks still run as LeaverExit unwinds; then skip the interpreter's
@@ -570,7 +570,7 @@ class Session:
             self._record_writer.join()
         if note:
             log.info("rank %d finished: %s", self.rank, note)
-        self.agent.send(p.Done(self.rank, self._step - 1, False))
+        self.agent.send(p.Done(rank=self.rank, final_step=self._step - 1, left=False))
         self.agent.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,12 +1,6 @@
-"""Straggler detection: the detector on synthetic counters, and a real job with one slow rank."""
-import subprocess
-
+"""Straggler detection: the detector on synthetic counters (a real job: tests/e2e/test_stragglers.py)."""
 import pytest
 
-from examples.demo import tmd_command, wait_for_address
-from tests.helpers import events, wait_until
-from tmctl.client import Client
-from tmd import protocol as p
 from tmd.health import StragglerDetector
 
 
@@ -50,20 +44,3 @@ def test_one_slow_step_and_two_rank_jobs_are_not_stragglers():
     two = StragglerDetector(window_s=2, patience=1)
     _, flagged, _ = feed(two, 0, 10, {0: 0.9, 1: 0.0}, ranks=range(2))
     assert flagged == []
-
-
-@pytest.mark.timeout(180)
-def test_a_slow_rank_in_a_real_job_shows_as_straggler(tmp_path):
-    run_dir = str(tmp_path)
-    proc = subprocess.Popen(tmd_command(run_dir, 0, 100_000, True, True, ("--slow-rank", "3", "--slow-s", "0.05")),
-                            stdout=subprocess.DEVNULL)
-    try:
-        client = Client(wait_for_address(run_dir, proc), timeout_s=10.0)
-        detected = wait_until(lambda: [e for e in events(run_dir) if e["event"] == "straggler_detected"], 120,
-                              "a straggler_detected event")
-        assert [(e["rank"], e["node"]) for e in detected] == [(3, "n2")] and detected[0]["lateness"] > 0.2
-        nodes = {n["name"]: n for n in client.request(p.StatusRequest()).nodes}
-        assert nodes["n2"]["stragglers"] == [3] and nodes["n1"]["stragglers"] == []
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)

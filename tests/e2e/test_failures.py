@@ -16,12 +16,12 @@ import sys
 import psutil
 import pytest
 
-from examples.demo import final_hashes, tmd_command, wait_for_address
+from tests.support.job import final_hashes, tmd_command, wait_for_address
 from tmctl.client import Client
 from tmd import netns
 from tmd import protocol as p
 
-from tests.helpers import events, wait_until
+from tests.support import events, wait_until
 
 STEPS = 60
 BASE = ("--min-step-time-s", "0.03")  # padding only: the numerics are those of the reference

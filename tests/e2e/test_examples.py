@@ -19,7 +19,7 @@ from examples.data import TINY_TEXT, ShakespeareStream, load_corpus
 from examples.gpt import GPT, GPTConfig, loss
 from examples.state_hash import final_state_hash
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(REPO_ROOT, "examples")
 
 torch.set_num_threads(1)
@@ -192,7 +192,7 @@ def test_batch_and_hash_agree_across_processes():
         """
         import hashlib, torch
         torch.set_num_threads(1)
-        from tests.test_examples import _tiny_model_and_optimizer
+        from tests.e2e.test_examples import _tiny_model_and_optimizer
         from examples.data import ShakespeareStream
         from examples.state_hash import final_state_hash
         x, _ = ShakespeareStream(2, seed=5).batch(11)

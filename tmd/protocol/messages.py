@@ -1,7 +1,10 @@
 """The messages every party exchanges: tmd, the worker agents and tmctl import this one module.
 
 Wire format: one ZeroMQ frame per message, UTF-8 JSON ``{"v": PROTOCOL_VERSION, "type": NAME, ...fields}``.
-Decoding is strict: an unknown version or type, a missing or extra field, or a field of the wrong type raises
+Messages are built by keyword only (``Assign(role=WorkerRole.ACTIVE, rank=0, ...)``); roles, phases and codes are
+the enums of :mod:`tmd.protocol.vocab`, sent as their string values and turned back into enums on decoding.
+Decoding is strict: an unknown version or type, a missing or extra field, or a field of the wrong type (an enum
+field with a value outside the enum included) raises
 :class:`ProtocolError`, and the receiver logs the message and drops it (it never crashes on bad input).
 
 Socket roles: tmd binds a ROUTER; every worker agent and every tmctl call connects a DEALER. A worker's ZeroMQ
@@ -14,7 +17,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
+import enum
 from typing import Any, ClassVar, Optional
+
+from tmd.protocol.vocab import ErrorCode, HookKind, MigrationPhase, MigrationRole, RecoveryPhase, Sender, WorkerRole
 
 PROTOCOL_VERSION = 1
 
@@ -26,23 +32,26 @@ class ProtocolError(ValueError):
 _REGISTRY: dict[str, type["Message"]] = {}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Message:
-    """Base class: subclasses are registered under their class name, which is the wire ``type``."""
+    """Base class: subclasses are registered under their class name, which is the wire ``type``. ``SENDER`` is
+    the only party that may send it (tmd dispatches each message only from a sender of that role)."""
 
     TYPE: ClassVar[str] = ""
+    SENDER: ClassVar[Sender]
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, sender: Sender, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.TYPE = cls.__name__
+        cls.SENDER = sender
         _REGISTRY[cls.TYPE] = cls
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Worker agent -> tmd
 # --------------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Register(Message):
+@dataclasses.dataclass(kw_only=True)
+class Register(Message, sender=Sender.WORKER):
     """First message of a worker process. ``standby`` is true for processes started on a standby node."""
 
     node: str
@@ -52,8 +61,8 @@ class Register(Message):
     standby: bool
 
 
-@dataclasses.dataclass
-class Heartbeat(Message):
+@dataclasses.dataclass(kw_only=True)
+class Heartbeat(Message, sender=Sender.WORKER):
     """Sent every ``heartbeat_interval_s`` (0.1 s by default). ``counters`` is the mover Backend's counters()
     dict (ops issued/completed, last op start/end in epoch seconds, busy_s, blocked_s); empty before init."""
 
@@ -61,8 +70,8 @@ class Heartbeat(Message):
     counters: dict
 
 
-@dataclasses.dataclass
-class StepReport(Message):
+@dataclasses.dataclass(kw_only=True)
+class StepReport(Message, sender=Sender.WORKER):
     """A rank finished ``step``; ``step_time_s`` is the wall time from the previous boundary to this one."""
 
     rank: int
@@ -71,8 +80,8 @@ class StepReport(Message):
     shadow: bool
 
 
-@dataclasses.dataclass
-class PhaseDone(Message):
+@dataclasses.dataclass(kw_only=True)
+class PhaseDone(Message, sender=Sender.WORKER):
     """A worker finished its part of a migration phase.
 
     ``phase`` is one of ``warmed`` (joiner: shadow iterations done), ``prepared`` (phase 1: next-generation
@@ -85,7 +94,7 @@ class PhaseDone(Message):
 
     migration_id: int
     rank: int
-    phase: str
+    phase: MigrationPhase
     ok: bool
     error: str
     step: int
@@ -94,8 +103,8 @@ class PhaseDone(Message):
     groups: list  # ``prepared``: the names of the groups this rank rebuilt (delta-based: only those with a leaver)
 
 
-@dataclasses.dataclass
-class RecoveryReport(Message):
+@dataclasses.dataclass(kw_only=True)
+class RecoveryReport(Message, sender=Sender.WORKER):
     """A worker's part in recovering from failure ``incident_id`` (0: no incident known yet).
 
     ``phase`` is one of ``collective_failed`` (this rank saw a collective fail before tmd said anything:
@@ -106,7 +115,7 @@ class RecoveryReport(Message):
 
     incident_id: int
     rank: int
-    phase: str
+    phase: RecoveryPhase
     ok: bool
     error: str
     committed_step: int
@@ -114,8 +123,8 @@ class RecoveryReport(Message):
     seconds: float
 
 
-@dataclasses.dataclass
-class Rejoin(Message):
+@dataclasses.dataclass(kw_only=True)
+class Rejoin(Message, sender=Sender.WORKER):
     """A worker's answer to :class:`Reregister`: what this process holds now, so a restarted tmd can re-learn
     the job. ``role`` is ``active``, ``joiner`` or ``standby`` (never assigned a rank; ``rank`` is -1 then);
     ``step`` is the step it is running (-1 before training); ``generation`` is the highest group generation
@@ -126,13 +135,13 @@ class Rejoin(Message):
     pid: int
     host: str
     rank: int
-    role: str
+    role: WorkerRole
     step: int
     generation: int
 
 
-@dataclasses.dataclass
-class Done(Message):
+@dataclasses.dataclass(kw_only=True)
+class Done(Message, sender=Sender.WORKER):
     """A rank finished its training loop (``final_step`` is the last step it ran) or, as a leaver, left."""
 
     rank: int
@@ -143,8 +152,8 @@ class Done(Message):
 # --------------------------------------------------------------------------------------------------------------
 # tmd -> worker agent
 # --------------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Assign(Message):
+@dataclasses.dataclass(kw_only=True)
+class Assign(Message, sender=Sender.COORDINATOR):
     """Gives a worker its rank. ``role`` is ``active`` (a rank at job start) or ``joiner`` (a standby that
     replaces ``rank`` in ``migration_id``). ``store_host``/``store_port`` locate the job's TCPStore (hosted by
     tmd). Active ranks record their first ``record_steps`` steps' collective outputs to ``record_dir``;
@@ -152,7 +161,7 @@ class Assign(Message):
     replaces a failed rank has ``incident_id`` > 0 (and ``migration_id`` 0): after its shadow iterations it
     reports ``warmed`` and waits for :class:`Recover`."""
 
-    role: str
+    role: WorkerRole
     rank: int
     world_size: int
     store_host: str
@@ -164,8 +173,8 @@ class Assign(Message):
     incident_id: int
 
 
-@dataclasses.dataclass
-class Prepare(Message):
+@dataclasses.dataclass(kw_only=True)
+class Prepare(Message, sender=Sender.COORDINATOR):
     """Phase 1: build generation ``generation`` of the groups that contain a leaver, in the background.
 
     ``role`` is ``stayer``, ``leaver`` or ``joiner`` for this rank. Each rank rebuilds exactly those of its
@@ -174,21 +183,21 @@ class Prepare(Message):
 
     migration_id: int
     generation: int
-    role: str
+    role: MigrationRole
     leaver_ranks: list
     transfer_prefix: str
 
 
-@dataclasses.dataclass
-class Switch(Message):
+@dataclasses.dataclass(kw_only=True)
+class Switch(Message, sender=Sender.COORDINATOR):
     """Phase 2 is armed for the boundary before ``step`` (the switch step). Each party answers ``armed``."""
 
     migration_id: int
     step: int
 
 
-@dataclasses.dataclass
-class Decide(Message):
+@dataclasses.dataclass(kw_only=True)
+class Decide(Message, sender=Sender.COORDINATOR):
     """The outcome at the switch step: ``commit`` true swaps groups in, false keeps the old ones."""
 
     migration_id: int
@@ -196,8 +205,8 @@ class Decide(Message):
     reason: str
 
 
-@dataclasses.dataclass
-class Halt(Message):
+@dataclasses.dataclass(kw_only=True)
+class Halt(Message, sender=Sender.COORDINATOR):
     """Failure ``incident_id``: ranks ``failed_ranks`` are lost. The survivor fails every mover (a blocked
     collective returns at once), refuses the current step's optimizer update, stops at the step boundary and
     answers ``halted``. A later Halt (higher id) supersedes an earlier one."""
@@ -207,8 +216,8 @@ class Halt(Message):
     failed_ranks: list
 
 
-@dataclasses.dataclass
-class Recover(Message):
+@dataclasses.dataclass(kw_only=True)
+class Recover(Message, sender=Sender.COORDINATOR):
     """The recovery plan of ``incident_id``, sent to every survivor and replacement once all survivors halted
     and all replacements warmed. Every party builds generation ``generation`` of all its groups and resumes
     at ``resume_step``. ``sends`` lists ``[src_rank, dst_rank]`` pairs: ``src`` (a data-parallel replica that
@@ -221,8 +230,8 @@ class Recover(Message):
     sends: list
 
 
-@dataclasses.dataclass
-class Reregister(Message):
+@dataclasses.dataclass(kw_only=True)
+class Reregister(Message, sender=Sender.COORDINATOR):
     """Sent by a restarted tmd (``tmd resume``) to a worker it does not know yet. The job's store moved with
     tmd: the worker builds its future groups in the store at ``store_host:store_port`` and answers with
     :class:`Rejoin`. ``generation`` is the highest group generation tmd knows of (it continues after it)."""
@@ -232,8 +241,8 @@ class Reregister(Message):
     generation: int
 
 
-@dataclasses.dataclass
-class Release(Message):
+@dataclasses.dataclass(kw_only=True)
+class Release(Message, sender=Sender.COORDINATOR):
     """The job is over (or this standby is no longer needed): the worker exits with ``exit_code``."""
 
     reason: str
@@ -243,13 +252,13 @@ class Release(Message):
 # --------------------------------------------------------------------------------------------------------------
 # tmctl <-> tmd (request / reply)
 # --------------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class StatusRequest(Message):
+@dataclasses.dataclass(kw_only=True)
+class StatusRequest(Message, sender=Sender.CLIENT):
     pass
 
 
-@dataclasses.dataclass
-class StatusReply(Message):
+@dataclasses.dataclass(kw_only=True)
+class StatusReply(Message, sender=Sender.COORDINATOR):
     """``nodes``: one dict per node (name, role, ranks, health, heartbeat_age_s, step, step_time_s, warm).
     ``health`` is unknown, healthy or unhealthy; ``stragglers`` lists the node's ranks that arrive late at
     collectives (tmd.health). ``migration``: the migration in progress or the last one
@@ -265,8 +274,8 @@ class StatusReply(Message):
     recovery: Optional[dict]
 
 
-@dataclasses.dataclass
-class MigrateRequest(Message):
+@dataclasses.dataclass(kw_only=True)
+class MigrateRequest(Message, sender=Sender.CLIENT):
     """Move every rank of node ``source`` to standby node ``target``. Answered by MigrationReply (the new
     migration) or ErrorReply."""
 
@@ -274,23 +283,23 @@ class MigrateRequest(Message):
     target: str
 
 
-@dataclasses.dataclass
-class MigrationRequest(Message):
+@dataclasses.dataclass(kw_only=True)
+class MigrationRequest(Message, sender=Sender.CLIENT):
     """Ask for one migration's state (``migration_id`` < 0: the latest)."""
 
     migration_id: int
 
 
-@dataclasses.dataclass
-class MigrationReply(Message):
+@dataclasses.dataclass(kw_only=True)
+class MigrationReply(Message, sender=Sender.COORDINATOR):
     """``migration``: id, source, target, state, reason, switch_step, phases (state -> epoch s), phases_s,
     downtime_s (None until known), bytes_moved."""
 
     migration: dict
 
 
-@dataclasses.dataclass
-class AddStandbyRequest(Message):
+@dataclasses.dataclass(kw_only=True)
+class AddStandbyRequest(Message, sender=Sender.CLIENT):
     """Grow the standby pool by node ``node`` (local mode: tmd starts its processes). Answered by
     StatusReply or ErrorReply (bad_request: a name already in use; not_supported: SLURM mode, where a standby
     job is submitted instead)."""
@@ -298,40 +307,40 @@ class AddStandbyRequest(Message):
     node: str
 
 
-@dataclasses.dataclass
-class EventsRequest(Message):
+@dataclasses.dataclass(kw_only=True)
+class EventsRequest(Message, sender=Sender.CLIENT):
     """Events with sequence number > ``after``, at most ``limit``."""
 
     after: int
     limit: int
 
 
-@dataclasses.dataclass
-class EventsReply(Message):
+@dataclasses.dataclass(kw_only=True)
+class EventsReply(Message, sender=Sender.COORDINATOR):
     events: list
 
 
-@dataclasses.dataclass
-class ErrorReply(Message):
+@dataclasses.dataclass(kw_only=True)
+class ErrorReply(Message, sender=Sender.COORDINATOR):
     """A refused request. ``code``: unknown_node, unknown_standby, busy_standby, migration_running,
     bad_request, not_ready, unknown_migration."""
 
-    code: str
+    code: ErrorCode
     message: str
 
 
 # --------------------------------------------------------------------------------------------------------------
 # SLURM hooks -> tmd (one way: tmd answers nothing)
 # --------------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class NodeNotice(Message):
+@dataclasses.dataclass(kw_only=True)
+class NodeNotice(Message, sender=Sender.HOOK):
     """A SLURM hook on ``node`` reports on SLURM job ``job_id`` (the job's own id, or that of one of its standby
     jobs). ``hook`` is ``epilog`` (the node left that job: the job ended, or the node was released from it).
     ``detail`` is free text for the journal, e.g. what the epilog cleaned up."""
 
     node: str
     job_id: str
-    hook: str
+    hook: HookKind
     detail: str
 
 
@@ -350,6 +359,8 @@ def _type_ok(value: Any, annotation: Any) -> bool:
         return any(_type_ok(value, a) for a in typing.get_args(annotation))
     if annotation is type(None):
         return value is None
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return isinstance(value, str) and value in annotation._value2member_map_
     if annotation is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is int:
@@ -379,11 +390,14 @@ def decode(frame: bytes) -> Message:
     if hints is None:
         hints = _HINTS[name] = typing.get_type_hints(cls)
         hints.pop("TYPE", None)
+        hints.pop("SENDER", None)
     missing = hints.keys() - body.keys()
     extra = body.keys() - hints.keys()
     if missing or extra:
         raise ProtocolError(f"{name}: missing fields {sorted(missing)}, unexpected fields {sorted(extra)}")
     for field, annotation in hints.items():
         if not _type_ok(body[field], annotation):
-            raise ProtocolError(f"{name}.{field}: {body[field]!r} is not {annotation}")
+            raise ProtocolError(f"{name}.{field}: {body[field]!r} is not {getattr(annotation, '__name__', annotation)}")
+        if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+            body[field] = annotation(body[field])
     return cls(**body)

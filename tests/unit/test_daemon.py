@@ -11,8 +11,7 @@ pytestmark = pytest.mark.timeout(30)
 def test_job_end_aborts_a_migration_in_flight_and_releases_the_standbys(tmp_path):
     d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], record_steps=1, echo=False)
     sent: list[tuple[str, p.Message]] = []
-    d._send = lambda w, msg: sent.append((w.identity.decode(), msg))  # noqa: SLF001 - observe, no sockets
-    d.migrations._send = d._send
+    d.send = lambda w, msg: sent.append((w.identity.decode(), msg))  # observe, no sockets
     try:
         for node in ("n1", "n2", "s1"):
             d.registry.add_worker(Worker(f"{node}/0".encode(), node, 0, 1, "h"))
@@ -23,7 +22,7 @@ def test_job_end_aborts_a_migration_in_flight_and_releases_the_standbys(tmp_path
             w.done = True
         d._check_finished()
         assert m.state == "aborted" and m.reason == "the job finished before the migration committed"
-        assert ("s1/0", p.Release("job finished", 0)) in sent
+        assert ("s1/0", p.Release(reason="job finished", exit_code=0)) in sent
         assert d.exit_code == 0  # no launcher: nothing left to wait for
     finally:
         d.sock.close()

@@ -19,7 +19,7 @@ from tmd import netns
 
 pytestmark = pytest.mark.skipif(not netns.available(), reason="needs root, ip/tc and network namespaces")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Child:

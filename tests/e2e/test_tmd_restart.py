@@ -17,12 +17,12 @@ import time
 import psutil
 import pytest
 
-from examples.demo import final_hashes, tmd_command, wait_for_address
+from tests.support.job import final_hashes, tmd_command, wait_for_address
 from tmctl.client import Client
 from tmd import protocol as p
 from tmd.resume import ResumeError, load
 
-from tests.helpers import events, wait_until
+from tests.support import events, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -191,17 +191,17 @@ def test_restarted_daemon_relearns_from_rejoins(tmp_path):
     sent: list[tuple[bytes, p.Message]] = []
     d._reply = lambda identity, msg: sent.append((identity, msg))  # noqa: SLF001 - observe, no sockets
     try:
-        d._on_frames([b"n1/0", p.encode(p.Heartbeat(40, {}))])
-        d._on_frames([b"n1/0", p.encode(p.Heartbeat(40, {}))])  # asked again only after a second
-        assert sent == [(b"n1/0", p.Reregister("127.0.0.1", d.store.port, 2))]
-        d._on_frames([b"s1/0", p.encode(p.Rejoin("s1", 0, 11, "h", 1, "joiner", 2, 3))])
-        assert sent[-1] == (b"s1/0", p.Release("joiner of a migration tmd's restart aborted", 0))
-        d._on_frames([b"n1/0", p.encode(p.Rejoin("n1", 0, 12, "h", 0, "active", 41, 0))])
-        assert sent[-1] == (b"n1/0", p.Decide(3, False, "tmd restarted during the migration"))
+        d._on_frames([b"n1/0", p.encode(p.Heartbeat(step=40, counters={}))])
+        d._on_frames([b"n1/0", p.encode(p.Heartbeat(step=40, counters={}))])  # asked again only after a second
+        assert sent == [(b"n1/0", p.Reregister(store_host="127.0.0.1", store_port=d.store.port, generation=2))]
+        d._on_frames([b"s1/0", p.encode(p.Rejoin(node="s1", local_rank=0, pid=11, host="h", rank=1, role="joiner", step=2, generation=3))])
+        assert sent[-1] == (b"s1/0", p.Release(reason="joiner of a migration tmd's restart aborted", exit_code=0))
+        d._on_frames([b"n1/0", p.encode(p.Rejoin(node="n1", local_rank=0, pid=12, host="h", rank=0, role="active", step=41, generation=0))])
+        assert sent[-1] == (b"n1/0", p.Decide(migration_id=3, commit=False, reason="tmd restarted during the migration"))
         assert not d.registry.all_ranks_assigned()
-        d._on_frames([b"n2/0", p.encode(p.Rejoin("n2", 0, 13, "h", 1, "active", 42, 0))])
+        d._on_frames([b"n2/0", p.encode(p.Rejoin(node="n2", local_rank=0, pid=13, host="h", rank=1, role="active", step=42, generation=0))])
         assert d.registry.all_ranks_assigned() and d.registry.current_step() == 42
-        assert d.migrations.generation == 2 and d.migrations.first_id == 4
+        assert d.registry.generations.current == 2 and d.migrations.first_id == 4
         names = [e["event"] for e in d.journal.since(0, 100)]
         assert names[:2] == ["tmd_restarted", "migration_aborted"] and d.journal.since(0, 1)[0]["seq"] == 3
         assert names.count("worker_rejoined") == 2 and names[-1] == "job_relearned" and "rejoin_refused" in names

@@ -22,11 +22,11 @@ import time
 
 import pytest
 
-from examples.demo import final_hashes
-from tests.helpers import wait_until
+from tests.support.job import final_hashes
+from tests.support import wait_until
 from tmd.slurm import Poller
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTER_SH = os.path.join(REPO, "slurm", "local-cluster.sh")
 STEPS = 800
 PACE_S = 0.06  # pads each step (numerics unchanged) so the job outlives the tests
@@ -188,7 +188,7 @@ def test_epilog_kills_leftovers_and_notifies_tmd(hooks):
         assert report["duration_s"] < 1.0, report
         assert sock.poll(5000), "no NodeNotice"
         _, frame = sock.recv_multipart()
-        assert p.decode(frame) == p.NodeNotice("nx", "77", "epilog", "node left the job")
+        assert p.decode(frame) == p.NodeNotice(node="nx", job_id="77", hook="epilog", detail="node left the job")
     finally:
         for proc in (stray, other):
             proc.kill()

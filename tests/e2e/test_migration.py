@@ -16,11 +16,11 @@ import sys
 import pytest
 import zmq
 
-from examples.demo import final_hashes, tmd_command, wait_for_address
+from tests.support.job import final_hashes, tmd_command, wait_for_address
 from tmctl.client import Client
 from tmd import protocol as p
 
-from tests.helpers import events, wait_until
+from tests.support import events, wait_until
 
 STEPS = 1500
 # Per-node subgroups (a collective in them every step), and steps padded so the job outlives the tests.
@@ -80,7 +80,7 @@ def test_malformed_and_unknown_messages_are_logged_and_ignored(job):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(json.load(open(os.path.join(job["run_dir"], "tmd.json")))["address"])
     for frame in [b"\x00garbage", b'{"v": 1, "type": "Reboot"}', b'{"v": 1, "type": "Switch", "migration_id": 1}',
-                  p.encode(p.Switch(1, 5)), p.encode(p.StepReport(0, 1, 0.1, False))]:
+                  p.encode(p.Switch(migration_id=1, step=5)), p.encode(p.StepReport(rank=0, step=1, step_time_s=0.1, shadow=False))]:
         sock.send(frame)
     sock.send_multipart([b"two", b"frames"])
     # One connection delivers in order: once tmd answers this request, it has handled every frame above.
@@ -101,17 +101,17 @@ def test_malformed_and_unknown_messages_are_logged_and_ignored(job):
 @pytest.mark.timeout(120)
 def test_joiner_killed_during_warm_up_aborts_and_training_goes_on(job):
     client = job["client"]
-    reply = client.request(p.MigrateRequest("n2", "s1"))
+    reply = client.request(p.MigrateRequest(source="n2", target="s1"))
     assert isinstance(reply, p.MigrationReply) and reply.migration["state"] == "warming"
     mid = reply.migration["id"]
     # while it warms up: a second request is refused, and the job is not harmed
-    again = client.request(p.MigrateRequest("n1", "s1"))
+    again = client.request(p.MigrateRequest(source="n1", target="s1"))
     assert isinstance(again, p.ErrorReply) and again.code == "migration_running"
     joiner_pid = next(e["pid"] for e in reversed(events(job["run_dir"]))
                       if e["event"] == "worker_registered" and e["node"] == "s1" and e["local_rank"] == 0)
     os.kill(joiner_pid, signal.SIGKILL)
     m = wait_until(lambda: (lambda m: m if m["state"] in ("aborted", "committed") else None)(
-        client.request(p.MigrationRequest(mid)).migration), 60, "the migration to end")
+        client.request(p.MigrationRequest(migration_id=mid)).migration), 60, "the migration to end")
     assert m["state"] == "aborted"
     assert m["reason"].startswith("joiner s1/0 exited with code -9 during warming"), m["reason"]
     aborted = [e for e in events(job["run_dir"]) if e["event"] == "migration_aborted"]

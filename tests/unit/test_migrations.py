@@ -23,16 +23,29 @@ def world():
             reg.record_step(rank, s, 0.1)
     sent: list[tuple[str, p.Message]] = []
     journal = Journal(None)
-    migs = Migrations(reg, journal, lambda w, m: sent.append((w.identity.decode(), m)),
-                      lambda w, rank, mid: sent.append((w.identity.decode(), p.Assign("joiner", rank, 4, "", 0, 1, 3, "", mid, 0))),
-                      record_steps=3)
+    migs = Migrations(reg, journal, RecordingChannel(sent), record_steps=3)
     return reg, migs, sent, journal
 
 
 def ack(migs, reg, who, phase, mid=1, step=-1, ok=True, error=""):
     for ident in who:
         w = reg.by_identity[ident.encode()]
-        migs.on_phase(w, p.PhaseDone(mid, w.rank if w.rank is not None else -1, phase, ok, error, step, 10, 0.01, []))
+        migs.on_phase(w, p.PhaseDone(migration_id=mid, rank=w.rank if w.rank is not None else -1, phase=phase, ok=ok, error=error, step=step, bytes_moved=10, seconds=0.01, groups=[]))
+
+
+class RecordingChannel:
+    """A WorkerChannel that keeps what would be sent: (identity, message)."""
+
+    def __init__(self, sent):
+        self.sent = sent
+
+    def send(self, w, msg):
+        self.sent.append((w.identity.decode(), msg))
+
+    def assign(self, w, rank, *, migration_id=0, incident_id=0):
+        self.send(w, p.Assign(role=p.WorkerRole.JOINER, rank=rank, world_size=4, store_host="", store_port=0,
+                              generation=1, record_steps=3, record_dir="", migration_id=migration_id,
+                              incident_id=incident_id))
 
 
 ALL = ["n1/0", "n1/1", "n2/0", "n2/1", "s1/0", "s1/1"]
@@ -92,7 +105,7 @@ def test_a_rank_already_past_the_switch_step_aborts_before_anyone_switches(world
     ack(migs, reg, ALL, "prepared")
     sent.clear()
     w = reg.by_identity[b"n1/0"]
-    migs.on_phase(w, p.PhaseDone(1, 0, "armed", False, "already at step 99", 99, 0, 0.0, []))
+    migs.on_phase(w, p.PhaseDone(migration_id=1, rank=0, phase="armed", ok=False, error="already at step 99", step=99, bytes_moved=0, seconds=0.0, groups=[]))
     assert m.state == "aborted" and "already at step 99" in m.reason
     assert {ident for ident, msg in sent if isinstance(msg, p.Decide) and not msg.commit} == set(ALL)
     assert reg.nodes["s1"].role == "standby" and reg.rank_owner[2].identity == b"n2/0"
@@ -127,9 +140,9 @@ def test_stayer_pause_is_recorded_even_after_commit(world):
     ack(migs, reg, ALL, "armed", step=11)
     ack(migs, reg, ["s1/0", "s1/1"], "transferred")
     stayer = reg.by_identity[b"n1/0"]
-    migs.on_phase(stayer, p.PhaseDone(1, 0, "committed", True, "", 16, 0, 0.125, []))
+    migs.on_phase(stayer, p.PhaseDone(migration_id=1, rank=0, phase="committed", ok=True, error="", step=16, bytes_moved=0, seconds=0.125, groups=[]))
     ack(migs, reg, ["s1/0", "s1/1"], "committed")
     assert m.state == "committed"
     late = reg.by_identity[b"n1/1"]  # reports after the migration committed: still counted
-    migs.on_phase(late, p.PhaseDone(1, 1, "committed", True, "", 16, 0, 0.25, []))
+    migs.on_phase(late, p.PhaseDone(migration_id=1, rank=1, phase="committed", ok=True, error="", step=16, bytes_moved=0, seconds=0.25, groups=[]))
     assert m.to_dict()["pause_s"] == 0.25

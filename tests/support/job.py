@@ -1,0 +1,79 @@
+"""The local-job harness the end-to-end tests, the benchmarks and the demo share: start ``tmd local`` on the demo
+workload, find its address, drive a migration through tmctl's client, and read every rank's final state hash."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tmctl.client import Client, CoordinatorUnreachable
+from tmd import protocol as p
+
+
+def tmd_command(run_dir: str, standbys: int, steps: int, tiny: bool, quiet: bool, script_args: tuple = ()) -> list[str]:
+    """``tmd local`` for 2 nodes x 2 ranks running examples.train_gpt (``script_args`` are appended to it)."""
+    cmd = [sys.executable, "-m", "tmd.cli", "local", "--nodes", "2", "--ranks-per-node", "2",
+           "--standbys", str(standbys), "--run-dir", run_dir]
+    if quiet:
+        cmd.append("--quiet")
+    cmd += ["--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps), *script_args]
+    return cmd + (["--tiny"] if tiny else [])
+
+
+def final_hashes(run_dir: str) -> dict[int, str]:
+    out = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "final", "rank*.json"))):
+        with open(path) as f:
+            d = json.load(f)
+        out[d["rank"]] = d["state_sha256"]
+    return out
+
+
+def wait_for_address(run_dir: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
+    path = p.layout.RunDir(run_dir).tmd_json
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tmd exited with {proc.returncode} before it was up")
+        if os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)["address"]
+        time.sleep(0.1)  # another process writes it: nothing to wait on
+    raise TimeoutError(f"tmd did not write {path} within {timeout_s} s")
+
+
+def migrate_when_ready(client: Client, proc: subprocess.Popen, at_step: int, source: str, target: str) -> dict:
+    """Wait until training reaches ``at_step`` and the standby is warm, request the migration, follow it."""
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError("the job ended before the migration was requested")
+        st = client.request(p.StatusRequest())
+        warm = any(n["name"] == target and n["warm"] for n in st.nodes)
+        if st.step >= at_step and warm:
+            break
+        time.sleep(0.2)
+    reply = client.request(p.MigrateRequest(source=source, target=target))
+    if isinstance(reply, p.ErrorReply):
+        raise RuntimeError(f"migration refused: {reply.message}")
+    mid = reply.migration["id"]
+    print(f"[job] migration {mid}: {source} -> {target} requested at step {st.step}", flush=True)
+    seen = set()
+    while True:
+        m = client.request(p.MigrationRequest(migration_id=mid)).migration
+        if m["state"] not in seen:
+            seen.add(m["state"])
+            print(f"[job] migration {mid}: {m['state']}" + (f" ({m['reason']})" if m["reason"] else ""), flush=True)
+        if p.MigrationState(m["state"]).finished:
+            break
+        time.sleep(0.05)
+    # downtime_s is known once the 5 steps after the switch step are done
+    while m["state"] == p.MigrationState.COMMITTED and m["downtime_s"] is None and proc.poll() is None:
+        time.sleep(0.2)
+        try:
+            m = client.request(p.MigrationRequest(migration_id=mid)).migration
+        except CoordinatorUnreachable:
+            break
+    return m
