@@ -25,88 +25,93 @@ import time
 from typing import Optional
 
 from tmd import protocol as p
-from tmd.journal import Journal
-from tmd.protocol.vocab import NodeRole
 from tmd.channel import WorkerChannel
+from tmd.episode import Episode, Episodes
+from tmd.journal import Journal
+from tmd.protocol.vocab import (
+    MIGRATION_EVENTS, ErrorCode, Event, Health, MigrationMark, MigrationPhase, MigrationRole, MigrationState,
+    NodeRole,
+)
 from tmd.registry import Registry, Worker
 
-STATES = ("requested", "warming", "prepared", "switching", "transferred", "committed")
+STATES = tuple(s for s in MigrationState if s != MigrationState.ABORTED)  # the path of a migration that commits
 
-# Seconds a migration may stay in a state before it is aborted.
-DEFAULT_DEADLINES_S = {
-    "warming": 300.0,
-    "prepared": 60.0,
-    "switching": 120.0,
-    "transferred": 60.0,
+# Seconds a migration may stay in a state before it is aborted (``prepared`` also bounds phase 1, which runs
+# while the state is still ``warming``).
+DEFAULT_DEADLINES_S: dict[MigrationState, float] = {
+    MigrationState.WARMING: 300.0,
+    MigrationState.PREPARED: 60.0,
+    MigrationState.SWITCHING: 120.0,
+    MigrationState.TRANSFERRED: 60.0,
 }
 DOWNTIME_WINDOW_STEPS = 6  # the switch step and the 5 after it
 
 
 class MigrationError(Exception):
-    """A request tmd refuses; ``code`` is the ErrorReply code."""
+    """A request tmd refuses; ``code`` (an :class:`~tmd.protocol.vocab.ErrorCode`) is the ErrorReply code.
+    Raises ValueError for a code that is not an ErrorCode."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode | str, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.code = ErrorCode(code)
 
 
-@dataclasses.dataclass
-class Migration:
-    id: int
+@dataclasses.dataclass(kw_only=True)
+class Migration(Episode):
+    """One planned move of node ``source``'s ranks to standby ``target`` under group generation ``generation``.
+    ``phases`` holds the states' and the :class:`~tmd.protocol.vocab.MigrationMark` instants (epoch seconds)."""
+
+    SPANS = {
+        "warm_up": (MigrationState.WARMING, MigrationMark.PREPARE_STARTED),  # shadow iterations
+        "prepare": (MigrationMark.PREPARE_STARTED, MigrationState.PREPARED),  # phase 1, in the background
+        "switch_wait": (MigrationState.SWITCHING, MigrationMark.TRANSFER_STARTED),  # arming until a leaver reached S
+        "transfer": (MigrationMark.TRANSFER_STARTED, MigrationState.TRANSFERRED),  # state send/recv + verify
+        "commit": (MigrationState.TRANSFERRED, MigrationState.COMMITTED),  # decision to joiners running at S
+        "total": (MigrationState.REQUESTED, MigrationState.COMMITTED),
+    }
+
+    state: MigrationState = MigrationState.REQUESTED
     source: str
     target: str
     generation: int
     leavers: dict[int, Worker]  # rank -> leaver process
     joiners: dict[int, Worker]  # rank -> joiner process (takes exactly the leaver's rank)
     stayers: dict[int, Worker]
-    state: str = "requested"
-    reason: str = ""
     switch_step: Optional[int] = None
     request_step: int = -1
-    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # state or mark -> epoch s
-    acks: dict[str, set[bytes]] = dataclasses.field(default_factory=dict)  # phase -> identities that acked
+    acks: dict[MigrationPhase, set[bytes]] = dataclasses.field(default_factory=dict)  # phase -> identities that acked
     bytes_moved: int = 0
     transfer_s: float = 0.0
     rebuilt: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # "node/local_rank" -> group names
     downtime_s: Optional[float] = None
     median_step_s: Optional[float] = None
     pause_s: Optional[float] = None  # longest time a stayer stood at the switch step (seconds)
-    deadline: float = math.inf  # time.monotonic()
-
-    @property
-    def finished(self) -> bool:
-        return self.state in ("committed", "aborted")
 
     def parties(self) -> list[Worker]:
         return [*self.stayers.values(), *self.leavers.values(), *self.joiners.values()]
+
+    def role_of(self, w: Worker) -> Optional[MigrationRole]:
+        """``w``'s part in this migration, or None if it takes no part."""
+        for role, group in ((MigrationRole.JOINER, self.joiners), (MigrationRole.LEAVER, self.leavers),
+                            (MigrationRole.STAYER, self.stayers)):
+            if any(w is x for x in group.values()):
+                return role
+        return None
 
     def phases_s(self) -> dict[str, float]:
         """Durations in seconds: warm_up (shadow iterations), prepare (phase 1 in the background), switch_wait
         (arming until the leaver reached S), transfer (state send/recv + verify), commit (decision to joiners
         running at S), total."""
-        t = self.phases
-        spans = {
-            "warm_up": ("warming", "prepare_started"),
-            "prepare": ("prepare_started", "prepared"),
-            "switch_wait": ("switching", "transfer_started"),
-            "transfer": ("transfer_started", "transferred"),
-            "commit": ("transferred", "committed"),
-            "total": ("requested", "committed"),
-        }
-        return {k: round(t[b] - t[a], 6) for k, (a, b) in spans.items() if a in t and b in t}
+        return super().phases_s()
 
-    def to_dict(self) -> dict:
+    def details(self) -> dict:
         return {
-            "id": self.id,
             "source": self.source,
             "target": self.target,
             "generation": self.generation,
-            "state": self.state,
-            "reason": self.reason,
             "switch_step": self.switch_step,
             "ranks": sorted(self.leavers),
             "phases": dict(self.phases),
-            "phases_s": self.phases_s(),
             "downtime_s": self.downtime_s,
             "median_step_s": self.median_step_s,
             "pause_s": self.pause_s,
@@ -116,8 +121,10 @@ class Migration:
         }
 
 
-class Migrations:
-    """Drives migrations. ``send(worker, message)`` delivers a message to one worker process."""
+class Migrations(Episodes[Migration]):
+    """Drives migrations: validates requests, sends each phase's messages through ``channel``, advances on the
+    parties' reports and aborts on a failure or a missed deadline. Also the list of this tmd's migrations
+    (``all``, ``current``, ``get``, ``first_id``: tmd.episode.Episodes)."""
 
     def __init__(
         self,
@@ -129,27 +136,24 @@ class Migrations:
         record_steps: int = 0,
     ) -> None:
         """``switch_slack_s``: how far ahead (seconds of training) the switch step is placed, so every party
-        hears of it before reaching it. ``record_steps``: migrations wait until the job has recorded them."""
+        hears of it before reaching it. ``deadlines_s``: state -> seconds, overriding DEFAULT_DEADLINES_S
+        (ValueError for a key that is not a MigrationState). ``record_steps``: migrations wait until the job
+        has recorded them."""
+        super().__init__()
         self.registry = registry
         self.journal = journal
         self.channel = channel
         self.switch_slack_s = switch_slack_s
         self.record_steps = record_steps
-        self.deadlines_s = {**DEFAULT_DEADLINES_S, **(deadlines_s or {})}
-        self.all: list[Migration] = []
-        self.first_id = 1  # id of the first migration (a restarted tmd goes on after the journal's last)
-
-    @property
-    def current(self) -> Optional[Migration]:
-        return self.all[-1] if self.all and not self.all[-1].finished else None
+        self.deadlines_s: dict[MigrationState, float] = {
+            MigrationState(k): v for k, v in {**DEFAULT_DEADLINES_S, **(deadlines_s or {})}.items()}
 
     def get(self, migration_id: int) -> Migration:
-        if migration_id < 0 and self.all:
-            return self.all[-1]
-        for m in self.all:
-            if m.id == migration_id:
-                return m
-        raise MigrationError("unknown_migration", f"no migration with id {migration_id}")
+        """Migration ``migration_id`` (negative: the latest). Raises MigrationError ``unknown_migration``."""
+        m = self.find(migration_id)
+        if m is None:
+            raise MigrationError(ErrorCode.UNKNOWN_MIGRATION, f"no migration with id {migration_id}")
+        return m
 
     # ---------------------------------------------------------------------------------------------------------
     def request(self, source: str, target: str, require_healthy: bool = True) -> Migration:
@@ -157,118 +161,127 @@ class Migrations:
         a one-line reason; nothing changes then. ``require_healthy`` false lets tmd evacuate a node that is
         alive but flagged unhealthy (a bad GPU)."""
         reg = self.registry
-        actives = sorted(n.name for n in reg.nodes.values() if n.role == "active")
-        standbys = sorted(n.name for n in reg.nodes.values() if n.role == "standby")
+        actives = sorted(n.name for n in reg.nodes_in(NodeRole.ACTIVE))
+        standbys = sorted(n.name for n in reg.nodes_in(NodeRole.STANDBY))
         src = reg.nodes.get(source)
-        if src is None or src.role not in ("active",):
+        if src is None or src.role != NodeRole.ACTIVE:
             why = f"is {src.role}" if src else "is not part of this job"
-            raise MigrationError("unknown_node", f"unknown node '{source}': it {why} (active nodes: {', '.join(actives) or 'none'})")
+            raise MigrationError(ErrorCode.UNKNOWN_NODE,
+                                 f"unknown node '{source}': it {why} (active nodes: {', '.join(actives) or 'none'})")
         dst = reg.nodes.get(target)
-        if dst is None or dst.role not in ("standby", "joining"):
+        if dst is None or dst.role not in (NodeRole.STANDBY, NodeRole.JOINING):
             why = f"is {dst.role}" if dst else "is not a standby of this job"
-            raise MigrationError("unknown_standby", f"unknown standby '{target}': it {why} (standbys: {', '.join(standbys) or 'none'})")
+            raise MigrationError(ErrorCode.UNKNOWN_STANDBY,
+                                 f"unknown standby '{target}': it {why} (standbys: {', '.join(standbys) or 'none'})")
         running = self.current
         if running is not None:
             raise MigrationError(
-                "migration_running",
+                ErrorCode.MIGRATION_RUNNING,
                 f"migration {running.id} ({running.source} -> {running.target}) is still {running.state}",
             )
-        if dst.role != "standby" or not dst.warm:
-            state = "cold: not all its processes are up" if dst.role == "standby" else dst.role
-            raise MigrationError("busy_standby", f"standby '{target}' is busy ({state})")
+        if dst.role != NodeRole.STANDBY or not dst.warm:
+            state = "cold: not all its processes are up" if dst.role == NodeRole.STANDBY else dst.role
+            raise MigrationError(ErrorCode.BUSY_STANDBY, f"standby '{target}' is busy ({state})")
         if not reg.all_ranks_assigned() or reg.current_step() < 0:
-            raise MigrationError("not_ready", "the job has not started training yet")
+            raise MigrationError(ErrorCode.NOT_READY, "the job has not started training yet")
         if reg.current_step() <= self.record_steps:
-            raise MigrationError("not_ready", f"the job is still recording its first {self.record_steps} steps "
-                                              "for the joiners' shadow iterations; try again in a moment")
-        if (require_healthy and src.health != "healthy") or len(src.workers) != len(src.ranks) or \
+            raise MigrationError(ErrorCode.NOT_READY,
+                                 f"the job is still recording its first {self.record_steps} steps for the joiners' "
+                                 "shadow iterations; try again in a moment")
+        if (require_healthy and src.health != Health.HEALTHY) or len(src.workers) != len(src.ranks) or \
                 any(w.exited for w in src.workers.values()):
-            raise MigrationError("not_ready", f"node '{source}' is {src.health}; a planned migration needs a live leaver")
+            raise MigrationError(ErrorCode.NOT_READY,
+                                 f"node '{source}' is {src.health}; a planned migration needs a live leaver")
         if any(w.done for w in reg.rank_owner.values()):
-            raise MigrationError("not_ready", "the job is finishing")
+            raise MigrationError(ErrorCode.NOT_READY, "the job is finishing")
 
         leavers = {r: reg.rank_owner[r] for r in src.ranks}
         joiners = {r: dst.workers[i] for i, r in enumerate(src.ranks)}
         stayers = {r: w for r, w in reg.rank_owner.items() if r not in leavers}
-        m = Migration(self.first_id + len(self.all), source, target, reg.generations.next(), leavers, joiners, stayers)
-        m.request_step = reg.current_step()
-        self.all.append(m)
+        m = self.add(Migration(id=self.next_id(), source=source, target=target, generation=reg.generations.next(),
+                               leavers=leavers, joiners=joiners, stayers=stayers, request_step=reg.current_step()))
         reg.promote(dst)
-        self._enter(m, "requested", generation=m.generation)
+        self._enter(m, MigrationState.REQUESTED, generation=m.generation)
         for rank, joiner in joiners.items():
             self.channel.assign(joiner, rank, migration_id=m.id)
-        self._enter(m, "warming")
+        self._enter(m, MigrationState.WARMING)
         return m
 
     # ---------------------------------------------------------------------------------------------------------
     def on_phase(self, w: Worker, msg: p.PhaseDone) -> None:
         """A party reports a phase. Out-of-date or unexpected reports are journalled and ignored."""
-        if msg.phase == "committed" and msg.ok:
-            done = next((x for x in self.all if x.id == msg.migration_id), None)
+        if msg.phase == MigrationPhase.COMMITTED and msg.ok:
+            done = self.find(msg.migration_id) if msg.migration_id >= 0 else None
             if done is not None and any(w is s for s in done.stayers.values()):
                 # how long training stood still on this stayer at the switch step (it may report after commit)
                 done.pause_s = round(max(done.pause_s or 0.0, msg.seconds), 6)
                 return
         m = self.current
         if m is None or msg.migration_id != m.id:
-            self.journal.record("stale_phase_report", worker=w.identity.decode(), migration_id=msg.migration_id, phase=msg.phase)
+            self.journal.record(Event.STALE_PHASE_REPORT, worker=w.identity.decode(), migration_id=msg.migration_id,
+                                phase=msg.phase)
             return
         if not msg.ok:
             self.abort(m, f"{w.node}/{w.local_rank} (rank {msg.rank}) failed in {msg.phase}: {msg.error}")
             return
         acks = m.acks.setdefault(msg.phase, set())
         acks.add(w.identity)
-        if msg.phase == "warmed" and m.state == "warming":
+        if msg.phase == MigrationPhase.WARMED and m.state == MigrationState.WARMING:
             if len(acks) == len(m.joiners):
                 self._prepare(m)
-        elif msg.phase == "prepared" and m.state == "warming" and "prepare_started" in m.phases:
+        elif msg.phase == MigrationPhase.PREPARED and m.state == MigrationState.WARMING and \
+                MigrationMark.PREPARE_STARTED in m.phases:
             m.rebuilt[f"{w.node}/{w.local_rank}"] = list(msg.groups)
             if len(acks) == len(m.parties()):
-                self._enter(m, "prepared", rebuilt=m.rebuilt)
+                self._enter(m, MigrationState.PREPARED, rebuilt=m.rebuilt)
                 self._arm(m)
-        elif msg.phase == "armed" and m.state == "prepared":
+        elif msg.phase == MigrationPhase.ARMED and m.state == MigrationState.PREPARED:
             if msg.step >= (m.switch_step or 0):
-                self.abort(m, f"rank {msg.rank} was already at step {msg.step} when switch step {m.switch_step} was armed")
+                self.abort(m, f"rank {msg.rank} was already at step {msg.step} when switch step {m.switch_step} "
+                              "was armed")
                 return
             if len(acks) == len(m.parties()):
-                self._enter(m, "switching")
-        elif msg.phase == "sent" and m.state in ("switching", "transferred"):  # may trail the joiner's report
-            self._mark_transfer_start(m, msg.seconds)
-        elif msg.phase == "transferred" and m.state == "switching":
+                self._enter(m, MigrationState.SWITCHING)
+        elif msg.phase == MigrationPhase.SENT and m.state in (MigrationState.SWITCHING, MigrationState.TRANSFERRED):
+            self._mark_transfer_start(m, msg.seconds)  # may trail the joiner's report
+        elif msg.phase == MigrationPhase.TRANSFERRED and m.state == MigrationState.SWITCHING:
             m.bytes_moved += msg.bytes_moved
             m.transfer_s = max(m.transfer_s, msg.seconds)
             self._mark_transfer_start(m, msg.seconds)
             if len(acks) == len(m.joiners):
-                self._enter(m, "transferred")
+                self._enter(m, MigrationState.TRANSFERRED)
                 self._broadcast(m, p.Decide(migration_id=m.id, commit=True, reason="transferred"))
                 for leaver in m.leavers.values():
                     leaver.done = True  # from here on a leaver exiting is the plan, whether or not its Done arrives
-        elif msg.phase == "committed" and m.state == "transferred":
+        elif msg.phase == MigrationPhase.COMMITTED and m.state == MigrationState.TRANSFERRED:
             if all(j.identity in acks for j in m.joiners.values()):
                 self._commit(m)
         else:
-            self.journal.record("unexpected_phase_report", migration_id=m.id, state=m.state, phase=msg.phase, rank=msg.rank)
+            self.journal.record(Event.UNEXPECTED_PHASE_REPORT, migration_id=m.id, state=m.state, phase=msg.phase,
+                                rank=msg.rank)
 
     def on_worker_lost(self, w: Worker, why: str) -> None:
         """A process exited or stopped heartbeating: abort the migration it takes part in, if any."""
         m = self.current
         if m is None:
             return
-        if any(w is x for x in m.parties()):
-            if w.done and any(w is x for x in m.leavers.values()):
-                return  # a leaver leaving after the commit decision is the plan
-            role = "joiner" if any(w is x for x in m.joiners.values()) else "leaver" if any(w is x for x in m.leavers.values()) else "stayer"
-            self.abort(m, f"{role} {w.node}/{w.local_rank} {why} during {m.state}")
+        role = m.role_of(w)
+        if role is None:
+            return
+        if w.done and role == MigrationRole.LEAVER:
+            return  # a leaver leaving after the commit decision is the plan
+        self.abort(m, f"{role} {w.node}/{w.local_rank} {why} during {m.state}")
 
     def tick(self, now_mono: float) -> None:
+        """Abort the running migration if it is past its deadline (``now_mono``: time.monotonic())."""
         m = self.current
-        if m is not None and now_mono > m.deadline:
-            self.abort(m, f"timed out in state {m.state} after {self.deadlines_s.get(m.state, 0):.0f} s")
+        if m is not None and m.overdue(now_mono):
+            self.abort(m, f"timed out in state {m.state} after {m.deadline_s:.0f} s")
 
     def on_step(self, rank: int, step: int) -> None:
         """Fill in downtime once the window after the last committed switch step is complete."""
-        m = self.all[-1] if self.all else None
-        if m is None or m.state != "committed" or m.downtime_s is not None or not m.stayers:
+        m = self.latest
+        if m is None or m.state != MigrationState.COMMITTED or m.downtime_s is not None or not m.stayers:
             return
         ref = min(m.stayers)
         S = m.switch_step
@@ -281,8 +294,8 @@ class Migrations:
             return
         m.downtime_s = round(sum(window) - DOWNTIME_WINDOW_STEPS * median, 6)
         m.median_step_s = round(median, 6)
-        self.journal.record("migration_downtime", migration_id=m.id, downtime_s=m.downtime_s, median_step_s=median,
-                            window_s=[round(t, 6) for t in window])
+        self.journal.record(Event.MIGRATION_DOWNTIME, migration_id=m.id, downtime_s=m.downtime_s,
+                            median_step_s=median, window_s=[round(t, 6) for t in window])
 
     # ---------------------------------------------------------------------------------------------------------
     def abort(self, m: Migration, reason: str, spare_joiners: bool = False) -> None:
@@ -291,10 +304,10 @@ class Migrations:
         if m.finished:
             return
         m.reason = reason
-        self._enter(m, "aborted", reason=reason)
+        self._enter(m, MigrationState.ABORTED, reason=reason)
         decision = p.Decide(migration_id=m.id, commit=False, reason=reason)
         for w in m.parties():
-            if not w.exited and not (spare_joiners and any(w is j for j in m.joiners.values())):
+            if not w.exited and not (spare_joiners and m.role_of(w) == MigrationRole.JOINER):
                 self.channel.send(w, decision)
         target = self.registry.nodes[m.target]
         if target.role == NodeRole.JOINING and not spare_joiners:
@@ -304,17 +317,21 @@ class Migrations:
     def _mark_transfer_start(m: Migration, seconds: float) -> None:
         """The transfer began ``seconds`` before now by one party's clock; keep the earliest report."""
         start = time.time() - seconds
-        m.phases["transfer_started"] = min(m.phases.get("transfer_started", start), start)
+        m.mark(MigrationMark.TRANSFER_STARTED, min(m.phases.get(MigrationMark.TRANSFER_STARTED, start), start))
 
     def _prepare(self, m: Migration) -> None:
-        m.phases["prepare_started"] = time.time()
-        self.journal.record("migration_phase", migration_id=m.id, phase="prepare_started")
+        """Every joiner is warm: start phase 1 (every party builds the next generation of the groups that
+        contain a leaver; leavers and joiners also their 2-rank transfer group)."""
+        m.mark(MigrationMark.PREPARE_STARTED)
+        self.journal.record(Event.MIGRATION_PHASE, migration_id=m.id, phase=MigrationMark.PREPARE_STARTED)
         leaver_ranks = sorted(m.leavers)
-        for role, group in (("stayer", m.stayers), ("leaver", m.leavers), ("joiner", m.joiners)):
+        for role, group in ((MigrationRole.STAYER, m.stayers), (MigrationRole.LEAVER, m.leavers),
+                            (MigrationRole.JOINER, m.joiners)):
             for rank, w in group.items():
-                prefix = f"tm/g{m.generation}/transfer/r{rank}" if role != "stayer" else ""
-                self.channel.send(w, p.Prepare(migration_id=m.id, generation=m.generation, role=role, leaver_ranks=leaver_ranks, transfer_prefix=prefix))
-        m.deadline = time.monotonic() + self.deadlines_s["prepared"]
+                prefix = p.layout.transfer_prefix(m.generation, rank) if role != MigrationRole.STAYER else ""
+                self.channel.send(w, p.Prepare(migration_id=m.id, generation=m.generation, role=role,
+                                               leaver_ranks=leaver_ranks, transfer_prefix=prefix))
+        m.set_deadline(self.deadlines_s[MigrationState.PREPARED])
 
     def _arm(self, m: Migration) -> None:
         """Pick the switch step: far enough ahead that every party hears of it before reaching it."""
@@ -322,21 +339,23 @@ class Migrations:
         median = self.registry.median_step_s(min(m.stayers or m.leavers)) or 1.0
         margin = 2 + math.ceil(self.switch_slack_s / max(median, 1e-3))
         m.switch_step = step + margin
-        self.journal.record("switch_step_chosen", migration_id=m.id, switch_step=m.switch_step, current_step=step)
+        self.journal.record(Event.SWITCH_STEP_CHOSEN, migration_id=m.id, switch_step=m.switch_step, current_step=step)
         self._broadcast(m, p.Switch(migration_id=m.id, step=m.switch_step))
 
     def _commit(self, m: Migration) -> None:
         reg = self.registry
         reg.hand_over(reg.nodes[m.source], reg.nodes[m.target], m.joiners,
                       f"ranks handed over to {m.target} in migration {m.id}")
-        self._enter(m, "committed", switch_step=m.switch_step, bytes_moved=m.bytes_moved, phases_s=m.phases_s())
+        self._enter(m, MigrationState.COMMITTED, switch_step=m.switch_step, bytes_moved=m.bytes_moved,
+                    phases_s=m.phases_s())
 
-    def _enter(self, m: Migration, state: str, **fields) -> None:
+    def _enter(self, m: Migration, state: MigrationState, **fields) -> None:
+        """Move ``m`` to ``state``: mark it, reset that phase's acks, set the state's deadline, journal it."""
         m.state = state
-        m.phases[state] = time.time()
+        m.mark(state)
         m.acks.pop(state, None)
-        m.deadline = time.monotonic() + self.deadlines_s.get(state, math.inf)
-        self.journal.record("migration_" + state, migration_id=m.id, source=m.source, target=m.target, **fields)
+        m.set_deadline(self.deadlines_s.get(state, math.inf))
+        self.journal.record(MIGRATION_EVENTS[state], migration_id=m.id, source=m.source, target=m.target, **fields)
 
     def _broadcast(self, m: Migration, msg: p.Message) -> None:
         for w in m.parties():

@@ -25,47 +25,53 @@ later (say it was SIGSTOPped and is continued) is answered with a Release that m
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from typing import Optional
 
 from tmd import protocol as p
-from tmd.journal import Journal
 from tmd.channel import WorkerChannel
+from tmd.episode import Episode, Episodes
+from tmd.journal import Journal
 from tmd.protocol.layout import RunDir
-from tmd.registry import Registry, Worker
-
+from tmd.protocol.vocab import Event, IncidentMark, IncidentState, NodeRole, RecoveryPhase
+from tmd.registry import Node, Registry, Worker
 
 RECOVERY_TIMEOUT_S = 300.0  # an incident stuck this long (standby waits aside) fails the job
 
 
 class RecoveryError(RuntimeError):
     """A failure the job cannot recover from (no data-parallel replica left, no recording to warm a
-    replacement with): tmd ends the job with this reason."""
+    replacement with, survivors too far apart, an incident stuck past its deadline): tmd ends the job with
+    this reason."""
 
 
-@dataclasses.dataclass
-class Incident:
-    id: int
-    reason: str
+@dataclasses.dataclass(kw_only=True)
+class Incident(Episode):
+    """One failure being recovered from: ranks ``lost`` (rank -> the failed node that held it) get
+    ``replacements`` on standby nodes (``standbys``: failed node -> standby node); ``survivors`` (rank -> the
+    process holding it) halt and then resume together with them. ``phases`` holds
+    :class:`~tmd.protocol.vocab.IncidentMark` instants (epoch seconds)."""
+
+    SPANS = {
+        "halt": (IncidentMark.DETECTED, IncidentMark.HALTED),  # detection to every survivor halted
+        "warm_up": (IncidentMark.PROMOTED, IncidentMark.WARMED),  # replacements' shadow iterations, from promotion
+        "plan": (IncidentMark.DETECTED, IncidentMark.RECOVERING),  # detection to plan sent
+        "transfer_and_regroup": (IncidentMark.RECOVERING, IncidentMark.RECOVERED),  # plan to every party recovered
+        "total": (IncidentMark.DETECTED, IncidentMark.RECOVERED),
+    }
+
+    state: IncidentState = IncidentState.HALTING
     lost: dict[int, str]  # rank -> the failed node that held it
     survivors: dict[int, Worker]
     replacements: dict[int, Worker] = dataclasses.field(default_factory=dict)
     standbys: dict[str, str] = dataclasses.field(default_factory=dict)  # failed node -> standby node
-    state: str = "halting"
     halted: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> committed step
     recovered: set = dataclasses.field(default_factory=set)
     generation: int = 0
     resume_step: Optional[int] = None
     bytes_moved: int = 0
     waiting_standby: bool = False
-    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # name -> epoch s
-    deadline: float = math.inf  # time.monotonic()
-
-    @property
-    def finished(self) -> bool:
-        return self.state in ("recovered", "superseded", "failed")
 
     def parties(self) -> list[Worker]:
         return [*self.survivors.values(), *self.replacements.values()]
@@ -74,39 +80,32 @@ class Incident:
         """Durations (seconds): halt (detection to every survivor halted), warm_up (replacements' shadow
         iterations, from promotion), plan (detection to plan sent), transfer_and_regroup (plan to every party
         recovered), total (detection to recovered)."""
-        t = self.phases
-        spans = {"halt": ("detected", "halted"), "warm_up": ("promoted", "warmed"), "plan": ("detected", "recovering"),
-                 "transfer_and_regroup": ("recovering", "recovered"), "total": ("detected", "recovered")}
-        return {k: round(t[b] - t[a], 6) for k, (a, b) in spans.items() if a in t and b in t}
+        return super().phases_s()
 
-    def to_dict(self) -> dict:
-        return {"id": self.id, "state": self.state, "reason": self.reason, "lost_ranks": sorted(self.lost),
-                "failed_nodes": sorted(set(self.lost.values())), "standbys": dict(self.standbys),
-                "waiting_standby": self.waiting_standby, "resume_step": self.resume_step,
-                "generation": self.generation, "bytes_moved": self.bytes_moved, "phases_s": self.phases_s()}
+    def details(self) -> dict:
+        return {"lost_ranks": sorted(self.lost), "failed_nodes": sorted(set(self.lost.values())),
+                "standbys": dict(self.standbys), "waiting_standby": self.waiting_standby,
+                "resume_step": self.resume_step, "generation": self.generation, "bytes_moved": self.bytes_moved}
 
 
-class Incidents:
+class Incidents(Episodes[Incident]):
     """Drives failure recovery. ``channel`` reaches the workers; ``run_dir`` holds the ranks' recordings
     (a replacement cannot be warmed without its rank's).
     ``regroup_after_s``: a collective failure that no node failure explains within this many seconds (a
     transient network fault: every process is alive) starts an incident with no lost rank: all groups are
-    rebuilt and the step is redone."""
+    rebuilt and the step is redone. Also the list of this tmd's incidents (``all``, ``current``, ``get``,
+    ``first_id``: tmd.episode.Episodes)."""
 
     def __init__(self, registry: Registry, journal: Journal, channel: WorkerChannel, run_dir: RunDir,
                  regroup_after_s: float = 2.0) -> None:
+        super().__init__()
         self.registry = registry
         self.journal = journal
         self.channel = channel
         self.run_dir = run_dir
-        self.all: list[Incident] = []
         self.lost: dict[int, str] = {}  # ranks whose node failed and that no one holds yet
         self.regroup_after_s = regroup_after_s
         self._unexplained: Optional[tuple[float, str]] = None  # (monotonic, what) of a collective failure
-
-    @property
-    def current(self) -> Optional[Incident]:
-        return self.all[-1] if self.all and not self.all[-1].finished else None
 
     # ---------------------------------------------------------------------------------------------------------
     def on_node_failed(self, node_name: str, reason: str,
@@ -119,18 +118,23 @@ class Incidents:
             self.lost[rank] = node_name
         self.start(f"{node_name}: {reason}", (node_name, *adopt) if adopt else None)
 
-    def on_replacement_lost(self, node, reason: str) -> None:
+    def on_replacement_lost(self, node: Node, reason: str) -> None:
         """A standby taking over lost ranks failed before the incident finished: it is out, the incident
-        restarts (with another standby)."""
+        restarts (with another standby). Raises RecoveryError as :meth:`start` does."""
         self.registry.fail_node(node, reason)
         self.start(f"replacement {node.name} lost: {reason}")
 
     def start(self, reason: str, adopt: Optional[tuple[str, str, dict[int, Worker]]] = None) -> Incident:
+        """Start an incident covering every rank in ``lost``, superseding the running one (whose replacements
+        that are alive and still needed are kept). ``adopt``: (failed node, standby node, {rank: joiner}) of
+        warm joiners that become replacements. Every survivor is told to halt; failed nodes without a
+        replacement get a warm standby, or the incident waits for one. Raises RecoveryError when no rank
+        survives or a lost rank has no recording yet."""
         reg = self.registry
         old = self.current
         if old is not None:
-            old.state = "superseded"
-            self.journal.record("recovery_superseded", incident_id=old.id, reason=reason)
+            old.state = IncidentState.SUPERSEDED
+            self.journal.record(Event.RECOVERY_SUPERSEDED, incident_id=old.id, reason=reason)
         survivors = dict(sorted(reg.rank_owner.items()))
         if not survivors:
             raise RecoveryError(f"every rank is lost ({reason}): no data-parallel replica to recover from")
@@ -139,13 +143,13 @@ class Incidents:
             raise RecoveryError(f"ranks {missing} were lost before the job recorded its first steps; a "
                                 "replacement cannot be warmed without their recording")
         self._unexplained = None
-        inc = Incident(len(self.all) + 1, reason, dict(self.lost), survivors)
-        inc.phases["detected"] = time.time()
-        inc.deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+        inc = Incident(id=self.next_id(), reason=reason, lost=dict(self.lost), survivors=survivors)
+        inc.mark(IncidentMark.DETECTED)
+        inc.set_deadline(RECOVERY_TIMEOUT_S)
         if old is not None:  # keep the replacements that are still alive and still needed
             for failed_node, standby in old.standbys.items():
                 workers = reg.nodes[standby].workers
-                if reg.nodes[standby].role == "joining" and failed_node in inc.lost.values() and \
+                if reg.nodes[standby].role == NodeRole.JOINING and failed_node in inc.lost.values() and \
                         all(not (w.exited or w.fenced) for w in workers.values()):
                     inc.standbys[failed_node] = standby
                     inc.replacements.update({w.rank: w for w in workers.values()})
@@ -155,8 +159,8 @@ class Incidents:
             for rank, w in joiners.items():
                 w.rank = w.warm_for = rank
                 inc.replacements[rank] = w
-        self.all.append(inc)
-        self.journal.record("recovery_started", incident_id=inc.id, reason=reason, lost_ranks=sorted(inc.lost),
+        self.add(inc)
+        self.journal.record(Event.RECOVERY_STARTED, incident_id=inc.id, reason=reason, lost_ranks=sorted(inc.lost),
                             survivors=sorted(survivors), adopted=dict(inc.standbys))
         for w in survivors.values():
             self.channel.send(w, p.Halt(incident_id=inc.id, reason=reason, failed_ranks=sorted(inc.lost)))
@@ -165,27 +169,33 @@ class Incidents:
 
     # ---------------------------------------------------------------------------------------------------------
     def on_report(self, w: Worker, msg: p.RecoveryReport) -> None:
+        """A worker's recovery report. A collective failure with no incident running starts a regroup after
+        ``regroup_after_s`` unless a node failure explains it first; reports of another incident, or in the
+        wrong state, are journalled and ignored. Raises RecoveryError as :meth:`start` does (a party that
+        failed to recover starts a new incident)."""
         inc = self.current
-        if msg.phase == "collective_failed":
-            self.journal.record("collective_failed", node=w.node, local_rank=w.local_rank, rank=msg.rank,
+        if msg.phase == RecoveryPhase.COLLECTIVE_FAILED:
+            self.journal.record(Event.COLLECTIVE_FAILED, node=w.node, local_rank=w.local_rank, rank=msg.rank,
                                 error=msg.error)
             if inc is None and self._unexplained is None:
                 self._unexplained = (time.monotonic(), f"rank {msg.rank} saw a collective fail: {msg.error}")
             return
         if inc is None:
-            self.journal.record("stale_recovery_report", worker=w.identity.decode(), incident_id=msg.incident_id,
+            self.journal.record(Event.STALE_RECOVERY_REPORT, worker=w.identity.decode(), incident_id=msg.incident_id,
                                 phase=msg.phase)
             return
-        if msg.phase == "warmed" and any(w is x for x in inc.replacements.values()):
+        if msg.phase == RecoveryPhase.WARMED and any(w is x for x in inc.replacements.values()):
             w.warm_for = w.rank  # valid across incidents: it warmed for this rank
             self._maybe_plan(inc)
-        elif msg.phase == "halted" and msg.incident_id == inc.id and inc.survivors.get(msg.rank) is w:
+        elif msg.phase == RecoveryPhase.HALTED and msg.incident_id == inc.id and inc.survivors.get(msg.rank) is w:
             inc.halted[msg.rank] = msg.committed_step
-            if len(inc.halted) == len(inc.survivors) and "halted" not in inc.phases:
-                inc.phases["halted"] = time.time()
-                self.journal.record("recovery_halted", incident_id=inc.id, committed=dict(sorted(inc.halted.items())))
+            if len(inc.halted) == len(inc.survivors) and IncidentMark.HALTED not in inc.phases:
+                inc.mark(IncidentMark.HALTED)
+                self.journal.record(Event.RECOVERY_HALTED, incident_id=inc.id,
+                                    committed=dict(sorted(inc.halted.items())))
             self._maybe_plan(inc)
-        elif msg.phase == "recovered" and msg.incident_id == inc.id and inc.state == "recovering":
+        elif msg.phase == RecoveryPhase.RECOVERED and msg.incident_id == inc.id and \
+                inc.state == IncidentState.RECOVERING:
             if not msg.ok:
                 self.start(f"rank {msg.rank} failed to recover: {msg.error}")
                 return
@@ -194,10 +204,13 @@ class Incidents:
             if len(inc.recovered) == len(inc.parties()):
                 self._finish(inc)
         else:
-            self.journal.record("stale_recovery_report", worker=w.identity.decode(), incident_id=msg.incident_id,
+            self.journal.record(Event.STALE_RECOVERY_REPORT, worker=w.identity.decode(), incident_id=msg.incident_id,
                                 phase=msg.phase)
 
     def tick(self, now_mono: float) -> None:
+        """Regroup after an unexplained collective failure, look for a standby while one is awaited, and fail
+        an incident stuck past its deadline (``now_mono``: time.monotonic()). Raises RecoveryError then, after
+        journalling the incident's failure."""
         inc = self.current
         if inc is None and self._unexplained is not None and now_mono - self._unexplained[0] > self.regroup_after_s:
             what = self._unexplained[1]
@@ -207,27 +220,33 @@ class Incidents:
             return
         if inc.waiting_standby:
             self._promote(inc)
-        elif now_mono > inc.deadline:
-            inc.state = "failed"
-            raise RecoveryError(f"recovery {inc.id} stuck in {inc.state} for {RECOVERY_TIMEOUT_S:.0f} s")
+        elif inc.overdue(now_mono):
+            self._fail(inc, f"recovery {inc.id} stuck in {inc.state} for {inc.deadline_s:.0f} s")
 
     # ---------------------------------------------------------------------------------------------------------
+    def _fail(self, inc: Incident, why: str) -> None:
+        """``inc`` cannot finish: journal its failure (its state becomes ``failed``) and raise RecoveryError."""
+        stuck_in = inc.state
+        inc.state = IncidentState.FAILED
+        self.journal.record(Event.RECOVERY_FAILED, incident_id=inc.id, state=stuck_in, reason=why)
+        raise RecoveryError(why)
+
     def _promote(self, inc: Incident) -> None:
         """Give every failed node without a replacement a warm standby, or wait for one."""
         reg = self.registry
         for failed_node in sorted(set(inc.lost.values()) - set(inc.standbys)):
-            standby = next((n for n in reg.nodes.values() if n.role == "standby" and n.warm), None)
+            standby = next((n for n in reg.nodes_in(NodeRole.STANDBY) if n.warm), None)
             if standby is None:
                 if not inc.waiting_standby:
                     inc.waiting_standby = True
-                    self.journal.record("recovery_waiting", incident_id=inc.id, failed_node=failed_node,
+                    self.journal.record(Event.RECOVERY_WAITING, incident_id=inc.id, failed_node=failed_node,
                                         reason="no warm standby: training waits until one registers")
                 return
             ranks = sorted(r for r, n in inc.lost.items() if n == failed_node)
             reg.promote(standby)
             inc.standbys[failed_node] = standby.name
-            inc.phases.setdefault("promoted", time.time())
-            self.journal.record("standby_promoted", incident_id=inc.id, failed_node=failed_node,
+            inc.phases.setdefault(IncidentMark.PROMOTED, time.time())
+            self.journal.record(Event.STANDBY_PROMOTED, incident_id=inc.id, failed_node=failed_node,
                                 standby=standby.name, ranks=ranks)
             for rank, w in zip(ranks, [standby.workers[i] for i in sorted(standby.workers)]):
                 w.rank = rank
@@ -236,40 +255,43 @@ class Incidents:
                 self.channel.assign(w, rank, incident_id=inc.id)
         if inc.waiting_standby:
             inc.waiting_standby = False
-            inc.deadline = time.monotonic() + RECOVERY_TIMEOUT_S
-            self.journal.record("recovery_standby_found", incident_id=inc.id, standbys=dict(inc.standbys))
+            inc.set_deadline(RECOVERY_TIMEOUT_S)
+            self.journal.record(Event.RECOVERY_STANDBY_FOUND, incident_id=inc.id, standbys=dict(inc.standbys))
 
     def _maybe_plan(self, inc: Incident) -> None:
-        if inc.state != "halting" or inc.waiting_standby or len(inc.halted) < len(inc.survivors):
+        """Once every survivor halted and every replacement is warm: pick the resume step and send the plan.
+        Raises RecoveryError (after journalling the failure) when survivors disagree by more than one step."""
+        if inc.state != IncidentState.HALTING or inc.waiting_standby or len(inc.halted) < len(inc.survivors):
             return
         if set(inc.replacements) != set(inc.lost) or any(w.warm_for != r for r, w in inc.replacements.items()):
             return
-        inc.phases["warmed"] = time.time()
+        inc.mark(IncidentMark.WARMED)
         committed = max(inc.halted.values())
         behind = sorted(r for r, c in inc.halted.items() if c < committed)
         if any(inc.halted[r] < committed - 1 for r in behind):
-            raise RecoveryError(f"survivors disagree by more than one step: {dict(sorted(inc.halted.items()))}")
+            self._fail(inc, f"survivors disagree by more than one step: {dict(sorted(inc.halted.items()))}")
         sources = sorted(r for r, c in inc.halted.items() if c == committed)
         receivers = sorted(inc.replacements) + behind
         sends = [[sources[i % len(sources)], dst] for i, dst in enumerate(receivers)]
         inc.generation = self.registry.generations.next()
         inc.resume_step = committed + 1
-        inc.state = "recovering"
-        inc.phases["recovering"] = time.time()
-        self.journal.record("recovery_plan", incident_id=inc.id, resume_step=inc.resume_step,
+        inc.state = IncidentState.RECOVERING
+        inc.mark(IncidentMark.RECOVERING)
+        self.journal.record(Event.RECOVERY_PLAN, incident_id=inc.id, resume_step=inc.resume_step,
                             generation=inc.generation, sends=sends)
         plan = p.Recover(incident_id=inc.id, generation=inc.generation, resume_step=inc.resume_step, sends=sends)
         for w in inc.parties():
             self.channel.send(w, plan)
 
     def _finish(self, inc: Incident) -> None:
+        """Every party recovered: the standbys hold the lost ranks from now on."""
         reg = self.registry
         for standby in inc.standbys.values():
             node = reg.nodes[standby]
             reg.take_over(node, {r: w for r, w in inc.replacements.items() if w.node == standby})
         for rank in inc.replacements:
             self.lost.pop(rank, None)
-        inc.state = "recovered"
-        inc.phases["recovered"] = time.time()
-        self.journal.record("recovery_done", incident_id=inc.id, resume_step=inc.resume_step,
+        inc.state = IncidentState.RECOVERED
+        inc.mark(IncidentMark.RECOVERED)
+        self.journal.record(Event.RECOVERY_DONE, incident_id=inc.id, resume_step=inc.resume_step,
                             standbys=inc.standbys, bytes_moved=inc.bytes_moved, phases_s=inc.phases_s())

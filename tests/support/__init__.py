@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import time
 
+from tmd import protocol as p
 from tmd.journal import read_events
 
 
@@ -21,3 +22,21 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1):
             return value
         time.sleep(poll_s)  # polling another process's (or SLURM's) state: there is no event to wait on
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class RecordingChannel:
+    """A :class:`tmd.channel.WorkerChannel` for unit tests: keeps what would be sent as (identity, message) in
+    ``sent``; an Assign carries ``world_size`` and ``generation`` as given."""
+
+    def __init__(self, sent: list, world_size: int = 4, generation: int = 1) -> None:
+        self.sent = sent
+        self.world_size = world_size
+        self.generation = generation
+
+    def send(self, w, msg) -> None:
+        self.sent.append((w.identity.decode(), msg))
+
+    def assign(self, w, rank: int, *, migration_id: int = 0, incident_id: int = 0) -> None:
+        self.send(w, p.Assign(role=p.WorkerRole.JOINER, rank=rank, world_size=self.world_size, store_host="",
+                              store_port=0, generation=self.generation, record_steps=3, record_dir="",
+                              migration_id=migration_id, incident_id=incident_id))

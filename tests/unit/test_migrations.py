@@ -6,6 +6,10 @@ import pytest
 from tmd import protocol as p
 from tmd.journal import Journal
 from tmd.migration import MigrationError, Migrations
+from tmd.protocol.vocab import (
+    ErrorCode, Event, Health, MigrationPhase, MigrationRole, MigrationState, NodeRole,
+)
+from tests.support import RecordingChannel
 from tmd.registry import Registry, Worker
 
 pytestmark = pytest.mark.timeout(10)
@@ -23,7 +27,7 @@ def world():
             reg.record_step(rank, s, 0.1)
     sent: list[tuple[str, p.Message]] = []
     journal = Journal(None)
-    migs = Migrations(reg, journal, RecordingChannel(sent), record_steps=3)
+    migs = Migrations(reg, journal, RecordingChannel(sent, world_size=4, generation=1), record_steps=3)
     return reg, migs, sent, journal
 
 
@@ -33,57 +37,45 @@ def ack(migs, reg, who, phase, mid=1, step=-1, ok=True, error=""):
         migs.on_phase(w, p.PhaseDone(migration_id=mid, rank=w.rank if w.rank is not None else -1, phase=phase, ok=ok, error=error, step=step, bytes_moved=10, seconds=0.01, groups=[]))
 
 
-class RecordingChannel:
-    """A WorkerChannel that keeps what would be sent: (identity, message)."""
-
-    def __init__(self, sent):
-        self.sent = sent
-
-    def send(self, w, msg):
-        self.sent.append((w.identity.decode(), msg))
-
-    def assign(self, w, rank, *, migration_id=0, incident_id=0):
-        self.send(w, p.Assign(role=p.WorkerRole.JOINER, rank=rank, world_size=4, store_host="", store_port=0,
-                              generation=1, record_steps=3, record_dir="", migration_id=migration_id,
-                              incident_id=incident_id))
-
-
 ALL = ["n1/0", "n1/1", "n2/0", "n2/1", "s1/0", "s1/1"]
 
 
 def test_happy_path_messages_and_states(world):
     reg, migs, sent, _ = world
     m = migs.request("n2", "s1")
-    assert m.state == "warming" and sorted(m.leavers) == [2, 3]
+    assert m.state == MigrationState.WARMING and sorted(m.leavers) == [2, 3]
     assert [(w, msg.rank) for w, msg in sent] == [("s1/0", 2), ("s1/1", 3)]  # joiners take the leavers' ranks
     sent.clear()
-    ack(migs, reg, ["s1/0", "s1/1"], "warmed")
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.WARMED)
     prepares = {w: msg for w, msg in sent}
     assert set(prepares) == set(ALL)
-    assert prepares["n1/0"].role == "stayer" and prepares["n2/1"].role == "leaver" and prepares["s1/1"].role == "joiner"
-    assert prepares["n2/1"].transfer_prefix == prepares["s1/1"].transfer_prefix != prepares["s1/0"].transfer_prefix
+    assert prepares["n1/0"].role == MigrationRole.STAYER and prepares["n2/1"].role == MigrationRole.LEAVER
+    assert prepares["s1/1"].role == MigrationRole.JOINER
+    assert prepares["n2/1"].transfer_prefix == prepares["s1/1"].transfer_prefix == p.layout.transfer_prefix(m.generation, 3)
+    assert prepares["s1/0"].transfer_prefix == p.layout.transfer_prefix(m.generation, 2) and not prepares["n1/0"].transfer_prefix
     assert all(msg.leaver_ranks == [2, 3] for msg in prepares.values())
     sent.clear()
-    ack(migs, reg, ALL, "prepared")
-    assert m.state == "prepared"
+    ack(migs, reg, ALL, MigrationPhase.PREPARED)
+    assert m.state == MigrationState.PREPARED
     switch = {msg.step for _, msg in sent if isinstance(msg, p.Switch)}
     assert switch == {10 + 2 + math.ceil(0.5 / 0.1)}  # current step + margin from the median step time
-    ack(migs, reg, ALL, "armed", step=11)
-    assert m.state == "switching"
+    ack(migs, reg, ALL, MigrationPhase.ARMED, step=11)
+    assert m.state == MigrationState.SWITCHING
     sent.clear()
-    ack(migs, reg, ["s1/0", "s1/1"], "transferred")
-    assert m.state == "transferred" and m.bytes_moved == 20
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.TRANSFERRED)
+    assert m.state == MigrationState.TRANSFERRED and m.bytes_moved == 20
     assert {w for w, msg in sent if isinstance(msg, p.Decide) and msg.commit} == set(ALL)
-    ack(migs, reg, ["s1/0", "s1/1"], "committed")
-    assert m.state == "committed"
-    assert reg.nodes["s1"].role == "active" and reg.nodes["s1"].ranks == [2, 3] and reg.nodes["n2"].role == "left"
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.COMMITTED)
+    assert m.state == MigrationState.COMMITTED
+    assert reg.nodes["s1"].role == NodeRole.ACTIVE and reg.nodes["s1"].ranks == [2, 3]
+    assert reg.nodes["n2"].role == NodeRole.LEFT
     assert reg.rank_owner[2].identity == b"s1/0"
 
 
 def test_requests_that_are_refused_change_nothing(world):
     reg, migs, sent, _ = world
-    for args, code in [(("n9", "s1"), "unknown_node"), (("s1", "s1"), "unknown_node"), (("n2", "s9"), "unknown_standby"),
-                       (("n2", "n1"), "unknown_standby")]:
+    for args, code in [(("n9", "s1"), ErrorCode.UNKNOWN_NODE), (("s1", "s1"), ErrorCode.UNKNOWN_NODE),
+                       (("n2", "s9"), ErrorCode.UNKNOWN_STANDBY), (("n2", "n1"), ErrorCode.UNKNOWN_STANDBY)]:
         with pytest.raises(MigrationError) as e:
             migs.request(*args)
         assert e.value.code == code
@@ -94,55 +86,121 @@ def test_requests_that_are_refused_change_nothing(world):
     migs.request("n2", "s1")
     with pytest.raises(MigrationError, match="still warming") as e:
         migs.request("n1", "s1")
-    assert e.value.code == "migration_running"
+    assert e.value.code == ErrorCode.MIGRATION_RUNNING
     assert len(migs.all) == 1 and not [m for _, m in sent if isinstance(m, p.Prepare)]
 
 
 def test_a_rank_already_past_the_switch_step_aborts_before_anyone_switches(world):
     reg, migs, sent, _ = world
     m = migs.request("n2", "s1")
-    ack(migs, reg, ["s1/0", "s1/1"], "warmed")
-    ack(migs, reg, ALL, "prepared")
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.WARMED)
+    ack(migs, reg, ALL, MigrationPhase.PREPARED)
     sent.clear()
     w = reg.by_identity[b"n1/0"]
-    migs.on_phase(w, p.PhaseDone(migration_id=1, rank=0, phase="armed", ok=False, error="already at step 99", step=99, bytes_moved=0, seconds=0.0, groups=[]))
-    assert m.state == "aborted" and "already at step 99" in m.reason
+    migs.on_phase(w, p.PhaseDone(migration_id=1, rank=0, phase=MigrationPhase.ARMED, ok=False, error="already at step 99", step=99, bytes_moved=0, seconds=0.0, groups=[]))
+    assert m.state == MigrationState.ABORTED and "already at step 99" in m.reason
     assert {ident for ident, msg in sent if isinstance(msg, p.Decide) and not msg.commit} == set(ALL)
-    assert reg.nodes["s1"].role == "standby" and reg.rank_owner[2].identity == b"n2/0"
+    assert reg.nodes["s1"].role == NodeRole.STANDBY and reg.rank_owner[2].identity == b"n2/0"
 
 
 def test_checksum_failure_and_deadline_abort(world):
     reg, migs, sent, _ = world
     m = migs.request("n2", "s1")
-    ack(migs, reg, ["s1/0"], "transferred", ok=False, error="ChecksumError: state refused")
-    assert m.state == "aborted" and "ChecksumError" in m.reason
+    ack(migs, reg, ["s1/0"], MigrationPhase.TRANSFERRED, ok=False, error="ChecksumError: state refused")
+    assert m.state == MigrationState.ABORTED and "ChecksumError" in m.reason
     m2 = migs.request("n2", "s1") if reg.nodes["s1"].warm else None
     assert m2 is None  # aborted joiners exit; the standby must come back warm first
-    reg.nodes["s1"].health = "healthy"
+    reg.nodes["s1"].health = Health.HEALTHY
     m2 = migs.request("n2", "s1")
     migs.tick(m2.deadline + 1)
-    assert m2.state == "aborted" and m2.reason.startswith("timed out in state warming")
+    assert m2.state == MigrationState.ABORTED and m2.reason == "timed out in state warming after 300 s"
 
 
 def test_stale_reports_are_ignored(world):
     reg, migs, _, journal = world
     m = migs.request("n2", "s1")
-    ack(migs, reg, ["s1/0"], "warmed", mid=7)
-    assert m.state == "warming"
-    assert journal.since(0, 100)[-1]["event"] == "stale_phase_report"
+    ack(migs, reg, ["s1/0"], MigrationPhase.WARMED, mid=7)
+    assert m.state == MigrationState.WARMING
+    assert journal.since(0, 100)[-1]["event"] == Event.STALE_PHASE_REPORT
 
 
 def test_stayer_pause_is_recorded_even_after_commit(world):
     reg, migs, _, _ = world
     m = migs.request("n2", "s1")
-    ack(migs, reg, ["s1/0", "s1/1"], "warmed")
-    ack(migs, reg, ALL, "prepared")
-    ack(migs, reg, ALL, "armed", step=11)
-    ack(migs, reg, ["s1/0", "s1/1"], "transferred")
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.WARMED)
+    ack(migs, reg, ALL, MigrationPhase.PREPARED)
+    ack(migs, reg, ALL, MigrationPhase.ARMED, step=11)
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.TRANSFERRED)
     stayer = reg.by_identity[b"n1/0"]
-    migs.on_phase(stayer, p.PhaseDone(migration_id=1, rank=0, phase="committed", ok=True, error="", step=16, bytes_moved=0, seconds=0.125, groups=[]))
-    ack(migs, reg, ["s1/0", "s1/1"], "committed")
-    assert m.state == "committed"
+    migs.on_phase(stayer, p.PhaseDone(migration_id=1, rank=0, phase=MigrationPhase.COMMITTED, ok=True, error="", step=16, bytes_moved=0, seconds=0.125, groups=[]))
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.COMMITTED)
+    assert m.state == MigrationState.COMMITTED
     late = reg.by_identity[b"n1/1"]  # reports after the migration committed: still counted
-    migs.on_phase(late, p.PhaseDone(migration_id=1, rank=1, phase="committed", ok=True, error="", step=16, bytes_moved=0, seconds=0.25, groups=[]))
+    migs.on_phase(late, p.PhaseDone(migration_id=1, rank=1, phase=MigrationPhase.COMMITTED, ok=True, error="", step=16, bytes_moved=0, seconds=0.25, groups=[]))
     assert m.to_dict()["pause_s"] == 0.25
+
+
+def commit_migration(migs, reg):
+    m = migs.request("n2", "s1")
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.WARMED, mid=m.id)
+    ack(migs, reg, ALL, MigrationPhase.PREPARED, mid=m.id)
+    ack(migs, reg, ALL, MigrationPhase.ARMED, mid=m.id, step=11)
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.TRANSFERRED, mid=m.id)
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.COMMITTED, mid=m.id)
+    return m
+
+
+def test_episode_shape_ids_events_and_durations(world):
+    reg, migs, _, journal = world
+    migs.first_id = 4  # a restarted tmd goes on after the journal's last migration
+    m = commit_migration(migs, reg)
+    assert m.id == 4 and migs.get(4) is m and migs.get(-1) is m and migs.current is None and m.finished
+    with pytest.raises(MigrationError) as e:
+        migs.get(3)
+    assert e.value.code == ErrorCode.UNKNOWN_MIGRATION
+    assert m.generation == reg.generations.current == 1  # the registry's one counter
+    states = [e["event"] for e in journal.since(0, 100) if e.get("migration_id") == 4 and "source" in e]
+    assert states == [Event.MIGRATION_REQUESTED, Event.MIGRATION_WARMING, Event.MIGRATION_PREPARED,
+                      Event.MIGRATION_SWITCHING, Event.MIGRATION_TRANSFERRED, Event.MIGRATION_COMMITTED]
+    d = m.to_dict()
+    assert set(d) == {"id", "source", "target", "generation", "state", "reason", "switch_step", "ranks", "phases",
+                      "phases_s", "downtime_s", "median_step_s", "pause_s", "bytes_moved", "transfer_s", "rebuilt"}
+    assert d["state"] == MigrationState.COMMITTED and d["ranks"] == [2, 3] and d["id"] == 4
+    assert set(d["phases_s"]) == {"warm_up", "prepare", "switch_wait", "transfer", "commit", "total"}
+    assert d["phases_s"]["total"] == round(m.phases[MigrationState.COMMITTED] - m.phases[MigrationState.REQUESTED], 6)
+
+
+def test_phase_one_has_the_prepared_deadline(world):
+    reg, migs, _, _ = world
+    m = migs.request("n2", "s1")
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.WARMED)  # phase 1 starts; the state is still warming
+    migs.tick(m.deadline - 1)
+    assert m.state == MigrationState.WARMING
+    migs.tick(m.deadline + 1)
+    assert m.state == MigrationState.ABORTED and m.reason == "timed out in state warming after 60 s"
+
+
+def test_a_lost_joiner_aborts_but_a_leaver_leaving_after_the_decision_does_not(world):
+    reg, migs, sent, _ = world
+    m = migs.request("n2", "s1")
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.WARMED)
+    ack(migs, reg, ALL, MigrationPhase.PREPARED)
+    ack(migs, reg, ALL, MigrationPhase.ARMED, step=11)
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.TRANSFERRED)
+    migs.on_worker_lost(reg.by_identity[b"n2/0"], "exited with code 0")
+    assert m.state == MigrationState.TRANSFERRED  # the leaver leaving is the plan once commit was decided
+    migs.on_worker_lost(reg.by_identity[b"s1/1"], "exited with code 1")
+    assert m.state == MigrationState.ABORTED and m.reason == "joiner s1/1 exited with code 1 during transferred"
+    assert reg.nodes["s1"].role == NodeRole.STANDBY and reg.nodes["s1"].health == Health.UNKNOWN
+
+
+def test_downtime_of_the_window_after_the_switch_step(world):
+    reg, migs, _, journal = world
+    m = commit_migration(migs, reg)
+    S = m.switch_step
+    for s in range(S, S + 6):
+        reg.record_step(0, s, 0.5 if s == S else 0.1)
+        migs.on_step(0, s)
+        assert (m.downtime_s is None) == (s < S + 5)
+    assert m.downtime_s == pytest.approx(0.4) and m.median_step_s == pytest.approx(0.1)
+    assert journal.since(0, 100)[-1]["event"] == Event.MIGRATION_DOWNTIME
