@@ -37,6 +37,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 0.8  # the whole hook; a GPU query still running then counts as a failed GPU
 
 
+def _protocol():
+    """:mod:`tmd.protocol` of this checkout (hook kinds, the state dir's layout, NodeNotice), imported on first
+    use: slurmd runs the hooks with no PATH, and the protocol imports only the standard library."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from tmd import protocol
+
+    return protocol
+
+
 def _process_age_s() -> float:
     """Seconds since this process started (the wrapper's exec included; 10 ms resolution), from /proc."""
     try:
@@ -182,16 +192,13 @@ def notify_tmd(state_dir: str | None, job_id: str, node: str, detail: str) -> st
     """Send NodeNotice(epilog) to the tmd named by the job's tmd.json; returns what happened (for the report)."""
     if state_dir is None:
         return "no state dir"
-    path = os.path.join(state_dir, "jobs", job_id, "tmd.json")
+    p = _protocol()
     try:
-        with open(path) as f:
+        with open(p.layout.job_tmd_json(job_id, root=state_dir)) as f:
             address = json.load(f)["address"]
     except (OSError, ValueError, KeyError, TypeError):
         return "no tmd for this job"
-    sys.path.insert(0, REPO)
     import zmq
-
-    from tmd import protocol as p
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -199,7 +206,7 @@ def notify_tmd(state_dir: str | None, job_id: str, node: str, detail: str) -> st
     sock.setsockopt(zmq.SNDTIMEO, 200)
     try:
         sock.connect(address)
-        sock.send(p.encode(p.NodeNotice(node=node, job_id=job_id, hook="epilog", detail=detail)))
+        sock.send(p.encode(p.NodeNotice(node=node, job_id=job_id, hook=p.HookKind.EPILOG, detail=detail)))
         return f"notice sent to {address}"
     except zmq.ZMQError as e:
         return f"notice to {address} failed: {e}"
@@ -210,10 +217,11 @@ def notify_tmd(state_dir: str | None, job_id: str, node: str, detail: str) -> st
 
 # ----------------------------------------------------------------------------------------------------------------
 def _user_state_dir(args: argparse.Namespace, uid: int | None) -> str | None:
+    """``--state-dir``, else the job user's (``~<user>/.trainmover``: the hooks run as root), else None."""
     if args.state_dir:
         return args.state_dir
     try:
-        return os.path.join(pwd.getpwuid(uid).pw_dir, ".trainmover") if uid is not None else None
+        return _protocol().layout.state_dir(home=pwd.getpwuid(uid).pw_dir) if uid is not None else None
     except KeyError:
         return None
 
@@ -235,7 +243,7 @@ def _as_user(uid: int | None, gid: int | None, fn) -> None:
 def _write_report(state_dir: str | None, report: dict) -> None:
     if state_dir is None:
         return
-    d = os.path.join(state_dir, "jobs", report["job_id"], "hooks")
+    d = _protocol().layout.hook_report_dir(report["job_id"], root=state_dir)
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
     with os.fdopen(fd, "w") as f:
@@ -245,8 +253,9 @@ def _write_report(state_dir: str | None, report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hooks = _protocol().HookKind
     ap = argparse.ArgumentParser(description="TrainMover SLURM prolog/epilog")
-    ap.add_argument("hook", choices=["prolog", "epilog"])
+    ap.add_argument("hook", type=hooks, choices=list(hooks))
     ap.add_argument("--state-dir", help="TrainMover state dir (default ~<job user>/.trainmover)")
     ap.add_argument("--log", help="append one JSON line per run to this file")
     ap.add_argument("--min-free-mem-mb", type=float, default=256.0)
@@ -269,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.setitimer(signal.ITIMER_REAL, max(0.05, BUDGET_S - _process_age_s()))
     code = 0
     try:
-        if args.hook == "prolog":
+        if args.hook == hooks.PROLOG:
             for details, problems in (check_memory(args.min_free_mem_mb),
                                       check_disk(["/", tempfile.gettempdir()], args.min_free_disk_mb),
                                       check_load(args.max_load_per_cpu), check_gpus()):

@@ -29,6 +29,7 @@ from tmd.protocol import (
     StatusReply,
     StatusRequest,
 )
+from tmd.protocol.vocab import ErrorCode, MigrationState, NodeRole
 
 DEFAULT_TIMEOUT_S = 2.0
 POLL_INTERVAL_S = 0.2  # migrate: seconds between MigrationRequests
@@ -143,7 +144,7 @@ def status(ctx: typer.Context, json_: JsonOpt = False, coordinator: CoordinatorO
                   f"generation {reply.generation}  step {reply.step}")
     console.print(render.nodes_table(reply.nodes))
     standbys = [f"{n.get('name')} ({'warm' if n.get('warm') else 'cold'})"
-                for n in reply.nodes if n.get("role") == "standby"]
+                for n in reply.nodes if n.get("role") == NodeRole.STANDBY]
     console.print("standbys: " + escape(", ".join(standbys) if standbys else "none"))
     if reply.migration:
         console.print(render.migration_panel(reply.migration))
@@ -175,7 +176,7 @@ def standby_add(
 def _print_new_phases(m: dict, shown: set, t_start: float) -> None:
     """Print the phases of ``m`` not yet in ``shown``, in order, timed from the request (seconds)."""
     phases = {k: v for k, v in (m.get("phases") or {}).items() if isinstance(v, (int, float))}
-    t0 = phases.get("requested", min(phases.values(), default=t_start))
+    t0 = phases.get(MigrationState.REQUESTED, min(phases.values(), default=t_start))
     reached = sorted(phases.items(), key=lambda kv: kv[1])
     state = m.get("state")
     if state and state not in phases:
@@ -186,7 +187,7 @@ def _print_new_phases(m: dict, shown: set, t_start: float) -> None:
             typer.echo(render.phase_line(ts - t0, name))
 
 
-RETRY_CODES = ("busy_standby", "not_ready")  # refusals that time can cure
+RETRY_CODES = (ErrorCode.BUSY_STANDBY, ErrorCode.NOT_READY)  # refusals that time can cure
 
 
 def _request_migration(client: Client, source: str, target: str, wait_s: float) -> Message:
@@ -253,7 +254,7 @@ def migrate(
             raise _Fail(f"interrupted; migration {mid} goes on in tmd (watch it with tmctl status)", code=130)
     if json_:
         typer.echo(json.dumps(m))
-    if m.get("state") == "aborted":
+    if m.get("state") == MigrationState.ABORTED:
         raise _Fail(f"migration {mid} aborted: {m.get('reason') or 'no reason given'}", code=1)
     if not json_:
         typer.echo(render.migration_line(m))

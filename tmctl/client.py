@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from pathlib import Path
 
 import zmq
 
-from tmd.protocol import Message, decode, encode
+from tmd.protocol import Message, decode, encode, layout
 
 DEFAULT_RUN_DIR = "./tmrun"
 
@@ -34,20 +33,17 @@ class CoordinatorUnreachable(TmctlError):
         self.timeout_s = timeout_s
 
 
-def _state_dir() -> Path:
-    return Path(os.environ["TM_STATE_DIR"]) if os.environ.get("TM_STATE_DIR") else Path.home() / ".trainmover"
-
-
 def _normalise(address: str) -> str:
     address = address.strip()
     return address if "://" in address else f"tcp://{address}"
 
 
-def _read_tmd_json(path: Path, how: str) -> str:
+def _read_tmd_json(path: str, how: str) -> str:
     hint = ("is tmd running? Point tmctl at it with --coordinator ADDR (or TM_COORDINATOR), --job JOBID, "
             "or --run-dir DIR (or TM_RUN_DIR)")
     try:
-        info = json.loads(path.read_text())
+        with open(path) as f:
+            info = json.load(f)
     except FileNotFoundError:
         raise CoordinatorNotFound(f"no tmd.json at {os.path.abspath(path)} ({how}); {hint}") from None
     except (OSError, ValueError) as e:
@@ -74,12 +70,12 @@ def find_coordinator(coordinator: str | None, run_dir: str | None, job: str | No
     if os.environ.get("TM_COORDINATOR"):
         return _normalise(os.environ["TM_COORDINATOR"])
     if job:
-        return _read_tmd_json(_state_dir() / "jobs" / job / "tmd.json", f"from --job {job}")
+        return _read_tmd_json(layout.job_tmd_json(job), f"from --job {job}")
     if run_dir:
-        return _read_tmd_json(Path(run_dir) / "tmd.json", "from --run-dir")
+        return _read_tmd_json(layout.RunDir(run_dir).tmd_json, "from --run-dir")
     if os.environ.get("TM_RUN_DIR"):
-        return _read_tmd_json(Path(os.environ["TM_RUN_DIR"]) / "tmd.json", "from TM_RUN_DIR")
-    return _read_tmd_json(Path(DEFAULT_RUN_DIR) / "tmd.json", f"default run dir {DEFAULT_RUN_DIR}")
+        return _read_tmd_json(layout.RunDir(os.environ["TM_RUN_DIR"]).tmd_json, "from TM_RUN_DIR")
+    return _read_tmd_json(layout.RunDir(DEFAULT_RUN_DIR).tmd_json, f"default run dir {DEFAULT_RUN_DIR}")
 
 
 class Client:

@@ -13,10 +13,12 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
-FINAL_STATES = ("committed", "aborted")
+from tmd.protocol.vocab import Health, MigrationState, NodeRole
 
-_HEALTH_STYLE = {"healthy": "green", "unknown": "yellow", "unhealthy": "red"}  # tmd.registry.Node.health
-_STATE_STYLE = {"committed": "green", "aborted": "red"}
+FINAL_STATES = tuple(s for s in MigrationState if s.finished)  # a migration in one of these is over
+
+_HEALTH_STYLE = {Health.HEALTHY: "green", Health.UNKNOWN: "yellow", Health.UNHEALTHY: "red"}
+_STATE_STYLE = {MigrationState.COMMITTED: "green", MigrationState.ABORTED: "red"}
 
 
 def seconds(value: Any, digits: int = 2) -> str:
@@ -82,7 +84,7 @@ def nodes_table(nodes: list[dict]) -> Table:
         table.add_column("slurm", no_wrap=True)
     for n in nodes:
         role = _dash(n.get("role"))
-        if role == "standby":
+        if role == NodeRole.STANDBY:
             role += " (warm)" if n.get("warm") else " (cold)"
         health = _dash(n.get("health"))
         style = _HEALTH_STYLE.get(health, "")
@@ -106,7 +108,7 @@ def migration_line(m: dict) -> str:
     """The migration in one plain line: id, source -> target, state, switch step, phases, downtime, bytes."""
     parts = [f"migration {_dash(m.get('id'))}: {_dash(m.get('source'))} -> {_dash(m.get('target'))}",
              _dash(m.get("state"))]
-    if m.get("state") == "aborted" and m.get("reason"):
+    if m.get("state") == MigrationState.ABORTED and m.get("reason"):
         parts[-1] += f" ({m['reason']})"
     if m.get("switch_step") is not None:
         parts.append(f"switch step {m['switch_step']}")
@@ -127,7 +129,7 @@ def migration_panel(m: dict) -> Panel:
     grid.add_row("id", _cell(m.get("id")))
     grid.add_row("move", f"{_cell(m.get('source'))} → {_cell(m.get('target'))}")
     grid.add_row("state", f"[{style}]{escape(state)}[/]")
-    if state == "aborted":
+    if state == MigrationState.ABORTED:
         grid.add_row("reason", _cell(m.get("reason")))
     grid.add_row("switch step", _cell(m.get("switch_step")))
     grid.add_row("phases", escape(_phases(m)))

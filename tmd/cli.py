@@ -16,6 +16,8 @@ from typing import Optional
 
 import typer
 
+from tmd.protocol.vocab import ExitCode
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="TrainMover coordinator daemon (one per job).")
 
 DEFAULT_COMMAND = [sys.executable, "-m", "examples.train_gpt"]
@@ -99,17 +101,17 @@ def slurm(
     if not job_id or not os.environ.get("SLURM_JOB_NODELIST"):
         print("error: tmd slurm runs inside a SLURM batch job (sbatch slurm/train.sbatch ...): SLURM_JOB_ID and "
               "SLURM_JOB_NODELIST are not set", file=sys.stderr)
-        raise typer.Exit(2)
+        raise typer.Exit(ExitCode.REFUSED)
     command = list(ctx.args)
     if not command:
         print("error: give the training command after --, e.g. tmd slurm -- python -m examples.train_gpt",
               file=sys.stderr)
-        raise typer.Exit(2)
+        raise typer.Exit(ExitCode.REFUSED)
     try:
         nodes = hostnames(os.environ["SLURM_JOB_NODELIST"], slurm_timeout_s)
     except SlurmError as e:
         print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2)
+        raise typer.Exit(ExitCode.REFUSED)
     rpn = ranks_per_node or int((os.environ.get("SLURM_NTASKS_PER_NODE") or "1").split("(")[0].split(",")[0])
     daemon = Daemon(job_id, run_dir or os.path.join("tmrun", job_id), nodes, rpn, [],
                     bind_host=host or "0.0.0.0", store_host=host or socket.gethostname(), port=port,
@@ -162,7 +164,7 @@ def resume(
         state = load(run_dir)
     except ResumeError as e:
         print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2)
+        raise typer.Exit(ExitCode.REFUSED)
     host, port = split_address(state.address)
     if state.cwd and os.path.isdir(state.cwd):
         os.chdir(state.cwd)  # where the job's command (relative paths, python -m) runs: standbys start there
@@ -174,7 +176,7 @@ def resume(
                         echo=not quiet, command=state.command, netns=state.netns, resume=state)
     except Exception as e:  # noqa: BLE001 - e.g. the address is taken: one line, not a traceback
         print(f"error: cannot restart tmd of job {state.job} at {state.address}: {e}", file=sys.stderr)
-        raise typer.Exit(2)
+        raise typer.Exit(ExitCode.REFUSED)
     # The job's processes are not this tmd's children: the launcher adopts them as they re-register, and
     # starts standbys afresh with the job's command.
     daemon.launcher = LocalLauncher(list(state.command or []), daemon.run_dir, daemon.address, state.ranks_per_node,

@@ -18,6 +18,8 @@ import collections
 import statistics
 from typing import Optional
 
+from tmd.protocol.vocab import GpuLevel
+
 
 class StragglerDetector:
     def __init__(self, window_s: float = 2.0, lateness_threshold: float = 0.2, patience: int = 3) -> None:
@@ -125,9 +127,10 @@ class GpuHealthPolicy:
         self._ecc_baseline.pop(rank, None)
         self._throttled.pop(rank, None)
 
-    def evaluate(self, rank: int, sample: dict) -> Optional[tuple[str, str]]:
+    def evaluate(self, rank: int, sample: dict) -> Optional[tuple[GpuLevel, str]]:
         """One heartbeat's sample of ``rank``: None when fine (or the sample is empty: no GPU), else
-        ``("unhealthy" | "degraded", "rank R GPU I: reason with the value")``, the worst state found."""
+        ``(GpuLevel.UNHEALTHY | GpuLevel.DEGRADED, "rank R GPU I: reason with the value")``, the worst state
+        found."""
         if not sample:
             return None
         if rank in self._gpu and sample.get("uuid") != self._gpu[rank]:
@@ -156,5 +159,5 @@ class GpuHealthPolicy:
             degraded.append(f"{', '.join(slowdown)} for {streak} samples")
         if not (unhealthy or degraded):
             return None
-        return ("unhealthy" if unhealthy else "degraded",
+        return (GpuLevel.UNHEALTHY if unhealthy else GpuLevel.DEGRADED,
                 f"rank {rank} GPU {sample.get('index')}: {'; '.join(unhealthy or degraded)}")

@@ -1,7 +1,9 @@
 """The events journal: every state change tmd makes, as JSON lines in ``<run_dir>/events.jsonl``.
 
-Each event is ``{"seq": int, "ts": epoch seconds, "event": name, ...fields}``. The file is appended and flushed
-per event so a crash loses nothing already reported; the last ``keep`` events stay in memory for ``tmctl events``.
+Each event is ``{"seq": int, "ts": epoch seconds, "event": name, ...fields}``; the names are
+:class:`tmd.protocol.vocab.Event` (writers and readers, ``tmd resume`` included, use those constants). The file is
+appended and flushed per event so a crash loses nothing already reported; the last ``keep`` events stay in memory
+for ``tmctl events``.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import os
 import sys
 import time
 from typing import Any, Optional
+
+from tmd.protocol.vocab import Event
 
 
 class Journal:
@@ -22,10 +26,10 @@ class Journal:
         self._seq = seq
         self._echo = echo
 
-    def record(self, event: str, **fields: Any) -> dict:
-        """Append one event and return it."""
+    def record(self, event: Event, **fields: Any) -> dict:
+        """Append one event (fields: JSON-able values; enums are written as their values) and return it."""
         self._seq += 1
-        entry = {"seq": self._seq, "ts": time.time(), "event": event, **fields}
+        entry = {"seq": self._seq, "ts": time.time(), "event": str(event), **fields}  # as read back from the file
         self._recent.append(entry)
         line = json.dumps(entry, default=str)
         if self._file:

@@ -20,6 +20,8 @@ from typing import Optional, Union
 
 import psutil
 
+from tmd.protocol.layout import RunDir
+
 
 class Adopted:
     """A process this tmd did not start (found by ``tmd resume``), with the part of Popen's interface the
@@ -95,7 +97,8 @@ class LocalLauncher:
         self.extra_env = extra_env or {}
         self.procs: list[Proc] = []
         self._print_lock = threading.Lock()
-        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+        self._layout = RunDir(run_dir)
+        os.makedirs(self._layout.logs_dir, exist_ok=True)
 
     def start_node(self, node: str, standby: bool) -> None:
         """Start ``ranks_per_node`` processes for ``node`` (none without a command: ``tmd resume`` of a job
@@ -138,7 +141,7 @@ class LocalLauncher:
         return self._track(Proc(node, local_rank, Adopted(pid)), os.path.getsize(path) if os.path.exists(path) else 0)
 
     def _log_path(self, node: str, local_rank: int) -> str:
-        return os.path.join(self.run_dir, "logs", f"{node}.{local_rank}.log")
+        return self._layout.log(node, local_rank)
 
     def _track(self, proc: Proc, log_offset: int) -> Proc:
         self.procs.append(proc)

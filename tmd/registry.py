@@ -51,7 +51,6 @@ class Node:
     workers: dict[int, Worker] = dataclasses.field(default_factory=dict)  # local_rank -> worker
     health: Health = Health.UNKNOWN
     reason: str = ""
-    suspect_cpu: Optional[tuple[float, float]] = None  # (monotonic s, CPU s) when it was first seen silent
 
     @property
     def warm(self) -> bool:

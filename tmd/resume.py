@@ -39,17 +39,16 @@ import dataclasses
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import psutil
 
 from tmd import protocol as p
+from tmd.control import JobControl
 from tmd.journal import read_events
-from tmd.protocol.vocab import NodeRole
+from tmd.protocol.layout import RunDir
+from tmd.protocol.vocab import Event, ExitCode, FailureSignal, NodeRole, WorkerRole
 from tmd.registry import Worker
-
-if TYPE_CHECKING:
-    from tmd.daemon import Daemon
 
 REASK_S = 1.0  # a worker that has not answered Reregister is asked again after this many seconds
 
@@ -72,7 +71,7 @@ class JobState:
     ranks_per_node: int
     standbys: list[str]
     record_steps: Optional[int]
-    roles: dict[str, tuple[str, list[int]]]  # node -> (role, ranks) now
+    roles: dict[str, tuple[NodeRole, list[int]]]  # node -> (role, ranks) now
     generation: int  # the highest group generation used
     last_migration_id: int
     cut_migration: Optional[dict]  # a migration the crash interrupted: id, source, target, commit
@@ -85,24 +84,24 @@ class JobState:
 def load(run_dir: str) -> JobState:
     """Read ``tmd.json`` and the journal of ``run_dir``. Raises ResumeError when there is nothing to resume:
     no such job, the job ended, or its tmd still runs."""
-    run_dir = os.path.abspath(run_dir)
-    info_path, journal_path = os.path.join(run_dir, "tmd.json"), os.path.join(run_dir, "events.jsonl")
+    layout = RunDir(run_dir)
     try:
-        with open(info_path) as f:
+        with open(layout.tmd_json) as f:
             info = json.load(f)
-        events = read_events(journal_path)
+        events = read_events(layout.events)
     except (OSError, ValueError) as e:
-        raise ResumeError(f"no job to resume in {run_dir}: {e}") from None
-    starts = [i for i, e in enumerate(events) if e["event"] == "tmd_started"]
+        raise ResumeError(f"no job to resume in {layout.path}: {e}") from None
+    starts = [i for i, e in enumerate(events) if e["event"] == Event.TMD_STARTED]
     if not starts:
-        raise ResumeError(f"no job to resume in {run_dir}: its journal has no tmd_started event")
+        raise ResumeError(f"no job to resume in {layout.path}: its journal has no {Event.TMD_STARTED} event")
     events = events[starts[-1]:]
     started = events[0]
-    ends = [e for e in events if e["event"] in ("tmd_started", "tmd_restarted", "tmd_stopped", "job_finished")]
-    if ends[-1]["event"] == "tmd_stopped":
+    ends = [e for e in events
+            if e["event"] in (Event.TMD_STARTED, Event.TMD_RESTARTED, Event.TMD_STOPPED, Event.JOB_FINISHED)]
+    if ends[-1]["event"] == Event.TMD_STOPPED:
         code = ends[-1].get("exit_code")
         raise ResumeError(f"job {started.get('job')} is over: its tmd stopped with exit code {code}")
-    if any(e["event"] == "job_finished" for e in ends):
+    if any(e["event"] == Event.JOB_FINISHED for e in ends):
         raise ResumeError(f"job {started.get('job')} is over: it finished")
     pid = info.get("pid")
     if isinstance(pid, int) and pid != os.getpid() and _is_tmd(pid):
@@ -110,9 +109,9 @@ def load(run_dir: str) -> JobState:
 
     nodes, standbys = list(started["nodes"]), list(started["standbys"])
     rpn = started["world_size"] // len(nodes)
-    roles: dict[str, tuple[str, list[int]]] = {n: ("active", list(range(i * rpn, (i + 1) * rpn)))
-                                              for i, n in enumerate(nodes)}
-    roles.update({s: ("standby", []) for s in standbys})
+    roles: dict[str, tuple[NodeRole, list[int]]] = {
+        n: (NodeRole.ACTIVE, list(range(i * rpn, (i + 1) * rpn))) for i, n in enumerate(nodes)}
+    roles.update({s: (NodeRole.STANDBY, []) for s in standbys})
     generation = consumed = last_mid = 0
     migration: Optional[dict] = None
     incident: Optional[int] = None
@@ -121,42 +120,44 @@ def load(run_dir: str) -> JobState:
         ev = e["event"]
         if isinstance(e.get("generation"), int):
             generation = max(generation, e["generation"])
-        if ev == "migration_requested":
+        if ev == Event.MIGRATION_REQUESTED:
             consumed += 1
             last_mid = max(last_mid, e["migration_id"])
             migration = {"id": e["migration_id"], "source": e["source"], "target": e["target"], "commit": False}
-            roles[e["target"]] = ("joining", [])
-        elif ev == "migration_transferred" and migration and migration["id"] == e["migration_id"]:
+            roles[e["target"]] = (NodeRole.JOINING, [])
+        elif ev == Event.MIGRATION_TRANSFERRED and migration and migration["id"] == e["migration_id"]:
             migration["commit"] = True  # tmd journals this, then tells every party to commit
-        elif ev in ("migration_committed", "migration_aborted") and migration and migration["id"] == e["migration_id"]:
-            if ev == "migration_committed":
+        elif ev in (Event.MIGRATION_COMMITTED, Event.MIGRATION_ABORTED) and migration \
+                and migration["id"] == e["migration_id"]:
+            if ev == Event.MIGRATION_COMMITTED:
                 _hand_over(roles, migration)
-            elif roles.get(migration["target"], ("",))[0] == "joining" and not _adopted_by_recovery(events, e):
-                roles[migration["target"]] = ("standby", [])
+            elif roles.get(migration["target"], (None,))[0] == NodeRole.JOINING \
+                    and not _adopted_by_recovery(events, e):
+                roles[migration["target"]] = (NodeRole.STANDBY, [])
             migration = None
-        elif ev == "standby_added":  # tmctl standby add (local mode)
-            roles[e["node"]] = ("standby", [])
-        elif ev == "node_failed":
+        elif ev == Event.STANDBY_ADDED:  # tmctl standby add (local mode)
+            roles[e["node"]] = (NodeRole.STANDBY, [])
+        elif ev == Event.NODE_FAILED:
             lost[e["node"]] = list(e.get("ranks") or [])
-            roles[e["node"]] = ("failed", [])
-        elif ev == "standby_promoted":
-            roles[e["standby"]] = ("joining", [])
-        elif ev == "recovery_started":
+            roles[e["node"]] = (NodeRole.FAILED, [])
+        elif ev == Event.STANDBY_PROMOTED:
+            roles[e["standby"]] = (NodeRole.JOINING, [])
+        elif ev == Event.RECOVERY_STARTED:
             incident = e["incident_id"]
-        elif ev == "recovery_plan":
+        elif ev == Event.RECOVERY_PLAN:
             consumed += 1
-        elif ev == "recovery_done":
+        elif ev == Event.RECOVERY_DONE:
             incident = None
             for failed_node, standby in e["standbys"].items():
-                roles[standby] = ("active", sorted(lost.get(failed_node, [])))
+                roles[standby] = (NodeRole.ACTIVE, sorted(lost.get(failed_node, [])))
     if migration is not None and migration["commit"]:
         _hand_over(roles, migration)
     for name, (role, _) in roles.items():
-        if role == "joining":  # a cut migration's target, or a cut recovery's standby: a standby again
-            roles[name] = ("standby", [])
+        if role == NodeRole.JOINING:  # a cut migration's target, or a cut recovery's standby: a standby again
+            roles[name] = (NodeRole.STANDBY, [])
     seqs = [e["seq"] for e in events if isinstance(e.get("seq"), int)]
     return JobState(
-        job=started.get("job") or info.get("job"), run_dir=run_dir, address=info["address"],
+        job=started.get("job") or info.get("job"), run_dir=layout.path, address=info["address"],
         command=info.get("command"), cwd=info.get("cwd"), netns=info.get("netns") or {},
         nodes=nodes, ranks_per_node=rpn, standbys=standbys,
         record_steps=started.get("record_steps"), roles=roles,
@@ -175,13 +176,13 @@ def _is_tmd(pid: int) -> bool:
 
 def _hand_over(roles: dict, migration: dict) -> None:
     ranks = roles[migration["source"]][1]
-    roles[migration["target"]] = ("active", list(ranks))
-    roles[migration["source"]] = ("left", [])
+    roles[migration["target"]] = (NodeRole.ACTIVE, list(ranks))
+    roles[migration["source"]] = (NodeRole.LEFT, [])
 
 
 def _adopted_by_recovery(events: list[dict], aborted: dict) -> bool:
     """A migration aborted because its leaver died hands its warm joiners to the recovery that follows."""
-    return any(e["event"] == "recovery_started" and aborted["target"] in (e.get("adopted") or {}).values()
+    return any(e["event"] == Event.RECOVERY_STARTED and aborted["target"] in (e.get("adopted") or {}).values()
                for e in events if e["seq"] > aborted["seq"])
 
 
@@ -192,12 +193,12 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 class Resumed:
-    """The restarted tmd's side of re-learning the job (``daemon.resumed``)."""
+    """The restarted tmd's side of re-learning the job; acts through ``control`` (the daemon)."""
 
-    def __init__(self, daemon: "Daemon", state: JobState, rejoin_grace_s: float = 10.0) -> None:
+    def __init__(self, control: JobControl, state: JobState, rejoin_grace_s: float = 10.0) -> None:
         """``rejoin_grace_s``: an active node with a process that has not re-registered this many seconds
         after the restart is failed."""
-        self.daemon = daemon
+        self.control = control
         self.state = state
         self.rejoin_grace_s = rejoin_grace_s
         self.started = time.monotonic()
@@ -208,32 +209,34 @@ class Resumed:
         self.decision: Optional[p.Decide] = None  # for the parties of a migration the crash cut
 
     def start(self) -> None:
-        """Apply the journal's layout to the registry and journal the restart."""
-        d, st = self.daemon, self.state
-        reg = d.registry
+        """Apply the journal's layout and highest generation to the registry and journal the restart (the
+        daemon goes on with the migration ids: ``state.last_migration_id``)."""
+        c, st = self.control, self.state
+        reg = c.registry
         for name, (role, ranks) in st.roles.items():
             node = reg.nodes.get(name) or reg.add_node(name)  # (or a standby added at run time)
             why = {NodeRole.FAILED: "failed before tmd restarted",
                    NodeRole.LEFT: "its ranks were handed over before tmd restarted"}.get(role, "")
             reg.restore(node, NodeRole(role), ranks, why)
         reg.generations.restore(st.generation)
-        d.migrations.first_id = st.last_migration_id + 1
-        d.journal.record("tmd_restarted", job=st.job, address=d.address, store_port=d.store.port,
+        c.journal.record(Event.TMD_RESTARTED, job=st.job, address=c.address, store_port=c.store_port,
                          world_size=reg.world_size, generation=st.generation, previous_pid=st.previous_pid,
                          down_s=round(time.time() - st.last_ts, 3),
                          layout={n: list(r) for n, r in st.roles.items()})
         m = st.cut_migration
         if m is not None:
             if m["commit"]:
-                self.decision = p.Decide(migration_id=m["id"], commit=True, reason="every joiner had its state before tmd restarted")
-                d.journal.record("migration_committed", migration_id=m["id"], source=m["source"],
+                self.decision = p.Decide(migration_id=m["id"], commit=True,
+                                         reason="every joiner had its state before tmd restarted")
+                c.journal.record(Event.MIGRATION_COMMITTED, migration_id=m["id"], source=m["source"],
                                  target=m["target"], reason="decided before tmd restarted")
             else:
-                self.decision = p.Decide(migration_id=m["id"], commit=False, reason="tmd restarted during the migration")
-                d.journal.record("migration_aborted", migration_id=m["id"], source=m["source"],
+                self.decision = p.Decide(migration_id=m["id"], commit=False,
+                                         reason="tmd restarted during the migration")
+                c.journal.record(Event.MIGRATION_ABORTED, migration_id=m["id"], source=m["source"],
                                  target=m["target"], reason=self.decision.reason)
         if st.open_incident is not None:
-            d.journal.record("recovery_not_resumed", incident_id=st.open_incident,
+            c.journal.record(Event.RECOVERY_NOT_RESUMED, incident_id=st.open_incident,
                              reason="tmd restarted during this recovery; it is not resumed")
 
     # ---------------------------------------------------------------------------------------------------------
@@ -246,14 +249,17 @@ class Resumed:
         if last is not None and now - last < REASK_S:
             return
         self._asked[identity] = now
-        d = self.daemon
+        c = self.control
         if last is None:
-            d.journal.record("rejoin_requested", worker=identity.decode(errors="replace"))
-        d._reply(identity, p.Reregister(store_host=d.store_host, store_port=d.store.port, generation=d.registry.generations.current))
+            c.journal.record(Event.REJOIN_REQUESTED, worker=identity.decode(errors="replace"))
+        c.reply(identity, p.Reregister(store_host=c.store_host, store_port=c.store_port,
+                                       generation=c.registry.generations.current))
 
     def on_rejoin(self, identity: bytes, msg: p.Rejoin) -> None:
-        d = self.daemon
-        reg = d.registry
+        """A worker's answer to Reregister: adopt it into the registry (and its process into the launcher), or
+        tell it to exit when it no longer fits the job (``rejoin_refused``)."""
+        c = self.control
+        reg = c.registry
         now = time.monotonic()
         known = reg.by_identity.get(identity)
         if known is not None and known.pid == msg.pid:
@@ -263,22 +269,22 @@ class Resumed:
         fields = {"node": msg.node, "local_rank": msg.local_rank, "pid": msg.pid, "rank": msg.rank,
                   "role": msg.role, "step": msg.step, "generation": msg.generation}
         node = reg.nodes.get(msg.node)
-        if node is None and msg.role == "standby":  # a standby added at run time, unknown to the journal replay
+        if node is None and msg.role == WorkerRole.STANDBY:  # a standby added at run time, unknown to the replay
             node = reg.add_node(msg.node)
         if node is None or not 0 <= msg.local_rank < node.expected_workers:
-            return self._refuse(identity, fields, f"unknown process {msg.node}/{msg.local_rank}", 2)
-        if node.role == "failed":
-            return self._refuse(identity, fields, f"{node.name} was declared failed", p.ExitCode.FENCED)
-        if msg.role == "joiner" and node.role != "active":
-            return self._refuse(identity, fields, "joiner of a migration tmd's restart aborted", 0)
-        if msg.role == "standby" and node.role == "active":
-            return self._refuse(identity, fields, "tmd restarted before this process had its rank", 2)
-        if msg.role != "standby" and node.role == "standby":
+            return self._refuse(identity, fields, f"unknown process {msg.node}/{msg.local_rank}", ExitCode.REFUSED)
+        if node.role == NodeRole.FAILED:
+            return self._refuse(identity, fields, f"{node.name} was declared failed", ExitCode.FENCED)
+        if msg.role == WorkerRole.JOINER and node.role != NodeRole.ACTIVE:
+            return self._refuse(identity, fields, "joiner of a migration tmd's restart aborted", ExitCode.OK)
+        if msg.role == WorkerRole.STANDBY and node.role == NodeRole.ACTIVE:
+            return self._refuse(identity, fields, "tmd restarted before this process had its rank", ExitCode.REFUSED)
+        if msg.role != WorkerRole.STANDBY and node.role == NodeRole.STANDBY:
             return self._refuse(identity, fields, f"holds rank {msg.rank}, but {node.name} is a standby",
-                                p.ExitCode.FENCED)
-        d.registry.generations.restore(msg.generation)
+                                ExitCode.FENCED)
+        reg.generations.restore(msg.generation)  # new groups go on after the highest this worker built
         w = Worker(identity, msg.node, msg.local_rank, msg.pid, msg.host, step=msg.step, last_heartbeat=now)
-        if node.role == "left":  # a leaver whose migration committed: it leaves once it has the decision
+        if node.role == NodeRole.LEFT:  # a leaver whose migration committed: it leaves once it has the decision
             w.done = True
             node.workers[w.local_rank] = w
             reg.by_identity[identity] = w
@@ -286,39 +292,41 @@ class Resumed:
             try:
                 reg.add_worker(w)
             except ValueError as e:
-                return self._refuse(identity, fields, str(e), 2)
+                return self._refuse(identity, fields, str(e), ExitCode.REFUSED)
         if w.rank is not None and w.rank != msg.rank:
-            d.journal.record("rejoin_mismatch", **fields, journal_rank=w.rank)
-        if d.launcher is not None and msg.host == d._hostname:
-            d.launcher.adopt(msg.node, msg.local_rank, msg.pid)
-        d.journal.record("worker_rejoined", **fields)
-        if self.decision is not None and msg.role != "standby":
-            d.send(w, self.decision)
-        if node.role == "standby" and node.warm:
-            d.journal.record("standby_warm", node=node.name)
+            c.journal.record(Event.REJOIN_MISMATCH, **fields, journal_rank=w.rank)
+        if c.launcher is not None and msg.host == c.hostname:
+            c.launcher.adopt(msg.node, msg.local_rank, msg.pid)
+        c.journal.record(Event.WORKER_REJOINED, **fields)
+        if self.decision is not None and msg.role != WorkerRole.STANDBY:
+            c.send(w, self.decision)
+        if node.role == NodeRole.STANDBY and node.warm:
+            c.journal.record(Event.STANDBY_WARM, node=node.name)
         if not self._relearned and reg.all_ranks_assigned():
             self._relearned = True
-            d.journal.record("job_relearned", after_s=round(now - self.started, 3), step=reg.current_step(),
-                             generation=d.registry.generations.current)
+            c.journal.record(Event.JOB_RELEARNED, after_s=round(now - self.started, 3), step=reg.current_step(),
+                             generation=reg.generations.current)
 
-    def _refuse(self, identity: bytes, fields: dict, reason: str, exit_code: int) -> None:
+    def _refuse(self, identity: bytes, fields: dict, reason: str, exit_code: ExitCode) -> None:
         self._refused.add(identity)
-        self.daemon.journal.record("rejoin_refused", **fields, reason=reason)
-        self.daemon._reply(identity, p.Release(reason=reason, exit_code=exit_code))
+        self.control.journal.record(Event.REJOIN_REFUSED, **fields, reason=reason)
+        self.control.reply(identity, p.Release(reason=reason, exit_code=exit_code))
 
     # ---------------------------------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        """Once ``rejoin_grace_s`` passed: fail active nodes that did not re-register, restart empty standbys."""
+        """Once ``rejoin_grace_s`` passed: fail active nodes that did not re-register, restart empty standbys.
+        ``now``: time.monotonic()."""
         if self._checked or now - self.started < self.rejoin_grace_s:
             return
         self._checked = True
-        d = self.daemon
-        for n in list(d.registry.nodes.values()):
+        c = self.control
+        launcher = c.launcher
+        for n in list(c.registry.nodes.values()):
             missing = [f"{n.name}/{i}" for i in range(n.expected_workers) if i not in n.workers]
-            if n.role == "active" and missing:
-                d._fail_node(n, f"{', '.join(missing)} did not re-register within {self.rejoin_grace_s:.0f} s of "
-                                "tmd's restart", "silent")
-            elif n.role == "standby" and not n.workers and d.launcher is not None and d.launcher.command \
-                    and not d.launcher.running(n.name):
-                d.journal.record("standby_restarted", node=n.name, reason="no process of it re-registered")
-                d.launcher.start_node(n.name, standby=True)
+            if n.role == NodeRole.ACTIVE and missing:
+                c.fail_node(n, f"{', '.join(missing)} did not re-register within {self.rejoin_grace_s:.0f} s of "
+                               "tmd's restart", FailureSignal.SILENT)
+            elif n.role == NodeRole.STANDBY and not n.workers and launcher is not None and launcher.command \
+                    and not launcher.running(n.name):
+                c.journal.record(Event.STANDBY_RESTARTED, node=n.name, reason="no process of it re-registered")
+                launcher.start_node(n.name, standby=True)

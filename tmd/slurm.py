@@ -30,20 +30,38 @@ import queue
 import subprocess
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
+from tmd import protocol as p
+from tmd.control import JobControl
 from tmd.local import LocalLauncher, Proc
 from tmd.migration import MigrationError
-
-if TYPE_CHECKING:
-    from tmd import protocol as p
-    from tmd.daemon import Daemon
+from tmd.protocol.vocab import ErrorCode, Event, ExitCode, HookKind, NodeRole, StrEnum
 
 DEFAULT_TIMEOUT_S = 5.0  # every SLURM client call
 DEFAULT_POLL_S = 1.0  # node states and standby jobs
 RESTART_BACKOFF_S = 2.0  # a standby node's workers are started at most this often
 DRAIN_ATTEMPTS = 3  # automatic migrations tried per draining node (an aborted one is retried)
-STARTING_STATES = ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED")
+ANY_STANDBY = "any"  # a migrate target meaning: any warm standby node
+
+
+class SlurmJobState(StrEnum):
+    """The SLURM job states (squeue's ``%T``) tmd acts on; squeue may report others (COMPLETED, ...)."""
+
+    PENDING = "PENDING"
+    CONFIGURING = "CONFIGURING"
+    REQUEUED = "REQUEUED"
+    RESIZING = "RESIZING"
+    SUSPENDED = "SUSPENDED"
+    RUNNING = "RUNNING"
+    COMPLETING = "COMPLETING"
+    UNKNOWN = "UNKNOWN"  # not SLURM's: squeue did not answer (hold_standby keeps holding)
+
+
+STARTING_STATES = (SlurmJobState.PENDING, SlurmJobState.CONFIGURING, SlurmJobState.REQUEUED, SlurmJobState.RESIZING,
+                   SlurmJobState.SUSPENDED)
+DRAIN = "drain"  # in sinfo's node state (draining, drained): an admin drains the node
+UNUSABLE = (DRAIN, "down", "fail", "maint", "not_responding")  # sinfo node states a standby must not be in
 
 
 class SlurmError(RuntimeError):
@@ -71,15 +89,6 @@ def hostnames(nodelist: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
     return run_slurm(["scontrol", "show", "hostnames", nodelist], timeout_s).split()
 
 
-def state_dir() -> str:
-    """``$TM_STATE_DIR`` or ``~/.trainmover``: where ``jobs/<JOBID>/tmd.json`` names a job's tmd."""
-    return os.environ.get("TM_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".trainmover")
-
-
-def job_dir(job_id: str) -> str:
-    return os.path.join(state_dir(), "jobs", job_id)
-
-
 def write_json_atomic(path: str, obj: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -88,10 +97,10 @@ def write_json_atomic(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def hook_reports(job_id: str, hook: str) -> list[dict]:
+def hook_reports(job_id: str, hook: HookKind) -> list[dict]:
     """The reports slurm/hooks.py wrote for SLURM job ``job_id`` (``hook``: prolog or epilog), by node."""
     out = []
-    for path in sorted(glob.glob(os.path.join(job_dir(job_id), "hooks", f"{hook}.*.json"))):
+    for path in sorted(glob.glob(os.path.join(p.layout.hook_report_dir(job_id), f"{hook}.*.json"))):
         try:
             with open(path) as f:
                 out.append(json.load(f))
@@ -210,7 +219,7 @@ class Poller(threading.Thread):
                 args = command.split()
                 if len(args) < 2 or args[1] != self.job_id or jid == self.job_id:
                     continue  # not a standby job of this job
-                node_names = hostnames(nodelist, self.timeout_s) if nodelist and state == "RUNNING" else []
+                node_names = hostnames(nodelist, self.timeout_s) if nodelist and state == SlurmJobState.RUNNING else []
                 jobs[jid] = StandbyJob(jid, state, node_names, "" if reason == "None" else reason,
                                        "" if batch_host in ("n/a", "(null)") else batch_host)
         except SlurmError as e:
@@ -294,14 +303,15 @@ class SrunLauncher(LocalLauncher):
 class SlurmCluster:
     """tmd's SLURM side; the daemon calls :meth:`tick` from its loop (``daemon.cluster``), :meth:`resolve_target`
     for each migrate request, :meth:`on_notice` for the epilog's NodeNotice and :meth:`decorate` for status.
-    All blocking SLURM calls run in the :class:`Poller` thread; this object lives in tmd's thread."""
+    It acts on the job through ``control`` (tmd.control.JobControl: the daemon). All blocking SLURM calls run
+    in the :class:`Poller` thread; this object lives in tmd's thread."""
 
-    def __init__(self, daemon: "Daemon", launcher: SrunLauncher, job_id: str, nodes: list[str], batch_host: str,
+    def __init__(self, control: JobControl, launcher: SrunLauncher, job_id: str, nodes: list[str], batch_host: str,
                  reservation: str = "standby", poll_s: float = DEFAULT_POLL_S,
                  timeout_s: float = DEFAULT_TIMEOUT_S, command: Optional[list[str]] = None) -> None:
-        self.daemon = daemon
-        self.journal = daemon.journal
-        self.registry = daemon.registry
+        self.control = control
+        self.journal = control.journal
+        self.registry = control.registry
         self.launcher = launcher
         self.job_id = job_id
         self.job_nodes = list(nodes)  # the training job's allocation, as SLURM has it now
@@ -319,7 +329,7 @@ class SlurmCluster:
         self._drain_tries: dict[str, int] = {}
         self._drain_migration: dict[str, int] = {}  # node -> migration id
         self._released: set[str] = set()
-        self._releasing: dict[str, tuple[str, list[str], str]] = {}  # node -> (job, nodes it keeps, client)
+        self._releasing: dict[str, tuple[str, list[str], str]] = {}  # node -> (job, nodes it keeps, how)
         self._reservation_ok: Optional[bool] = None
 
     # --- lifecycle ------------------------------------------------------------------------------------------------
@@ -333,21 +343,22 @@ class SlurmCluster:
         self.poller.stop()
 
     def _write_link(self, job_id: str, standby_for: Optional[str]) -> None:
-        d = self.daemon
-        info = {"address": d.address, "pid": os.getpid(), "job": self.job_id, "run_dir": d.run_dir,
+        c = self.control
+        info = {"address": c.address, "pid": os.getpid(), "job": self.job_id, "run_dir": c.run_dir,
                 "slurm_job": job_id, "standby_for": standby_for, "reservation": self.reservation,
                 "ranks_per_node": self.registry.ranks_per_node, "command": self.command}
+        path = p.layout.job_tmd_json(job_id)
         try:
-            write_json_atomic(os.path.join(job_dir(job_id), "tmd.json"), info)
+            write_json_atomic(path, info)
         except OSError as e:
-            self.journal.record("slurm_error", error=f"cannot write {job_dir(job_id)}/tmd.json: {e}")
+            self.journal.record(Event.SLURM_ERROR, error=f"cannot write {path}: {e}")
 
     def _journal_hooks(self, job_id: str) -> None:
-        for r in hook_reports(job_id, "prolog"):
-            self.journal.record("slurm_hook", hook="prolog", node=r.get("node"), slurm_job=job_id, ok=r.get("ok"),
-                                problems=r.get("problems"), duration_s=r.get("duration_s"))
+        for r in hook_reports(job_id, HookKind.PROLOG):
+            self.journal.record(Event.SLURM_HOOK, hook=HookKind.PROLOG, node=r.get("node"), slurm_job=job_id,
+                                ok=r.get("ok"), problems=r.get("problems"), duration_s=r.get("duration_s"))
 
-    def _say(self, key: str, event: str, **fields) -> None:
+    def _say(self, key: str, event: Event, **fields) -> None:
         """Journal ``event`` unless the same thing was said last time under ``key``."""
         text = json.dumps(fields, sort_keys=True, default=str)
         if self._said.get(key) != text:
@@ -361,21 +372,21 @@ class SlurmCluster:
             return
         self._seq = snap.seq
         for e in snap.errors:
-            self._say("error:" + e.split(":")[0], "slurm_error", error=e)
+            self._say("error:" + e.split(":")[0], Event.SLURM_ERROR, error=e)
         for r in snap.done:
             self._on_action_done(r)
         if snap.reservation_ok is not None and snap.reservation_ok != self._reservation_ok:
             self._reservation_ok = snap.reservation_ok
             if not snap.reservation_ok:
-                self.journal.record("slurm_error", error=f"reservation '{self.reservation}' does not exist: this job "
-                                    "gets no standbys until an admin creates it (see README, SLURM)")
+                self.journal.record(Event.SLURM_ERROR, error=f"reservation '{self.reservation}' does not exist: "
+                                    "this job gets no standbys until an admin creates it (see README, SLURM)")
         if snap.standby_jobs is not None:
             self._standby_jobs(snap.standby_jobs)
         for name, st in snap.nodes.items():
             if self.node_state.get(name) != st:
                 self.node_state[name] = st
                 node = self.registry.nodes.get(name)
-                self.journal.record("slurm_node_state", node=name, state=st[0], reason=st[1],
+                self.journal.record(Event.SLURM_NODE_STATE, node=name, state=st[0], reason=st[1],
                                     role=node.role if node else None)
         self._drains()
         self._release_left_nodes()
@@ -383,14 +394,14 @@ class SlurmCluster:
     # --- standby jobs ---------------------------------------------------------------------------------------------
     def _standby_jobs(self, jobs: dict[str, StandbyJob]) -> None:
         for jid, sj in jobs.items():
-            if sj.state == "RUNNING" and jid not in self.adopted:
+            if sj.state == SlurmJobState.RUNNING and jid not in self.adopted:
                 self._adopt(sj)
-            elif sj.state != "RUNNING" and jid not in self.adopted:
-                self._say("standby:" + jid, "standby_job_waiting", slurm_job=jid, state=sj.state,
+            elif sj.state != SlurmJobState.RUNNING and jid not in self.adopted:
+                self._say("standby:" + jid, Event.STANDBY_JOB_WAITING, slurm_job=jid, state=sj.state,
                           reason=sj.reason or None)
         for jid in list(self.adopted):
             sj = jobs.get(jid)
-            if sj is None or sj.state != "RUNNING":
+            if sj is None or sj.state != SlurmJobState.RUNNING:
                 self._standby_job_gone(jid, f"standby job {jid} {'ended' if sj is None else 'is ' + sj.state}")
         self.standby_jobs = jobs
 
@@ -398,8 +409,9 @@ class SlurmCluster:
         added = []
         for name in sj.nodes:
             if name in self.registry.nodes:
-                self.journal.record("standby_node_refused", node=name, slurm_job=sj.job_id,
-                                    reason=f"node '{name}' is already part of this job ({self.registry.nodes[name].role})")
+                self.journal.record(Event.STANDBY_NODE_REFUSED, node=name, slurm_job=sj.job_id,
+                                    reason=f"node '{name}' is already part of this job "
+                                           f"({self.registry.nodes[name].role})")
                 continue
             self.registry.add_node(name)
             self.launcher.assign(name, sj.job_id)
@@ -407,7 +419,7 @@ class SlurmCluster:
         self.adopted[sj.job_id] = added
         self.poller.watch(added)
         self._write_link(sj.job_id, standby_for=self.job_id)
-        self.journal.record("standby_job_running", slurm_job=sj.job_id, nodes=added)
+        self.journal.record(Event.STANDBY_JOB_RUNNING, slurm_job=sj.job_id, nodes=added)
         self._journal_hooks(sj.job_id)
         for name in added:
             self.launcher.start_node(name, standby=True)
@@ -416,58 +428,56 @@ class SlurmCluster:
         self.ended[jid] = why
         for name in self.adopted.pop(jid, []):
             self._node_lost(name, why)
-        self.journal.record("standby_job_gone", slurm_job=jid, reason=why)
+        self.journal.record(Event.STANDBY_JOB_GONE, slurm_job=jid, reason=why)
 
     def _node_lost(self, name: str, why: str) -> None:
         node = self.registry.nodes.get(name)
-        if node is None or node.role in ("failed", "left"):
+        if node is None or node.role in (NodeRole.FAILED, NodeRole.LEFT):
             return
-        m = self.daemon.migrations.current
+        m = self.control.current_migration
         if m is not None and m.target == name:
-            self.daemon.migrations.abort(m, f"{why} during {m.state}")
-        if node.role == "standby":
+            self.control.abort_migration(m, f"{why} during {m.state}")
+        if node.role == NodeRole.STANDBY:
             self.registry.fail_node(node, why)
             self.launcher.forget(name)
-            self.journal.record("standby_lost", node=name, reason=why)
+            self.journal.record(Event.STANDBY_LOST, node=name, reason=why)
         else:  # it holds ranks: its processes end with the job; the daemon sees them exit
-            self.journal.record("node_lost", node=name, role=node.role, reason=why)
+            self.journal.record(Event.NODE_LOST, node=name, role=node.role, reason=why)
 
     def on_notice(self, msg: "p.NodeNotice") -> None:
         """The epilog on ``msg.node`` ran for SLURM job ``msg.job_id``: the node left that job."""
-        self.journal.record("slurm_hook", hook=msg.hook, node=msg.node, slurm_job=msg.job_id, detail=msg.detail)
-        if msg.hook == "epilog" and msg.job_id in self.adopted and msg.node in self.adopted[msg.job_id]:
+        self.journal.record(Event.SLURM_HOOK, hook=msg.hook, node=msg.node, slurm_job=msg.job_id, detail=msg.detail)
+        if msg.hook == HookKind.EPILOG and msg.job_id in self.adopted and msg.node in self.adopted[msg.job_id]:
             self._node_lost(msg.node, f"standby job {msg.job_id} ended (epilog on {msg.node})")
 
     # --- drains ---------------------------------------------------------------------------------------------------
     def _drains(self) -> None:
         for name, (state, reason) in self.node_state.items():
             node = self.registry.nodes.get(name)
-            if node is None or node.role != "active" or "drain" not in state:
+            if node is None or node.role != NodeRole.ACTIVE or DRAIN not in state:
                 continue
             mid = self._drain_migration.get(name)
-            if mid is not None:
-                m = self.daemon.migrations.get(mid)
-                if not m.finished:
-                    continue
+            if mid is not None and not self.control.migration(mid).finished:
+                continue
             why = f"node {name} is {state} (reason: {reason or 'none given'})"
             if self._drain_tries.get(name, 0) >= DRAIN_ATTEMPTS:
-                self._say("drain:" + name, "drain_migration_gave_up", node=name, reason=why,
+                self._say("drain:" + name, Event.DRAIN_MIGRATION_GAVE_UP, node=name, reason=why,
                           attempts=DRAIN_ATTEMPTS)
                 continue
             target = self.pick_standby()
             if target is None:
-                self._say("drain:" + name, "drain_migration_waiting", node=name, reason=why,
+                self._say("drain:" + name, Event.DRAIN_MIGRATION_WAITING, node=name, reason=why,
                           waiting_for=f"a warm standby ({self.describe_standbys()})")
                 continue
             try:
-                m = self.daemon.migrations.request(name, target)
+                m = self.control.request_migration(name, target)
             except MigrationError as e:
-                self._say("drain:" + name, "drain_migration_waiting", node=name, reason=why, waiting_for=str(e))
+                self._say("drain:" + name, Event.DRAIN_MIGRATION_WAITING, node=name, reason=why, waiting_for=str(e))
                 continue
             self._drain_tries[name] = self._drain_tries.get(name, 0) + 1
             self._drain_migration[name] = m.id
             self._said.pop("drain:" + name, None)
-            self.journal.record("drain_migration", node=name, target=target, migration_id=m.id, reason=why,
+            self.journal.record(Event.DRAIN_MIGRATION, node=name, target=target, migration_id=m.id, reason=why,
                                 slurm_reason=reason)
 
     def _release_left_nodes(self) -> None:
@@ -477,28 +487,29 @@ class SlurmCluster:
         if self._releasing:
             return
         for name, node in self.registry.nodes.items():
-            if node.role != "left" or name in self._released or self.launcher.running(name):
+            if node.role != NodeRole.LEFT or name in self._released or self.launcher.running(name):
                 continue  # (a leaver's processes may still be exiting)
             owner = self.launcher.node_job.get(name)
             if name == self.batch_host or owner is None:
                 self._released.add(name)
                 if name == self.batch_host:
-                    self.journal.record("slurm_node_kept", node=name, reason="it is the batch host (tmd runs "
+                    self.journal.record(Event.SLURM_NODE_KEPT, node=name, reason="it is the batch host (tmd runs "
                                         "there); SLURM gets it back when the job ends")
                 continue
             holding = self.job_nodes if owner == self.job_id else self.adopted.get(owner, [])
             keep = [n for n in holding if n != name]
-            if owner != self.job_id and all(self.registry.nodes[n].role in ("left", "failed") for n in keep):
-                argv = ["scancel", owner]
+            if owner != self.job_id and all(self.registry.nodes[n].role in (NodeRole.LEFT, NodeRole.FAILED)
+                                            for n in keep):
+                argv, how = ["scancel", owner], "standby job cancelled"
             elif owner != self.job_id and name == getattr(self.standby_jobs.get(owner), "batch_host", name):
                 self._released.add(name)
-                self.journal.record("slurm_node_kept", node=name, reason=f"it is the batch host of standby job "
+                self.journal.record(Event.SLURM_NODE_KEPT, node=name, reason=f"it is the batch host of standby job "
                                     f"{owner}, which other nodes of this job still use")
                 continue
             else:
-                argv = ["scontrol", "update", f"JobId={owner}", f"NodeList={','.join(keep)}"]
-            self._releasing[name] = (owner, keep, argv[0])
-            timeout_s, run_dir = self.poller.timeout_s, self.daemon.run_dir
+                argv, how = ["scontrol", "update", f"JobId={owner}", f"NodeList={','.join(keep)}"], "job shrunk"
+            self._releasing[name] = (owner, keep, how)
+            timeout_s, run_dir = self.poller.timeout_s, self.control.run_dir
             # scontrol writes slurm_job_<id>_resize.{sh,csh} into its working directory: the run dir, then.
             self.poller.submit(f"release {name}", lambda argv=argv: run_slurm(argv, timeout_s, run_dir).strip())
             return
@@ -508,20 +519,20 @@ class SlurmCluster:
         owner, keep, how = self._releasing.pop(name)
         self._released.add(name)  # on failure too: do not retry; the node comes back to SLURM with its job's end
         if not r["ok"]:
-            self.journal.record("slurm_error", error=f"could not release {name} from job {owner}: {r['error']}")
+            self.journal.record(Event.SLURM_ERROR, error=f"could not release {name} from job {owner}: {r['error']}")
             return
         self.launcher.node_job.pop(name, None)
         if owner == self.job_id:
             self.job_nodes[:] = keep
         elif owner in self.adopted:
             self.adopted[owner][:] = [n for n in self.adopted[owner] if n != name]
-        self.journal.record("slurm_node_released", node=name, slurm_job=owner,
-                            how="standby job cancelled" if how == "scancel" else "job shrunk")
+        self.journal.record(Event.SLURM_NODE_RELEASED, node=name, slurm_job=owner,
+                            how=how)
 
     # --- targets --------------------------------------------------------------------------------------------------
     def _usable(self, name: str) -> bool:
         state = self.node_state.get(name, ("", ""))[0]
-        return not any(bad in state for bad in ("drain", "down", "fail", "maint", "not_responding"))
+        return not any(bad in state for bad in UNUSABLE)
 
     def pick_standby(self, job_id: Optional[str] = None) -> Optional[str]:
         """A warm standby node (of standby job ``job_id`` if given) that SLURM does not drain, or None."""
@@ -536,7 +547,7 @@ class SlurmCluster:
         """One line: each standby job of this job and its state."""
         parts = []
         for jid, sj in sorted(self.standby_jobs.items()):
-            if sj.state == "RUNNING":
+            if sj.state == SlurmJobState.RUNNING:
                 nodes = self.adopted.get(jid, [])
                 warm = [n for n in nodes if self.registry.nodes[n].warm]
                 parts.append(f"job {jid} running on {','.join(nodes) or '-'} ({len(warm)} warm)")
@@ -552,25 +563,25 @@ class SlurmCluster:
         has no warm node yet, ``unknown_standby`` for a job id that is not a standby job of this job."""
         if target in self.registry.nodes:
             return target
-        if target == "any":
+        if target == ANY_STANDBY:
             name = self.pick_standby()
             if name is None:
-                raise MigrationError("busy_standby", f"no warm standby yet: {self.describe_standbys()}")
+                raise MigrationError(ErrorCode.BUSY_STANDBY, f"no warm standby yet: {self.describe_standbys()}")
             return name
         jid = target[4:] if target.startswith("job:") else target
         if jid.isdigit():
             sj = self.standby_jobs.get(jid)
             if sj is None and jid in self.ended:
-                raise MigrationError("unknown_standby", f"unknown standby '{target}': {self.ended[jid]}")
+                raise MigrationError(ErrorCode.UNKNOWN_STANDBY, f"unknown standby '{target}': {self.ended[jid]}")
             if sj is None:
-                raise MigrationError("unknown_standby", f"unknown standby '{target}': job {jid} is not a standby job "
-                                     f"of job {self.job_id} ({self.describe_standbys()})")
-            if sj.state != "RUNNING":
-                raise MigrationError("busy_standby", f"standby job {jid} has not started: {sj.state}"
+                raise MigrationError(ErrorCode.UNKNOWN_STANDBY, f"unknown standby '{target}': job {jid} is not a "
+                                     f"standby job of job {self.job_id} ({self.describe_standbys()})")
+            if sj.state != SlurmJobState.RUNNING:
+                raise MigrationError(ErrorCode.BUSY_STANDBY, f"standby job {jid} has not started: {sj.state}"
                                      + (f" ({sj.reason})" if sj.reason else ""))
             name = self.pick_standby(jid)
             if name is None:
-                raise MigrationError("busy_standby", f"standby job {jid} is running but has no warm node yet")
+                raise MigrationError(ErrorCode.BUSY_STANDBY, f"standby job {jid} is running but has no warm node yet")
             return name
         return target
 
@@ -592,10 +603,10 @@ def hold_standby(job_id: str, poll_s: float = 2.0, timeout_s: float = DEFAULT_TI
     me = os.environ.get("SLURM_JOB_ID")
     if not me:
         echo("error: tmd standby runs inside a SLURM job (sbatch --reservation=standby slurm/standby.sbatch JOBID)")
-        return 2
+        return ExitCode.REFUSED
     if not job_id.isdigit():
         echo(f"error: '{job_id}' is not a SLURM job id")
-        return 2
+        return ExitCode.REFUSED
     first = True
     while True:
         try:
@@ -604,16 +615,16 @@ def hold_standby(job_id: str, poll_s: float = 2.0, timeout_s: float = DEFAULT_TI
             if "Invalid job id" in str(e):
                 if first:
                     echo(f"error: there is no SLURM job {job_id} to stand by for")
-                    return 2
+                    return ExitCode.REFUSED
                 state = ""
             else:
                 echo(f"warning: {e}")  # a slow controller: keep holding
-                state = "UNKNOWN"
+                state = SlurmJobState.UNKNOWN
         if first:
             echo(f"standby job {me} on {os.environ.get('SLURM_JOB_NODELIST', '?')} holds its nodes for job {job_id}"
                  f" ({state or 'gone'}); its tmd starts the standby workers")
             first = False
-        if state not in ("UNKNOWN", "RUNNING", "COMPLETING", "CONFIGURING", *STARTING_STATES):
+        if state not in (SlurmJobState.UNKNOWN, SlurmJobState.RUNNING, SlurmJobState.COMPLETING, *STARTING_STATES):
             echo(f"job {job_id} is {state or 'gone'}: standby job {me} ends")
-            return 0
+            return ExitCode.OK
         time.sleep(poll_s)  # polling another job's state: SLURM offers no event to wait on

@@ -189,17 +189,17 @@ def test_restarted_daemon_relearns_from_rejoins(tmp_path):
     st = load(str(tmp_path))
     d = Daemon(st.job, str(tmp_path), st.nodes, st.ranks_per_node, st.standbys, record_steps=1, echo=False, resume=st)
     sent: list[tuple[bytes, p.Message]] = []
-    d._reply = lambda identity, msg: sent.append((identity, msg))  # noqa: SLF001 - observe, no sockets
+    d.reply = lambda identity, msg: sent.append((identity, msg))  # observe, no sockets
     try:
-        d._on_frames([b"n1/0", p.encode(p.Heartbeat(step=40, counters={}))])
-        d._on_frames([b"n1/0", p.encode(p.Heartbeat(step=40, counters={}))])  # asked again only after a second
+        d.on_frames([b"n1/0", p.encode(p.Heartbeat(step=40, counters={}))])
+        d.on_frames([b"n1/0", p.encode(p.Heartbeat(step=40, counters={}))])  # asked again only after a second
         assert sent == [(b"n1/0", p.Reregister(store_host="127.0.0.1", store_port=d.store.port, generation=2))]
-        d._on_frames([b"s1/0", p.encode(p.Rejoin(node="s1", local_rank=0, pid=11, host="h", rank=1, role="joiner", step=2, generation=3))])
+        d.on_frames([b"s1/0", p.encode(p.Rejoin(node="s1", local_rank=0, pid=11, host="h", rank=1, role="joiner", step=2, generation=3))])
         assert sent[-1] == (b"s1/0", p.Release(reason="joiner of a migration tmd's restart aborted", exit_code=0))
-        d._on_frames([b"n1/0", p.encode(p.Rejoin(node="n1", local_rank=0, pid=12, host="h", rank=0, role="active", step=41, generation=0))])
+        d.on_frames([b"n1/0", p.encode(p.Rejoin(node="n1", local_rank=0, pid=12, host="h", rank=0, role="active", step=41, generation=0))])
         assert sent[-1] == (b"n1/0", p.Decide(migration_id=3, commit=False, reason="tmd restarted during the migration"))
         assert not d.registry.all_ranks_assigned()
-        d._on_frames([b"n2/0", p.encode(p.Rejoin(node="n2", local_rank=0, pid=13, host="h", rank=1, role="active", step=42, generation=0))])
+        d.on_frames([b"n2/0", p.encode(p.Rejoin(node="n2", local_rank=0, pid=13, host="h", rank=1, role="active", step=42, generation=0))])
         assert d.registry.all_ranks_assigned() and d.registry.current_step() == 42
         assert d.registry.generations.current == 2 and d.migrations.first_id == 4
         names = [e["event"] for e in d.journal.since(0, 100)]

@@ -1,28 +1,73 @@
-"""tmd's daemon on its own (in-process, no worker processes): what it does when the job ends."""
+"""tmd's daemon on its own (in-process, no worker processes): applying detection's verdicts, and the job's end."""
+import time
+
 import pytest
 
 from tmd import protocol as p
 from tmd.daemon import Daemon
+from tmd.detection import Failure, ProcessExited
+from tmd.protocol.vocab import Event, FailureSignal, IncidentState, MigrationMark, MigrationState, NodeRole
 from tmd.registry import Worker
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def test_job_end_aborts_a_migration_in_flight_and_releases_the_standbys(tmp_path):
+@pytest.fixture
+def daemon(tmp_path):
+    """2 active nodes of 1 rank and standby s1, each with its process registered and past step 5; what the
+    daemon sends is recorded in ``d.sent`` as (identity, message)."""
     d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], record_steps=1, echo=False)
-    sent: list[tuple[str, p.Message]] = []
-    d.send = lambda w, msg: sent.append((w.identity.decode(), msg))  # observe, no sockets
+    d.sent = []
+    d.send = lambda w, msg: d.sent.append((w.identity.decode(), msg))  # observe, no sockets
+    for node in ("n1", "n2", "s1"):
+        d.registry.add_worker(Worker(f"{node}/0".encode(), node, 0, 1, "elsewhere"))
+    for w in d.registry.rank_owner.values():
+        w.step = 5
+    for rank in (0, 1):  # a lost rank's replacement is warmed from its recording
+        open(p.layout.RunDir(str(tmp_path)).recording(rank), "w").close()
     try:
-        for node in ("n1", "n2", "s1"):
-            d.registry.add_worker(Worker(f"{node}/0".encode(), node, 0, 1, "h"))
-        for w in d.registry.rank_owner.values():
-            w.step = 5
-        m = d.migrations.request("n2", "s1")
-        for w in d.registry.rank_owner.values():
-            w.done = True
-        d._check_finished()
-        assert m.state == "aborted" and m.reason == "the job finished before the migration committed"
-        assert ("s1/0", p.Release(reason="job finished", exit_code=0)) in sent
-        assert d.exit_code == 0  # no launcher: nothing left to wait for
+        yield d
     finally:
+        d.journal.close()
         d.sock.close()
+
+
+def events(d: Daemon) -> list[str]:
+    return [e["event"] for e in d.journal.since(0, 1000)]
+
+
+def test_job_end_aborts_a_migration_in_flight_and_releases_the_standbys(daemon):
+    d = daemon
+    m = d.migrations.request("n2", "s1")
+    for w in d.registry.rank_owner.values():
+        w.done = True
+    assert d.ending.tick(time.monotonic()) == 0  # no launcher: nothing left to wait for
+    assert m.state == MigrationState.ABORTED and m.reason == "the job finished before the migration committed"
+    assert ("s1/0", p.Release(reason="job finished", exit_code=0)) in d.sent
+    assert events(d).count(Event.JOB_FINISHED) == 1 and d.ending.released
+
+
+def test_a_failed_leaver_hands_its_warm_joiners_to_recovery(daemon):
+    d = daemon
+    m = d.migrations.request("n2", "s1")
+    m.mark(MigrationMark.PREPARE_STARTED)
+    n2 = d.registry.nodes["n2"]
+    d._apply(ProcessExited(n2, 0, -9, n2.workers[0], expected=False, lost=False))  # noqa: SLF001
+    d._apply(Failure(n2, "n2/0 exited with code -9", FailureSignal.PROCESS_EXIT))  # noqa: SLF001
+    assert n2.role == NodeRole.FAILED and n2.workers[0].fenced and n2.workers[0].exited
+    assert m.state == MigrationState.ABORTED and m.reason.startswith("leaver n2 lost")
+    inc = d.incidents.current
+    assert inc.state == IncidentState.HALTING and inc.standbys == {"n2": "s1"} and sorted(inc.lost) == [1]
+    assert d.registry.nodes["s1"].role == NodeRole.JOINING  # kept: its joiner is warm for rank 1
+    assert not any(dest == "s1/0" and isinstance(msg, p.Decide) for dest, msg in d.sent)
+    ev = events(d)
+    assert ev.index(Event.NODE_FAILED) == ev.index(Event.PROCESS_EXIT) + 1
+    d._apply(Failure(n2, "again", FailureSignal.SILENT))  # noqa: SLF001 - a failed node is failed once
+    assert events(d).count(Event.NODE_FAILED) == 1
+
+
+def test_a_standby_whose_process_exited_is_not_failed(daemon):
+    d = daemon
+    s1 = d.registry.nodes["s1"]
+    d._apply(ProcessExited(s1, 0, 1, s1.workers[0], expected=False, lost=True))  # noqa: SLF001
+    assert s1.role == NodeRole.STANDBY and Event.NODE_FAILED not in events(d)

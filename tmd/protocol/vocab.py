@@ -245,6 +245,7 @@ class Event(StrEnum):
     NODE_FENCED = "node_fenced"
     FENCED = "fenced"
     RANK_LEFT = "rank_left"
+    RANK_DONE = "rank_done"
     GPU_HEALTHY = "gpu_healthy"
     GPU_DEGRADED = "gpu_degraded"
     GPU_UNHEALTHY = "gpu_unhealthy"
@@ -279,6 +280,7 @@ class Event(StrEnum):
     RECOVERY_HALTED = "recovery_halted"
     RECOVERY_PLAN = "recovery_plan"
     RECOVERY_DONE = "recovery_done"
+    RECOVERY_FAILED = "recovery_failed"  # an incident cannot finish (tmd.recovery): the job fails next
     RECOVERY_NOT_RESUMED = "recovery_not_resumed"
     # SLURM mode (tmd.slurm) and its hooks
     NODE_NOTICE = "node_notice"

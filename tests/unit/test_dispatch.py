@@ -1,0 +1,93 @@
+"""tmd's handler table per sender role, in process (no worker processes; replies recorded, not sent)."""
+from __future__ import annotations
+
+import pytest
+
+from tmd import protocol as p
+from tmd.daemon import Daemon
+from tmd.protocol.vocab import Event, ExitCode
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], record_steps=1, echo=False)
+    d.sent = []
+    d.reply = lambda identity, msg: d.sent.append((identity, msg))  # observe, no sockets
+    try:
+        yield d
+    finally:
+        d.journal.close()
+        d.sock.close()
+
+
+def register(d: Daemon, node: str) -> bytes:
+    identity = f"{node}/0".encode()
+    msg = p.Register(node=node, local_rank=0, pid=1, host="elsewhere", standby=node.startswith("s"))
+    d.on_frames([identity, p.encode(msg)])
+    return identity
+
+
+def refusals(d: Daemon) -> list[dict]:
+    return [e for e in d.journal.since(0, 1000) if e["event"] == Event.BAD_MESSAGE]
+
+
+def test_a_client_identity_sending_a_worker_message_is_refused(daemon):
+    daemon.on_frames([b"tmctl-1", p.encode(p.Heartbeat(step=3, counters={"busy_s": 1.0}))])
+    assert daemon.sent == []
+    (bad,) = refusals(daemon)
+    assert bad["sender"] == "tmctl-1" and bad["error"] == "Heartbeat from a process that never registered"
+
+
+def test_a_registered_worker_sending_a_client_request_is_refused(daemon):
+    n2 = register(daemon, "n2")
+    register(daemon, "s1")
+    daemon.sent.clear()
+    daemon.on_frames([n2, p.encode(p.MigrateRequest(source="n2", target="s1"))])
+    daemon.on_frames([n2, p.encode(p.NodeNotice(node="n2", job_id="7", hook=p.HookKind.EPILOG, detail=""))])
+    daemon.on_frames([n2, p.encode(p.StatusRequest())])
+    assert daemon.sent == [] and daemon.migrations.all == []
+    assert [(e["sender"], e["error"]) for e in refusals(daemon)] == [
+        ("n2/0", "MigrateRequest is a client message, not one a worker (n2/0) may send"),
+        ("n2/0", "NodeNotice is a hook message, not one a worker (n2/0) may send"),
+        ("n2/0", "StatusRequest is a client message, not one a worker (n2/0) may send")]
+
+
+def test_a_coordinator_message_sent_to_tmd_is_refused(daemon):
+    for identity in (b"tmctl-1", register(daemon, "n1")):
+        daemon.sent.clear()
+        daemon.on_frames([identity, p.encode(p.Release(reason="bye", exit_code=0))])
+        assert daemon.sent == []
+    assert [(e["sender"], e["error"]) for e in refusals(daemon)] == [
+        ("tmctl-1", "Release is not a request tmd serves (a coordinator message)"),
+        ("n1/0", "Release is not a request tmd serves (a coordinator message)")]
+
+
+def test_each_role_is_served_from_its_own_senders(daemon):
+    n1 = register(daemon, "n1")
+    assert daemon.sent[-1][0] == n1 and isinstance(daemon.sent[-1][1], p.Assign)
+    daemon.on_frames([n1, p.encode(p.Heartbeat(step=0, counters={"busy_s": 0.5}))])
+    assert daemon.registry.by_identity[n1].counters == {"busy_s": 0.5}
+    daemon.on_frames([b"tmctl-1", p.encode(p.StatusRequest())])
+    assert daemon.sent[-1][0] == b"tmctl-1" and isinstance(daemon.sent[-1][1], p.StatusReply)
+    daemon.on_frames([b"tmctl-1", p.encode(p.MigrateRequest(source="n9", target="s1"))])
+    assert daemon.sent[-1] == (b"tmctl-1", p.ErrorReply(code=p.ErrorCode.UNKNOWN_NODE, message=(
+        "unknown node 'n9': it is not part of this job (active nodes: n1, n2)")))
+    daemon.on_frames([b"epilog", p.encode(p.NodeNotice(node="s1", job_id="7", hook=p.HookKind.EPILOG, detail="x"))])
+    events = [e["event"] for e in daemon.journal.since(0, 1000)]
+    assert Event.NODE_NOTICE in events and Event.MIGRATE_REFUSED in events and refusals(daemon) == []
+
+
+def test_a_fenced_worker_is_told_to_exit(daemon):
+    n1 = register(daemon, "n1")
+    daemon.registry.by_identity[n1].fenced = True
+    daemon.on_frames([n1, p.encode(p.Heartbeat(step=0, counters={}))])
+    msg = daemon.sent[-1][1]
+    assert isinstance(msg, p.Release) and msg.exit_code == ExitCode.FENCED
+
+
+def test_bad_frames_are_journalled(daemon):
+    daemon.on_frames([b"x", b"not json"])
+    daemon.on_frames([b"only one frame"])
+    assert [e["error"][:8] for e in refusals(daemon)] == ["not JSON", "expected"]

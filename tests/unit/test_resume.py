@@ -1,0 +1,164 @@
+"""``tmd resume`` without processes: the journal replay (``resume.load``) on made-up journals, and the restarted
+tmd's re-learning (``Resumed``) against a recording JobControl."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tmd import protocol as p
+from tmd.journal import Journal
+from tmd.protocol.vocab import Event, ExitCode, FailureSignal, NodeRole, WorkerRole
+from tmd.registry import Registry
+from tmd.resume import JobState, ResumeError, Resumed, load
+
+pytestmark = pytest.mark.timeout(10)
+
+ACTIVE, STANDBY, LEFT, FAILED = NodeRole.ACTIVE, NodeRole.STANDBY, NodeRole.LEFT, NodeRole.FAILED
+
+
+def write_job(tmp_path, *events: dict, cut: bool = True) -> str:
+    """A run dir whose tmd (not running: a pid that does not exist) journalled ``events`` after its start:
+    2 nodes x 2 ranks, standbys s1 and s2. ``cut``: the last line is cut short, as by a kill."""
+    (tmp_path / "tmd.json").write_text(json.dumps({"address": "tcp://127.0.0.1:5555", "pid": 999_999_999,
+                                                   "job": "j", "run_dir": str(tmp_path), "command": ["train"]}))
+    start = {"event": Event.TMD_STARTED, "job": "j", "world_size": 4, "nodes": ["n1", "n2"],
+             "standbys": ["s1", "s2"], "store_port": 1, "record_steps": 3}
+    with open(tmp_path / "events.jsonl", "w") as f:
+        for i, e in enumerate([start, *events]):
+            f.write(json.dumps({"seq": i + 1, "ts": 1000.0 + i, **e}) + "\n")
+        if cut:
+            f.write('{"seq": 99, "ts": 1000.5, "event": "migration_comm')
+    return str(tmp_path)
+
+
+def migration(event: Event, mid: int = 1, source: str = "n2", target: str = "s1", **fields) -> dict:
+    return {"event": event, "migration_id": mid, "source": source, "target": target, **fields}
+
+
+def test_a_committed_migration_hands_the_ranks_over(tmp_path):
+    st = load(write_job(tmp_path, migration(Event.MIGRATION_REQUESTED, generation=1),
+                        migration(Event.MIGRATION_TRANSFERRED), migration(Event.MIGRATION_COMMITTED)))
+    assert st.roles == {"n1": (ACTIVE, [0, 1]), "n2": (LEFT, []), "s1": (ACTIVE, [2, 3]), "s2": (STANDBY, [])}
+    assert (st.generation, st.last_migration_id, st.cut_migration, st.open_incident) == (1, 1, None, None)
+    assert (st.job, st.ranks_per_node, st.record_steps, st.command, st.last_seq) == ("j", 2, 3, ["train"], 4)
+
+
+def test_a_migration_cut_before_its_commit_decision_is_aborted(tmp_path):
+    st = load(write_job(tmp_path, migration(Event.MIGRATION_REQUESTED, mid=4, source="n1", target="s2")))
+    assert st.cut_migration == {"id": 4, "source": "n1", "target": "s2", "commit": False}
+    assert st.roles["n1"] == (ACTIVE, [0, 1]) and st.roles["s2"] == (STANDBY, [])  # the joiners go
+    assert st.generation == 1 and st.last_migration_id == 4  # its generation is used even if none was journalled
+
+
+def test_a_migration_cut_after_its_commit_decision_is_committed(tmp_path):
+    st = load(write_job(tmp_path, migration(Event.MIGRATION_REQUESTED, mid=2, source="n1", target="s2"),
+                        migration(Event.MIGRATION_SWITCHING, mid=2, source="n1", target="s2"),
+                        migration(Event.MIGRATION_TRANSFERRED, mid=2, source="n1", target="s2")))
+    assert st.cut_migration == {"id": 2, "source": "n1", "target": "s2", "commit": True}
+    assert st.roles["s2"] == (ACTIVE, [0, 1]) and st.roles["n1"] == (LEFT, [])
+
+
+def test_an_aborted_migration_returns_its_target_to_the_standbys(tmp_path):
+    st = load(write_job(tmp_path, migration(Event.MIGRATION_REQUESTED), migration(Event.MIGRATION_ABORTED)))
+    assert st.roles["s1"] == (STANDBY, []) and st.roles["n2"] == (ACTIVE, [2, 3]) and st.cut_migration is None
+
+
+def test_a_finished_recovery_and_an_open_one(tmp_path):
+    done = [{"event": Event.NODE_FAILED, "node": "n1", "ranks": [0, 1]},
+            {"event": Event.RECOVERY_STARTED, "incident_id": 1, "adopted": {}},
+            {"event": Event.STANDBY_PROMOTED, "incident_id": 1, "failed_node": "n1", "standby": "s2"},
+            {"event": Event.RECOVERY_PLAN, "incident_id": 1, "generation": 1, "resume_step": 50, "sends": []},
+            {"event": Event.RECOVERY_DONE, "incident_id": 1, "standbys": {"n1": "s2"}}]
+    st = load(write_job(tmp_path, *done))
+    assert st.roles == {"n1": (FAILED, []), "n2": (ACTIVE, [2, 3]), "s1": (STANDBY, []), "s2": (ACTIVE, [0, 1])}
+    assert st.open_incident is None and st.generation == 1
+    cut = [{"event": Event.NODE_FAILED, "node": "n2", "ranks": [2, 3]},
+           {"event": Event.RECOVERY_STARTED, "incident_id": 2, "adopted": {}},
+           {"event": Event.STANDBY_PROMOTED, "incident_id": 2, "failed_node": "n2", "standby": "s1"}]
+    st = load(write_job(tmp_path, *done, *cut))
+    assert st.open_incident == 2
+    assert st.roles["n2"] == (FAILED, []) and st.roles["s1"] == (STANDBY, [])  # its replacement: a standby again
+
+
+def test_a_leavers_warm_joiners_adopted_by_the_recovery_stay_promoted_until_it_is_done(tmp_path):
+    st = load(write_job(tmp_path, migration(Event.MIGRATION_REQUESTED, generation=1),
+                        migration(Event.MIGRATION_ABORTED, reason="leaver n2 lost"),
+                        {"event": Event.NODE_FAILED, "node": "n2", "ranks": [2, 3]},
+                        {"event": Event.RECOVERY_STARTED, "incident_id": 1, "adopted": {"n2": "s1"}},
+                        {"event": Event.RECOVERY_PLAN, "incident_id": 1, "generation": 2, "sends": []},
+                        {"event": Event.RECOVERY_DONE, "incident_id": 1, "standbys": {"n2": "s1"}}))
+    assert st.roles["s1"] == (ACTIVE, [2, 3]) and st.roles["n2"] == (FAILED, []) and st.generation == 2
+
+
+def test_a_standby_added_at_run_time(tmp_path):
+    st = load(write_job(tmp_path, {"event": Event.STANDBY_ADDED, "node": "s3"}))
+    assert st.roles["s3"] == (STANDBY, []) and st.standbys == ["s1", "s2"]
+
+
+def test_a_journal_cut_by_a_kill_reads_up_to_its_last_whole_line(tmp_path):
+    st = load(write_job(tmp_path, migration(Event.MIGRATION_REQUESTED), cut=True))
+    assert st.last_seq == 2 and st.last_ts == 1001.0 and st.cut_migration["id"] == 1
+
+
+def test_nothing_to_resume(tmp_path):
+    with pytest.raises(ResumeError, match="no job to resume"):
+        load(str(tmp_path))
+    with pytest.raises(ResumeError, match="stopped with exit code 0"):
+        load(write_job(tmp_path, {"event": Event.JOB_FINISHED}, {"event": Event.TMD_STOPPED, "exit_code": 0}))
+    with pytest.raises(ResumeError, match="it finished"):
+        load(write_job(tmp_path, {"event": Event.JOB_FINISHED}))
+
+
+# --- Resumed, through the narrow interface --------------------------------------------------------------------
+class Control:
+    """A JobControl that records: what would be sent, and the nodes declared failed."""
+
+    def __init__(self, st: JobState):
+        self.journal = Journal(None)
+        self.registry = Registry(st.nodes, st.ranks_per_node, st.standbys)
+        self.run_dir, self.address, self.hostname = st.run_dir, st.address, "here"
+        self.store_host, self.store_port, self.launcher = "127.0.0.1", 7, None
+        self.sent: list[tuple[bytes, p.Message]] = []
+        self.failed: list[tuple[str, FailureSignal]] = []
+
+    def reply(self, identity, msg):
+        self.sent.append((identity, msg))
+
+    def send(self, worker, msg):
+        self.reply(worker.identity, msg)
+
+    def fail_node(self, node, reason, signal):
+        self.failed.append((node.name, signal))
+
+
+def rejoin(node: str, local_rank: int, rank: int, role: WorkerRole, generation: int = 0) -> p.Rejoin:
+    return p.Rejoin(node=node, local_rank=local_rank, pid=10 + local_rank, host="there", rank=rank, role=role,
+                    step=42, generation=generation)
+
+
+def test_resumed_relearns_the_job_and_fails_what_did_not_come_back(tmp_path):
+    st = load(write_job(tmp_path, migration(Event.MIGRATION_REQUESTED, mid=3, generation=2)))
+    c = Control(st)
+    r = Resumed(c, st, rejoin_grace_s=10.0)
+    r.start()
+    assert c.registry.generations.current == 2 and c.registry.nodes["s1"].role == STANDBY
+    r.ask(b"n1/0")
+    r.ask(b"n1/0")  # asked again only after REASK_S
+    assert c.sent == [(b"n1/0", p.Reregister(store_host="127.0.0.1", store_port=7, generation=2))]
+    r.on_rejoin(b"s1/0", rejoin("s1", 0, 2, WorkerRole.JOINER, generation=3))
+    assert c.sent[-1] == (b"s1/0", p.Release(reason="joiner of a migration tmd's restart aborted",
+                                             exit_code=ExitCode.OK))
+    r.on_rejoin(b"n1/0", rejoin("n1", 0, 0, WorkerRole.ACTIVE, generation=4))
+    assert c.sent[-1] == (b"n1/0", p.Decide(migration_id=3, commit=False, reason="tmd restarted during the migration"))
+    assert c.registry.generations.current == 4  # never reuse a generation a worker built
+    for ident, lr, rank in ((b"n1/1", 1, 1), (b"n2/0", 0, 2)):
+        r.on_rejoin(ident, rejoin(ident.decode()[:2], lr, rank, WorkerRole.ACTIVE))
+    r.tick(r.started + 5.0)
+    assert c.failed == []
+    r.tick(r.started + 10.5)  # n2/1 never came back
+    assert c.failed == [("n2", FailureSignal.SILENT)]
+    names = [e["event"] for e in c.journal.since(0, 100)]
+    assert names[:2] == [Event.TMD_RESTARTED, Event.MIGRATION_ABORTED]
+    assert names.count(Event.WORKER_REJOINED) == 3 and Event.REJOIN_REFUSED in names
+    assert Event.JOB_RELEARNED not in names  # n2/1 is missing

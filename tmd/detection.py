@@ -1,0 +1,361 @@
+"""Failure detection: which nodes of the job are lost, hung or unhealthy. Returns verdicts; acts on nothing.
+
+:meth:`Detector.tick` looks at the registry (heartbeat times, the mover counters every heartbeat carries), the
+processes the launcher saw exit and, for processes on tmd's host, their state and CPU use; it returns a list of
+verdicts (:class:`Failure`, :class:`ProcessExited`, :class:`Unhealthy`, :class:`Healthy`, :class:`Slow`) that
+the daemon applies (fail the node, journal, abort the migration...). The clocks and the process inspection are
+injected, so the rules can be tried on synthetic heartbeats without processes.
+
+Failure detection (defaults), cheapest signal first:
+
+- a rank process exits (local mode: the launcher's Popen poll each tick, ~50 ms) or turns zombie/stopped
+  (psutil, for processes on tmd's host: a SIGSTOPped node is seen within a tick);
+- a node is silent for ``suspect_after_s`` (0.8 s; heartbeats every 0.1 s) while a peer is blocked in a
+  collective (its counters show a pending op older than ``blocked_after_s``, 0.3 s): hung or cut off. Unless
+  its processes run on tmd's host and use CPU (more than 0.05 s of CPU time since it was first seen silent):
+  it is then only slow to heartbeat (:class:`Slow`), not failed;
+- a node is silent for ``heartbeat_timeout_s`` (5 s) whatever its peers do.
+
+Until all of a node's processes finished a first step (imports and lazy initialisation on a crowded machine
+can starve the heartbeat thread) only the long timeout applies. A long step is not a failure: heartbeats come
+from a separate thread and peers wait only at the collective. Nodes whose loss is a failure of the job are the
+active ones and the standbys taking over a failed node's ranks; any node whose process is silent for
+``heartbeat_timeout_s`` is :class:`Unhealthy` until every process of it heartbeats again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import socket
+import time
+from typing import Callable, Iterable, Optional, Protocol, Union
+
+import psutil
+
+from tmd.protocol.vocab import FailureSignal, Health, NodeRole
+from tmd.registry import Node, Registry, Worker
+
+HEARTBEAT_TIMEOUT_S = 5.0
+SUSPECT_AFTER_S = 0.8
+BLOCKED_AFTER_S = 0.3
+BUSY_CPU_S = 0.05  # CPU seconds a silent node must use (since first seen silent) to count as computing
+BUSY_GRACE_S = 0.1  # a silent node not yet seen using CPU is given this long (seconds) before it counts as idle
+
+
+class ProcessState(enum.Enum):
+    """What :class:`ProcessInspector` may find wrong with a process (its value reads in failure reasons)."""
+
+    DIED = "died"  # gone, zombie or dead
+    STOPPED = "is stopped"  # SIGSTOP: it hangs
+
+    @property
+    def signal(self) -> FailureSignal:
+        return FailureSignal.STOPPED if self is ProcessState.STOPPED else FailureSignal.PROCESS_EXIT
+
+
+class ProcessInspector(Protocol):
+    """Looks at a worker's process where it can (tmd's host); None means fine, or not ours to see."""
+
+    def state(self, w: Worker) -> Optional[ProcessState]:
+        """DIED or STOPPED, or None (running, or not on this host)."""
+
+    def cpu_s(self, w: Worker) -> Optional[float]:
+        """User + system CPU time (seconds) the process used so far, or None (not on this host, or gone)."""
+
+
+class ExitedProcess(Protocol):
+    """A process the launcher saw exit (tmd.local.Proc)."""
+
+    node: str
+    local_rank: int
+    returncode: Optional[int]
+
+
+class HostProcesses:
+    """:class:`ProcessInspector` over psutil, for the workers that registered with this host's name. Also
+    kills them (:meth:`kill`: tmd fences a failed node's local processes)."""
+
+    def __init__(self, hostname: Optional[str] = None) -> None:
+        self.hostname = hostname or socket.gethostname()
+        self._procs: dict[int, psutil.Process] = {}  # pid -> handle (psutil checks a reused pid's start time)
+
+    def _process(self, w: Worker) -> Optional[psutil.Process]:
+        if w.host != self.hostname:
+            return None
+        proc = self._procs.get(w.pid)
+        if proc is None:
+            try:
+                proc = self._procs[w.pid] = psutil.Process(w.pid)
+            except psutil.Error:
+                return None
+        return proc
+
+    def state(self, w: Worker) -> Optional[ProcessState]:
+        proc = self._process(w)
+        if proc is None:
+            return None
+        try:
+            status = proc.status()
+        except psutil.NoSuchProcess:
+            return ProcessState.DIED
+        except psutil.Error:
+            return None
+        if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return ProcessState.DIED
+        return ProcessState.STOPPED if status == psutil.STATUS_STOPPED else None
+
+    def cpu_s(self, w: Worker) -> Optional[float]:
+        proc = self._process(w)
+        if proc is None:
+            return None
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            return None
+        return t.user + t.system
+
+    def kill(self, w: Worker) -> bool:
+        """SIGKILL ``w``'s process if it runs on this host (a stopped one too). Returns whether it was sent."""
+        proc = self._process(w)
+        if proc is None:
+            return False
+        try:
+            proc.kill()
+        except psutil.Error:
+            return False
+        return True
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Verdicts
+# --------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """``node`` is lost (``signal``: how it was noticed): the daemon fails it and starts recovery."""
+
+    node: Node
+    reason: str
+    signal: FailureSignal
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessExited:
+    """The launcher saw process ``node``/``local_rank`` exit with ``returncode``. ``worker``: its registered
+    process (None: it never registered). ``expected``: it was done, or its node is failed (fenced). ``lost``:
+    an unexpected exit of a process whose loss is no failure of the job (a standby's, a joiner's): the
+    migration it takes part in aborts and a standby's processes are started again. An unexpected exit on a
+    node of the job is a :class:`Failure`, which follows this verdict."""
+
+    node: Node
+    local_rank: int
+    returncode: Optional[int]
+    worker: Optional[Worker]
+    expected: bool
+    lost: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Unhealthy:
+    """Processes ``silent`` of ``node`` sent nothing for ``heartbeat_timeout_s`` (``reason`` says so)."""
+
+    node: Node
+    reason: str
+    silent: tuple[Worker, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Healthy:
+    """``node``, unhealthy, has every process heartbeating again (and nothing else keeps it unhealthy)."""
+
+    node: Node
+
+
+@dataclasses.dataclass(frozen=True)
+class Slow:
+    """``node`` is silent for ``silent_s`` seconds but used ``cpu_s`` seconds of CPU meanwhile: not failed."""
+
+    node: Node
+    silent_s: float
+    cpu_s: float
+
+
+Verdict = Union[Failure, ProcessExited, Unhealthy, Healthy, Slow]
+
+
+class _NoProcesses:
+    def state(self, w: Worker) -> Optional[ProcessState]:
+        return None
+
+    def cpu_s(self, w: Worker) -> Optional[float]:
+        return None
+
+
+@dataclasses.dataclass
+class _TickState:
+    """One :meth:`Detector.tick`: its verdicts so far and what they imply for the checks after them."""
+
+    now: float
+    verdicts: list[Verdict] = dataclasses.field(default_factory=list)
+    failed: set[str] = dataclasses.field(default_factory=set)  # nodes failed by a verdict of this tick
+    exited: set[int] = dataclasses.field(default_factory=set)  # id() of workers whose exit this tick reported
+
+    def fail(self, n: Node, reason: str, signal: FailureSignal) -> None:
+        self.verdicts.append(Failure(n, reason, signal))
+        self.failed.add(n.name)
+
+    def gone(self, w: Worker) -> bool:
+        """``w`` exited (seen before, or in this tick)."""
+        return w.exited or id(w) in self.exited
+
+
+# --------------------------------------------------------------------------------------------------------------
+class Detector:
+    """Judges the job's nodes each tick; see the module docstring for the rules.
+
+    ``exits``: returns the processes that exited since the last call (local mode: the launcher's poll);
+    ``processes``: inspects processes on this host (default: none visible); ``replacing(node_name)``: whether
+    that joining node takes over a failed node's ranks (its loss is then a failure of the job);
+    ``held_unhealthy(node)``: something other than heartbeats (a bad GPU) keeps the node unhealthy;
+    ``wall_clock``: epoch seconds (peers' counters carry epoch times). Times in seconds."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        exits: Callable[[], Iterable[ExitedProcess]] = lambda: (),
+        processes: Optional[ProcessInspector] = None,
+        replacing: Callable[[str], bool] = lambda node_name: False,
+        held_unhealthy: Callable[[Node], bool] = lambda node: False,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+        suspect_after_s: float = SUSPECT_AFTER_S,
+        blocked_after_s: float = BLOCKED_AFTER_S,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.registry = registry
+        self.exits = exits
+        self.processes: ProcessInspector = processes or _NoProcesses()
+        self.replacing = replacing
+        self.held_unhealthy = held_unhealthy
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.suspect_after_s = suspect_after_s
+        self.blocked_after_s = blocked_after_s
+        self.wall_clock = wall_clock
+        self._suspect_cpu: dict[str, tuple[float, float]] = {}  # node -> (monotonic s, CPU s) when first silent
+
+    def in_job(self, n: Node) -> bool:
+        """Nodes whose loss is a failure of the job: active ones, and standbys taking over ranks."""
+        return n.role == NodeRole.ACTIVE or (n.role == NodeRole.JOINING and self.replacing(n.name))
+
+    def tick(self, now: float) -> list[Verdict]:
+        """Every verdict for this moment (``now``: time.monotonic()), in the order to apply them: process
+        exits, then processes dead or stopped, then heartbeats. A node is failed at most once per tick: later
+        checks treat it as failed already (the exits of its other processes are expected)."""
+        t = _TickState(now)
+        self._exits(t)
+        self._liveness(t)
+        self._heartbeats(t)
+        return t.verdicts
+
+    def broken_transfer(self, source: Node, leavers: Iterable[Worker]) -> Optional[Failure]:
+        """A joiner's state transfer broke: a Failure of the leavers' node ``source`` if one of its processes
+        died (or is stopped): the warm joiners then take its ranks over in recovery. None if they all run
+        (or are not ours to see): the migration merely aborts."""
+        for w in leavers:
+            state = self.processes.state(w)
+            if state is not None:
+                return Failure(source, f"{w.node}/{w.local_rank} (pid {w.pid}) {state.value}",
+                               FailureSignal.PROCESS_EXIT)
+        return None
+
+    # --- the checks of one tick ---------------------------------------------------------------------------------
+    def _in_job(self, t: _TickState, n: Node) -> bool:
+        return n.name not in t.failed and self.in_job(n)
+
+    def _exits(self, t: _TickState) -> None:
+        for proc in self.exits():
+            node = self.registry.nodes[proc.node]
+            w = node.workers.get(proc.local_rank)
+            if w is not None:
+                t.exited.add(id(w))
+            expected = w is not None and (w.done or w.fenced or node.name in t.failed)
+            unexpected = w is not None and not expected
+            in_job = unexpected and self._in_job(t, node)
+            t.verdicts.append(ProcessExited(node, proc.local_rank, proc.returncode, w, expected,
+                                            lost=unexpected and not in_job))
+            if in_job:
+                t.fail(node, f"{proc.node}/{proc.local_rank} exited with code {proc.returncode}",
+                       FailureSignal.PROCESS_EXIT)
+
+    def _liveness(self, t: _TickState) -> None:
+        """Processes on this host: a zombie or vanished one has died, a stopped one (SIGSTOP) hangs."""
+        for n in list(self.registry.nodes.values()):
+            if not self._in_job(t, n):
+                continue
+            for w in n.workers.values():
+                if t.gone(w) or w.done or w.fenced:
+                    continue
+                state = self.processes.state(w)
+                if state is not None:
+                    t.fail(n, f"{w.node}/{w.local_rank} (pid {w.pid}) {state.value}", state.signal)
+                    break
+
+    def _heartbeats(self, t: _TickState) -> None:
+        now = t.now
+        for n in list(self.registry.nodes.values()):
+            if n.role in (NodeRole.LEFT, NodeRole.FAILED) or n.name in t.failed:
+                continue
+            live = [w for w in n.workers.values() if not t.gone(w) and not w.done]
+            silence = max((now - w.last_heartbeat for w in live), default=0.0)
+            started = all(w.step_time_s is not None for w in live)
+            limit_s = self.suspect_after_s if started else self.heartbeat_timeout_s
+            if self._in_job(t, n) and live and silence > limit_s:
+                blocked = self._peer_blocked_s(n)
+                busy = False
+                if blocked > self.blocked_after_s:
+                    busy, slow = self._busy(n, live, now)
+                    if slow is not None:
+                        t.verdicts.append(slow)
+                if (blocked > self.blocked_after_s and not busy) or silence > self.heartbeat_timeout_s:
+                    t.fail(n, f"no heartbeat for {silence:.2f} s (peers blocked for {blocked:.2f} s)",
+                           FailureSignal.SILENT)
+                    continue
+            else:
+                self._suspect_cpu.pop(n.name, None)
+            silent = tuple(w for w in live if now - w.last_heartbeat > self.heartbeat_timeout_s)
+            if silent and n.health != Health.UNHEALTHY:
+                t.verdicts.append(Unhealthy(n, f"no heartbeat for {self.heartbeat_timeout_s:.1f} s", silent))
+            elif not silent and n.health == Health.UNHEALTHY and live and len(n.workers) == n.expected_workers \
+                    and not any(t.gone(w) for w in n.workers.values()) and not self.held_unhealthy(n):
+                t.verdicts.append(Healthy(n))
+
+    # --- the rules, on one node ---------------------------------------------------------------------------------
+    def _peer_blocked_s(self, n: Node) -> float:
+        """How long (seconds) a rank outside ``n`` has been blocked in a collective, from its last heartbeat."""
+        now = self.wall_clock()
+        worst = 0.0
+        for w in self.registry.rank_owner.values():
+            c = w.counters
+            if w.node != n.name and c.get("pending", 0) > 0 and c.get("last_op_start_s", 0) > 0:
+                worst = max(worst, now - float(c["last_op_start_s"]))
+        return worst
+
+    def _busy(self, n: Node, live: list[Worker], now: float) -> tuple[bool, Optional[Slow]]:
+        """For a silent node whose processes run on this host: are they using CPU (alive, only slow to
+        heartbeat) rather than blocked (hung, cut off)? The first call samples CPU time and says busy; a later
+        call says busy if they used more than BUSY_CPU_S of CPU since (then also a :class:`Slow` verdict).
+        Remote processes: never busy."""
+        total = 0.0
+        for w in live:
+            cpu = self.processes.cpu_s(w)
+            if cpu is None:
+                return False, None
+            total += cpu
+        first = self._suspect_cpu.get(n.name)
+        if first is None:
+            self._suspect_cpu[n.name] = (now, total)
+            return True, None
+        since, cpu = first
+        if total - cpu > BUSY_CPU_S:
+            self._suspect_cpu[n.name] = (now, total)
+            return True, Slow(n, round(now - since, 3), round(total - cpu, 3))
+        return now - since < BUSY_GRACE_S, None

@@ -1,0 +1,97 @@
+"""Moving a live but failing node off the job: a GPU that went bad, or (with ``migrate_stragglers``) a straggler.
+
+:class:`Evacuation` reads what every heartbeat carries (the rank's ``busy_s`` counter for tmd.health's
+StragglerDetector, its GPU sample for GpuHealthPolicy), journals the changes (``gpu_*``, ``straggler_*``) and
+evacuates: starts a planned migration of the node to a warm standby, through tmd.control.JobControl. A node with
+an unhealthy GPU stays unhealthy until the rank moves, even while its heartbeats are fine.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from tmd.control import JobControl
+from tmd.health import GpuHealthPolicy, StragglerDetector
+from tmd.migration import MigrationError
+from tmd.protocol.vocab import GPU_EVENTS, Event, GpuLevel, Health, NodeRole
+from tmd.registry import Node, Worker
+
+
+class Evacuation:
+    """GPU health and stragglers of the ranks' owners; ``migrate_stragglers``: evacuate a straggler's node too
+    (a bad GPU's node always is)."""
+
+    def __init__(self, control: JobControl, migrate_stragglers: bool = False,
+                 gpu_policy: Optional[GpuHealthPolicy] = None, stragglers: Optional[StragglerDetector] = None) -> None:
+        self.control = control
+        self.migrate_stragglers = migrate_stragglers
+        self.gpu_policy = gpu_policy or GpuHealthPolicy()
+        self.stragglers = stragglers or StragglerDetector()
+        self._gpu_verdicts: dict[int, Optional[tuple[GpuLevel, str]]] = {}  # rank -> last verdict
+
+    def observe(self, w: Worker, counters: dict, now: float) -> None:
+        """One heartbeat's ``counters`` from ``w`` at ``now`` (time.monotonic()); only a rank's owner counts."""
+        owner = w.rank is not None and self.control.registry.rank_owner.get(w.rank) is w
+        if not owner:
+            return
+        busy = counters.get("busy_s")
+        if isinstance(busy, (int, float)):
+            self.stragglers.observe(w.rank, now, float(busy))
+        gpu = counters.get("gpu")
+        if isinstance(gpu, dict):
+            self._check_gpu(w, gpu)
+
+    def gpu_unhealthy(self, n: Node) -> bool:
+        """Whether a rank of ``n`` has an unhealthy GPU verdict (heartbeats coming back do not clear it)."""
+        return any((self._gpu_verdicts.get(r) or (None,))[0] == GpuLevel.UNHEALTHY for r in n.ranks)
+
+    def flagged(self, n: Node) -> list[int]:
+        """The ranks of ``n`` that are stragglers now, sorted."""
+        return sorted(r for r in n.ranks if r in self.stragglers.flagged)
+
+    def tick(self, now: float) -> None:
+        """Journal ranks that turn into stragglers or recover (tmctl status shows them per node); with
+        ``migrate_stragglers``, move a straggler's node to a warm standby. ``now``: time.monotonic()."""
+        new, cleared = self.stragglers.evaluate(now)
+        reg, journal = self.control.registry, self.control.journal
+        for rank, event in [(r, Event.STRAGGLER_DETECTED) for r in new] + \
+                [(r, Event.STRAGGLER_CLEARED) for r in cleared]:
+            w = reg.rank_owner.get(rank)
+            journal.record(event, rank=rank, node=w.node if w else None,
+                           lateness=round(self.stragglers.lateness.get(rank, 0.0), 3))
+            if event == Event.STRAGGLER_DETECTED and self.migrate_stragglers and w is not None:
+                self.evacuate(reg.nodes[w.node], f"rank {rank} is a straggler")
+
+    def evacuate(self, node: Node, reason: str) -> None:
+        """Move a live but failing node to a warm standby, if one is free and nothing else runs (journals
+        ``evacuation_started`` or ``evacuation_skipped`` with why)."""
+        c = self.control
+        standby = next((n for n in c.registry.nodes_in(NodeRole.STANDBY) if n.warm), None)
+        if standby is None or c.current_migration is not None or c.current_incident is not None:
+            c.journal.record(Event.EVACUATION_SKIPPED, node=node.name, reason=reason,
+                             why="no warm standby" if standby is None else "a migration or recovery is running")
+            return
+        try:
+            m = c.request_migration(node.name, standby.name, require_healthy=False)
+        except MigrationError as e:
+            c.journal.record(Event.EVACUATION_SKIPPED, node=node.name, reason=reason, why=str(e))
+            return
+        c.journal.record(Event.EVACUATION_STARTED, node=node.name, standby=standby.name, migration_id=m.id,
+                         reason=reason)
+
+    def _check_gpu(self, w: Worker, sample: dict) -> None:
+        """GPU health from the rank's pynvml probe: journal changes; an unhealthy GPU (critical XID, new
+        uncorrected ECC errors, GPU lost) on a node that still runs is moved off by a planned migration."""
+        verdict = self.gpu_policy.evaluate(w.rank, sample)
+        if verdict == self._gpu_verdicts.get(w.rank):
+            return
+        self._gpu_verdicts[w.rank] = verdict
+        journal = self.control.journal
+        if verdict is None:
+            journal.record(Event.GPU_HEALTHY, node=w.node, rank=w.rank)
+            return
+        level, reason = verdict
+        journal.record(GPU_EVENTS[level], node=w.node, rank=w.rank, reason=reason)
+        if level == GpuLevel.UNHEALTHY:
+            node = self.control.registry.nodes[w.node]
+            node.health, node.reason = Health.UNHEALTHY, reason
+            self.evacuate(node, reason)

@@ -1,0 +1,48 @@
+"""What ``tmctl status`` shows: the job's :class:`~tmd.protocol.StatusReply`, built from tmd's state.
+
+One dict per node (name, role, ranks, health and its reason, live processes, heartbeat age, step, step time,
+warm, straggler ranks; SLURM mode adds the node's SLURM state), the latest migration and the latest failure
+recovery (their ``to_dict()``), the job's generation and step.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from tmd import protocol as p
+from tmd.episode import Episode
+from tmd.registry import Node, Registry
+
+
+def node_status(n: Node, now: float, stragglers: list[int]) -> dict:
+    """Node ``n`` as status shows it; ``now``: time.monotonic(); ``stragglers``: its straggler ranks. Ages and
+    times in seconds (None when no live process reported one)."""
+    workers = [w for w in n.workers.values() if not w.exited]
+    ages = [now - w.last_heartbeat for w in workers]
+    steps = [w.step for w in workers]
+    times = [w.step_time_s for w in workers if w.step_time_s is not None]
+    return {
+        "name": n.name, "role": n.role, "ranks": n.ranks, "health": n.health, "reason": n.reason,
+        "processes": len(workers), "expected_processes": n.expected_workers,
+        "heartbeat_age_s": round(max(ages), 3) if ages else None,
+        "step": max(steps) if steps else None,
+        "step_time_s": round(max(times), 6) if times else None,
+        "warm": n.warm,
+        "stragglers": stragglers,
+    }
+
+
+def status_reply(job: str, registry: Registry, migration: Optional[Episode], recovery: Optional[Episode],
+                 stragglers: Callable[[Node], list[int]], decorate: Optional[Callable[[list[dict]], None]] = None,
+                 now: Optional[float] = None) -> p.StatusReply:
+    """The StatusReply of job ``job``: ``migration`` and ``recovery`` are the latest of each (or None);
+    ``stragglers(node)`` gives a node's straggler ranks; ``decorate`` may add fields to the node dicts (SLURM
+    mode); ``now`` defaults to time.monotonic()."""
+    now = time.monotonic() if now is None else now
+    nodes = [node_status(n, now, stragglers(n)) for n in registry.nodes.values()]
+    if decorate is not None:
+        decorate(nodes)
+    return p.StatusReply(job=job, world_size=registry.world_size, generation=registry.generations.current,
+                         step=registry.current_step(), nodes=nodes,
+                         migration=migration.to_dict() if migration else None,
+                         recovery=recovery.to_dict() if recovery else None)
