@@ -19,6 +19,7 @@ At the end each rank writes ``<run_dir>/final/rank<r>.json`` with
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import os
 import sys
@@ -32,6 +33,15 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from examples.data import ShakespeareStream, load_corpus  # noqa: E402
 from examples.gpt import GPT, GPTConfig, loss as lm_loss  # noqa: E402
 from examples.state_hash import final_state_hash  # noqa: E402
+
+
+class FaultPhase(enum.StrEnum):
+    """When a ``--fault`` fires within its step: before backward, as the optimizer update starts, or after the
+    step."""
+
+    FORWARD = "forward"
+    OPTIMIZER = "optimizer"
+    BETWEEN = "between"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,9 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     faults = {}
     for f in args.fault:
         node, step, phase = f.split(":")
-        if phase not in ("forward", "optimizer", "between"):
+        if phase not in tuple(FaultPhase):
             p.error(f"--fault phase must be forward, optimizer or between, not {phase!r}")
-        faults[(node, int(step))] = phase
+        faults[(node, int(step))] = FaultPhase(phase)
     args.fault = faults
     if args.batch_size is None:
         args.batch_size = 4 if args.tiny else 8
@@ -127,18 +137,18 @@ def main(argv: list[str] | None = None) -> None:
     last = {"loss": None, "step": -1}
     t_log = time.perf_counter()
 
-    def fault(step: int, phase: str) -> None:
+    def fault(step: int, phase: FaultPhase) -> None:
         if args.fault.get((os.environ.get("TM_NODE"), step)) == phase and not session.is_shadow:
             kill_node()
 
-    opt.register_step_pre_hook(lambda *_: fault(last["step"] + 1, "optimizer"))
+    opt.register_step_pre_hook(lambda *_: fault(last["step"] + 1, FaultPhase.OPTIMIZER))
 
     def train_step(step: int) -> None:
         nonlocal t_log
         t_step = time.perf_counter()
         x, y = data.batch(step)  # int64 [B, T] each
         loss = lm_loss(model(x), y)
-        fault(step, "forward")
+        fault(step, FaultPhase.FORWARD)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()  # refused (StepAborted) if a collective of this step failed: the runtime redoes the step
@@ -160,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
             t_log = now
-        fault(step, "between")
+        fault(step, FaultPhase.BETWEEN)
 
     session.run(train_step, args.steps)  # recovers from peer failures in process and redoes the step
     last_loss, last_step = last["loss"], last["step"]

@@ -1,14 +1,18 @@
 """TrainMover's rank-side runtime, imported by training scripts: ``session = worker.init()``.
 
-Submodules: ``session`` (public API), ``agent`` (ZeroMQ link to tmd), ``groups`` (generations, two-phase setup),
-``sandbox`` (record/replay), ``transfer`` (peer-to-peer state transfer), ``backend`` and ``_C`` (the mover Backend).
+Submodules: ``session`` (public API and the step loop), ``agent`` (ZeroMQ link to tmd), ``commands`` (the agent
+thread's handling of tmd's commands), ``control`` (where the process stands: the one Condition both threads share),
+``migration`` (joiner, leaver, stayers), ``recovery`` (survivors and replacements after a failure), ``reports``
+(what a rank tells tmd), ``exit`` (the one way to end the process early), ``groups`` (generations, two-phase
+setup), ``sandbox`` (record/replay), ``transfer`` (peer-to-peer state transfer), ``gpu_health`` (NVML probe),
+``backend`` and ``_C`` (the mover Backend).
 Imports are lazy so that ``import worker`` stays cheap until ``init()`` is called.
 """
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["init", "Session", "LeaverExit"]
+__all__ = ["init", "Session", "LeaverExit", "StepAborted"]
 
 
 def init(*args: Any, **kwargs: Any):
@@ -19,7 +23,7 @@ def init(*args: Any, **kwargs: Any):
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Session", "LeaverExit"):
+    if name in ("Session", "LeaverExit", "StepAborted"):
         from worker import session
 
         return getattr(session, name)

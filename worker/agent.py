@@ -2,7 +2,8 @@
 
 It registers, sends a heartbeat every ``heartbeat_interval_s`` (0.1 s by default, so tmd can tell a hung node
 within a second) and whatever the session queues
-(step reports, phase reports), and hands every command from tmd to ``on_message`` on the agent thread. Only this
+(step reports, phase reports), and hands every command from tmd to ``on_message`` on the agent thread
+(worker.commands.Commands.on_message, which hands it to worker.control.Control). Only this
 thread touches the DEALER; other threads queue messages through :meth:`send`, which wakes the loop at once over
 an inproc socket (no polling delay on the switch path).
 """
@@ -58,10 +59,10 @@ class Agent:
         with self._wake_lock:
             self._wake_tx.send(b"", zmq.NOBLOCK)
 
-    def rejoin(self, rank: int, role: str, step: int, generation: int) -> None:
+    def rejoin(self, rank: int, role: p.WorkerRole, step: int, generation: int) -> None:
         """Tell a restarted tmd (it sent Reregister) what this process holds now (see :class:`p.Rejoin`)."""
-        self.send(p.Rejoin(node=self.node, local_rank=self.local_rank, pid=os.getpid(), host=socket.gethostname(), rank=rank, role=role, step=step,
-                           generation=generation))
+        self.send(p.Rejoin(node=self.node, local_rank=self.local_rank, pid=os.getpid(), host=socket.gethostname(),
+                           rank=rank, role=role, step=step, generation=generation))
 
     def close(self, flush_timeout_s: float = 2.0) -> None:
         """Send what is queued (up to ``flush_timeout_s`` seconds), then stop the thread."""
@@ -75,7 +76,8 @@ class Agent:
         sock.setsockopt(zmq.IDENTITY, f"{self.node}/{self.local_rank}".encode())
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(self.address)
-        sock.send(p.encode(p.Register(node=self.node, local_rank=self.local_rank, pid=os.getpid(), host=socket.gethostname(), standby=self.standby)))
+        sock.send(p.encode(p.Register(node=self.node, local_rank=self.local_rank, pid=os.getpid(),
+                                      host=socket.gethostname(), standby=self.standby)))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)

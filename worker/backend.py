@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from tmd.protocol.vocab import MoverMode
 from worker import _C
 
 CBackend = torch._C._distributed_c10d.Backend  # the c10d Backend type (dist.Backend is the name enum)
@@ -33,8 +34,8 @@ __all__ = ["new_mover_group", "build_inner", "inner_kind", "BACKEND_NAME", "Move
            "wait_for_background"]
 
 # init_process_group calls the registered creator with (store, rank, size, timeout) only, so the inner backend
-# and mode for the next creator call travel through this module-level slot (set and cleared by
-# init_mover_world, which is not meant to be called concurrently).
+# and mode (a MoverMode's string value: the C++ backend parses it) for the next creator call travel through this
+# module-level slot (set and cleared by init_mover_world, which is not meant to be called concurrently).
 _pending_config: Optional[tuple[Optional[CBackend], str]] = None
 _registered = False
 
@@ -100,16 +101,16 @@ def _register() -> None:
 
 
 def init_mover_world(store: dist.Store, rank: int, size: int, inner: Optional[CBackend] = None,
-                     mode: str = "live") -> MoverBackend:
+                     mode: MoverMode = MoverMode.LIVE) -> MoverBackend:
     """Make a mover-backed group the default process group and return its MoverBackend.
 
-    ``inner`` is the initial inner backend (None: no network, e.g. a joiner replaying); ``mode`` is one of live,
-    record, replay, bypass. Raises ValueError on a bad mode, an inner of another rank/size, or if a default group
-    already exists.
+    ``inner`` is the initial inner backend (None: no network, e.g. a joiner replaying); ``mode`` is a
+    :class:`MoverMode` (or its string value: live, record, replay, bypass). Raises ValueError on a bad mode, an
+    inner of another rank/size, or if a default group already exists.
     """
     global _pending_config
     _register()
-    _pending_config = (inner, mode)
+    _pending_config = (inner, MoverMode(mode).value)
     try:
         dist.init_process_group(backend=BACKEND_NAME, store=store, rank=rank, world_size=size)
     finally:
@@ -118,12 +119,13 @@ def init_mover_world(store: dist.Store, rank: int, size: int, inner: Optional[CB
 
 
 def new_mover_group(ranks: list[int], inner: Optional[CBackend] = None,
-                    mode: str = "live") -> Optional[dist.ProcessGroup]:
+                    mode: MoverMode = MoverMode.LIVE) -> Optional[dist.ProcessGroup]:
     """A mover-backed subgroup of the default group over global ``ranks`` (``dist.new_group``: every process
     calls it, in the same order). Returns the ProcessGroup on members and None elsewhere. ``inner`` must be
-    built over the group's ranks (group rank = index in ``ranks``), or None for a replaying joiner."""
+    built over the group's ranks (group rank = index in ``ranks``), or None for a replaying joiner. ``mode``: a
+    :class:`MoverMode` or its string value; raises ValueError otherwise."""
     global _pending_config
-    _pending_config = (inner, mode)
+    _pending_config = (inner, MoverMode(mode).value)
     try:
         pg = dist.new_group(ranks, backend=BACKEND_NAME)
     finally:

@@ -2,7 +2,8 @@
 
 Every group (the world group, which is the default group, and subgroups made with ``Session.new_group``) is a
 mover Backend (csrc/) whose inner backend carries a generation number; generation ``g`` of group ``name`` lives
-under the store prefix ``tm/g<g>/<name>`` (a prefix is never reused).
+under the store prefix ``tmd.protocol.layout.group_prefix(g, name)`` (``tm/g<g>/<name>``; a prefix is never
+reused).
 
 - Phase 1, :meth:`GroupManager.prepare`, runs on a background thread while training goes on: it builds the next
   generation of only the groups that contain a leaver (delta-based: a group without a leaver is not touched) and
@@ -17,6 +18,7 @@ import logging
 import threading
 from typing import Callable, Optional
 
+from tmd import protocol as p
 from worker import backend as mb
 
 log = logging.getLogger("worker.groups")
@@ -66,20 +68,21 @@ class GroupManager:
 
     def _inner(self, generation: int, group: str, ranks: list[int]):
         self.generation = max(self.generation, generation)
-        return mb.build_inner(self.store, f"tm/g{generation}/{group}", ranks.index(self.rank), len(ranks),
-                              self.timeout_s, self.host)
+        return mb.build_inner(self.store, p.layout.group_prefix(generation, group), ranks.index(self.rank),
+                              len(ranks), self.timeout_s, self.host)
 
-    def init_world(self, generation: int, mode: str, connect: bool) -> mb.MoverBackend:
+    def init_world(self, generation: int, mode: p.MoverMode, connect: bool) -> mb.MoverBackend:
         """Install the mover-backed world group as the default group. ``connect`` false leaves it without an
         inner backend (a joiner's sandbox: every collective is replayed)."""
         ranks = list(range(self.world_size))
         self.generation = max(self.generation, generation)
-        inner = self._inner(generation, "world", ranks) if connect else None
+        world = p.layout.WORLD_GROUP
+        inner = self._inner(generation, world, ranks) if connect else None
         self.world = mb.init_mover_world(self.store, self.rank, self.world_size, inner, mode)
-        self.groups["world"] = Group("world", ranks, self.world)
+        self.groups[world] = Group(world, ranks, self.world)
         return self.world
 
-    def new_group(self, name: str, ranks: list[int], generation: int, mode: str, connect: bool):
+    def new_group(self, name: str, ranks: list[int], generation: int, mode: p.MoverMode, connect: bool):
         """A mover-backed subgroup over global ``ranks`` (every process calls this in the same order, as
         with ``dist.new_group``). Returns the ProcessGroup on members, None elsewhere. Raises ValueError for
         duplicate or out-of-range ranks."""
@@ -94,10 +97,11 @@ class GroupManager:
         return pg
 
     # --- phase 1 -----------------------------------------------------------------------------------------------
-    def prepare(self, migration_id: int, generation: int, role: str, leaver_ranks: list[int], transfer_prefix: str,
-                on_done: Callable[[bool, str, list], None]) -> None:
+    def prepare(self, migration_id: int, generation: int, role: p.MigrationRole, leaver_ranks: list[int],
+                transfer_prefix: str, on_done: Callable[[bool, str, list], None]) -> None:
         """Build generation ``generation`` of the groups that contain a leaver, in the background, then call
-        ``on_done(ok, error, rebuilt_group_names)`` from that thread. ``role``: stayer, leaver or joiner."""
+        ``on_done(ok, error, rebuilt_group_names)`` from that thread. ``role``: this rank's part (stayer,
+        leaver or joiner); leaver and joiner also build their transfer group under ``transfer_prefix``."""
         pending = _Pending(migration_id)
         with self._lock:
             if self._pending is not None:
@@ -105,7 +109,8 @@ class GroupManager:
             self._pending = pending
         # Delta-based: only the groups that contain a leaver get a new generation; the leaver builds none.
         # A group made only of leaver ranks is rebuilt by the joiners alone (nobody else is a member).
-        affected = [] if role == "leaver" else [g for g in self.groups.values() if set(g.ranks) & set(leaver_ranks)]
+        leaver = role == p.MigrationRole.LEAVER
+        affected = [] if leaver else [g for g in self.groups.values() if set(g.ranks) & set(leaver_ranks)]
 
         def build() -> None:
             built: dict[str, object] = {}
@@ -113,8 +118,8 @@ class GroupManager:
             try:
                 for g in affected:
                     built[g.name] = self._inner(generation, g.name, g.ranks)
-                if role in ("leaver", "joiner"):
-                    transfer = mb.build_inner(self.store, transfer_prefix, 0 if role == "leaver" else 1, 2,
+                if role in (p.MigrationRole.LEAVER, p.MigrationRole.JOINER):
+                    transfer = mb.build_inner(self.store, transfer_prefix, 0 if leaver else 1, 2,
                                               self.timeout_s, self.host)
                 with self._lock:
                     if pending.cancelled:
@@ -228,10 +233,11 @@ class GroupManager:
                 mover.stage(inner)
                 mover.commit()
 
-    def set_mode(self, mode: str) -> None:
-        """Set every group's mover to ``mode`` (live, record, replay, bypass)."""
+    def set_mode(self, mode: p.MoverMode) -> None:
+        """Set every group's mover to ``mode``. Raises ValueError for a string that is no MoverMode."""
+        value = p.MoverMode(mode).value  # the C++ backend takes the plain string
         for g in self.groups.values():
-            g.mover.set_mode(mode)
+            g.mover.set_mode(value)
 
     def finish_transfer(self, migration_id: int) -> None:
         """Drop the transfer group after the state moved (off the hot path)."""

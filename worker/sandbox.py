@@ -1,8 +1,9 @@
 """Record at job start, replay in a joiner's shadow iterations (TrainMover, arXiv 2412.12636, section 5).
 
 Active ranks run their first ``record_steps`` steps with the mover in ``record`` mode: each collective's outputs are
-kept in call order. At the boundary after those steps the recording is written to ``<record_dir>/rank<r>.pt`` (on a
-background thread; the file appears atomically). A joiner that takes rank r loads that file and runs the same
+kept in call order. At the boundary after those steps each group's recording is written to
+``tmd.protocol.layout.recording_path(record_dir, r, group)`` (``<record_dir>/rank<r>.<group>.pt``, on a background
+thread; the file appears atomically). A joiner that takes rank r loads that file and runs the same
 script with the mover in ``replay`` mode: every collective is filled with the real recorded values (zeros could
 produce NaNs), barriers and sends complete at once, and nothing touches the network. Those shadow iterations warm
 up the allocator, DDP's buckets (DDP regroups them after the first step) and the optimizer state.
@@ -15,11 +16,10 @@ import time
 
 import torch
 
+from tmd import protocol as p
+from tmd.protocol.layout import recording_path
+
 FORMAT_VERSION = 1
-
-
-def recording_path(record_dir: str, rank: int, group: str = "world") -> str:
-    return os.path.join(record_dir, f"rank{rank}.{group}.pt")
 
 
 def save_recordings_async(movers: dict, record_dir: str, rank: int) -> threading.Thread:
@@ -28,7 +28,7 @@ def save_recordings_async(movers: dict, record_dir: str, rank: int) -> threading
     memory."""
     taken = {}
     for name, mover in movers.items():
-        mover.set_mode("live")
+        mover.set_mode(p.MoverMode.LIVE.value)
         taken[name] = mover.take_recording()
 
     def write() -> None:
@@ -44,7 +44,7 @@ def save_recordings_async(movers: dict, record_dir: str, rank: int) -> threading
     return t
 
 
-def start_replay(mover, record_dir: str, rank: int, group: str = "world", wait_s: float = 60.0) -> int:
+def start_replay(mover, record_dir: str, rank: int, group: str = p.layout.WORLD_GROUP, wait_s: float = 60.0) -> int:
     """Load rank ``rank``'s recording of ``group`` into ``mover`` and switch it to ``replay``. Returns the number
     of recorded ops. The recording is written by another process, so a missing file is awaited up to ``wait_s``
     seconds; raises FileNotFoundError after that, ValueError on a foreign format."""
@@ -57,5 +57,5 @@ def start_replay(mover, record_dir: str, rank: int, group: str = "world", wait_s
         raise ValueError(f"{path} is not a v{FORMAT_VERSION} recording of rank {rank}, group {group}")
     entries = [(op, list(tensors)) for op, tensors in data["entries"]]
     mover.load_recording(entries)
-    mover.set_mode("replay")
+    mover.set_mode(p.MoverMode.REPLAY.value)
     return len(entries)

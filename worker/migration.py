@@ -1,0 +1,172 @@
+"""Planned migration on the rank side (TrainMover, arXiv 2412.12636): the joiner's shadow iterations and join,
+and the switch step of the leaver and the stayers.
+
+- **Joiner** (a standby given the leaver's rank): :meth:`Migration.shadow` runs the script's first steps in the
+  sandbox (every collective replayed from the leaver's recording, worker.sandbox) to warm up allocator, DDP and
+  optimizer, then pre-touches the receive buffers and reports ``warmed``. :meth:`Migration.join` waits for the
+  switch step, receives and verifies the leaver's state (worker.transfer), loads it, reports ``transferred``,
+  and on tmd's commit swaps in the groups phase 1 built, reports ``committed`` and continues in the leaver's rank
+  at the switch step. If the leaver dies instead, tmd sends a recovery plan: the state then comes from a replica
+  (worker.recovery).
+- **Leaver and stayers**: at the boundary before the switch step (:meth:`Migration.switch_boundary`) the leaver
+  sends its state to the joiner; both wait for tmd's decision. On commit a stayer swaps in the staged generation
+  (phase 2, between two iterations) and reports ``committed``; the leaver raises :class:`LeaverExit`. On abort
+  the staged generation is dropped and training goes on in the old groups.
+
+Phase 1 (building the next generation in the background) is worker.groups' and starts on the agent thread
+(worker.commands). The migration's role, switch step and decision are read from worker.control.Control.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from tmd import protocol as p
+from worker import transfer
+from worker.control import Control, Stage
+from worker.exit import exit_process
+from worker.reports import Reporter
+
+log = logging.getLogger("worker.migration")
+
+DECISION_TIMEOUT_S = 300.0  # a party waiting at the switch step for tmd's decision gives up (keeps old groups)
+
+
+class LeaverExit(SystemExit):
+    """Raised out of ``session.steps()`` on a leaver after its state was handed over: the process exits 0."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+class Migration:
+    """This rank's part in planned migrations (see the module docstring). ``objects`` is the session's dict of
+    managed objects (by reference); ``finish_agent()`` flushes and stops the agent (a leaver's last act)."""
+
+    def __init__(self, control: Control, reports: Reporter, objects: dict[str, Any],
+                 finish_agent: Callable[[], None]) -> None:
+        self.control = control
+        self.reports = reports
+        self.objects = objects
+        self.finish_agent = finish_agent
+        self.migration_id = 0  # a joiner's migration (from its Assign; 0 for a failure's replacement)
+        self.prealloc: Optional[list[torch.Tensor]] = None  # a joiner's pre-touched receive buffers
+
+    # --- joiner ------------------------------------------------------------------------------------------------------
+    def shadow(self, n: int, report_warmed: bool) -> Iterator[int]:
+        """Yield the ``n`` shadow steps ``0 .. n-1`` (stage SHADOW: collectives replayed, results thrown away),
+        then free the recordings, pre-touch the receive buffers and, if ``report_warmed``, report ``warmed``."""
+        groups = self.control.groups
+        self.control.enter(Stage.SHADOW)
+        prev = time.perf_counter()
+        for step in range(n):
+            self.control.set_step(step)
+            yield step
+            now = time.perf_counter()
+            self.reports.step_time(step, now - prev, shadow=True)
+            prev = now
+        self.control.enter(Stage.JOINING)
+        for g in groups.groups.values():
+            g.mover.load_recording([])  # free the recordings
+        self.prealloc = transfer.pretouch(transfer.plan_buffers(self.objects))
+        if report_warmed:
+            self.reports.report(self.migration_id, p.MigrationPhase.WARMED)
+
+    def drop_buffers(self) -> None:
+        """Free the pre-touched receive buffers (a replacement receives its state into fresh ones)."""
+        self.prealloc = None
+
+    def join(self) -> Optional[int]:
+        """Joiner: wait for the switch, receive and verify the leaver's state, commit, and return the switch step
+        (the step to continue at). Returns None when the leaver died and tmd sent a recovery plan instead: the
+        caller then follows it (worker.recovery). Exits the process (ExitCode.FAILED) when the transfer failed
+        or the migration was not committed within ``DECISION_TIMEOUT_S`` seconds and no plan came."""
+        mid = self.migration_id
+        control = self.control
+        groups = control.groups
+        control.wait_until(lambda: control.switch is not None or control.plan is not None)
+        if control.plan is not None:
+            self.drop_buffers()
+            return None
+        switch = control.switch
+        try:
+            pg = groups.transfer_group(mid, DECISION_TIMEOUT_S)
+            states, extra, moved, seconds = transfer.recv_state(pg, 0, self.prealloc)
+        except Exception as e:  # noqa: BLE001 - reported; tmd aborts, or falls back to a replica
+            self.reports.report(mid, p.MigrationPhase.TRANSFERRED, ok=False, error=e)
+            control.wait_until(lambda: control.decision is not None or control.plan is not None, DECISION_TIMEOUT_S)
+            if control.plan is not None:
+                groups.discard(mid)
+                self.drop_buffers()
+                return None
+            exit_process(p.ExitCode.FAILED, f"joiner for rank {control.rank}: state transfer of migration {mid} "
+                                            f"failed ({type(e).__name__}: {e}) and no recovery plan came")
+        self.prealloc = None
+        # Load before the decision, off the critical path: on an abort this sandboxed process is thrown away.
+        transfer.load_state(self.objects, states)
+        torch.set_rng_state(extra["rng"])
+        self.reports.report(mid, p.MigrationPhase.TRANSFERRED, bytes_moved=moved, seconds=seconds)
+        control.wait_until(lambda: control.decision is not None, DECISION_TIMEOUT_S)
+        decision = control.decision
+        if decision is None or not decision.commit:
+            exit_process(p.ExitCode.FAILED, f"joiner for rank {control.rank}: migration {mid} was "
+                                            + ("not committed" if decision is not None else
+                                               f"not decided within {DECISION_TIMEOUT_S:.0f} s"))
+        groups.commit(mid)
+        groups.set_mode(p.MoverMode.LIVE)
+        groups.set_tolerant()
+        control.clear_switch(mid)  # acted on here: the switch step is where this rank's steps begin
+        control.become_active()
+        self.reports.report(mid, p.MigrationPhase.COMMITTED, step=switch.step)
+        return extra["step"]
+
+    # --- leaver and stayers ------------------------------------------------------------------------------------------
+    def switch_boundary(self, switch: p.Switch) -> None:
+        """At the start of the switch step: the leaver sends its state; stayers and leaver wait for the decision
+        (at most ``DECISION_TIMEOUT_S`` seconds; none: keep the old groups). Raises :class:`LeaverExit` on a
+        leaver whose migration committed."""
+        paused = time.perf_counter()
+        mid = switch.migration_id
+        control = self.control
+        groups = control.groups
+        role = control.migration_role
+        control.enter(Stage.SWITCHING)
+        if role == p.MigrationRole.LEAVER:
+            try:
+                pg = groups.transfer_group(mid, DECISION_TIMEOUT_S)
+                moved, seconds = transfer.send_state(pg, self.objects,
+                                                     {"step": switch.step, "rng": torch.get_rng_state()})
+                self.reports.report(mid, p.MigrationPhase.SENT, bytes_moved=moved, seconds=seconds)
+            except Exception as e:  # noqa: BLE001 - the joiner or its group failed: tmd aborts, we go on
+                self.reports.report(mid, p.MigrationPhase.SENT, ok=False, error=e)
+        elif not groups.staged(mid):
+            control.clear_switch(mid)
+            control.enter(Stage.TRAINING)
+            return  # none of this rank's groups contains a leaver: nothing to swap
+        control.wait_until(lambda: control.decision is not None, DECISION_TIMEOUT_S)
+        decision = control.decision
+        control.clear_switch(mid)
+        if decision is None or decision.migration_id != mid or not decision.commit:
+            groups.discard(mid)
+            control.enter(Stage.TRAINING)
+            return
+        if role == p.MigrationRole.LEAVER:
+            pg = None  # the traceback of LeaverExit keeps this frame alive: hold no group in it
+            groups.finish_transfer(mid)
+            control.enter(Stage.LEFT)
+            self.reports.done(switch.step - 1, left=True)
+            self.finish_agent()
+            print(f"[worker] rank {control.rank} handed over at step {switch.step}; leaving", flush=True)
+            # The script's own finally blocks still run as LeaverExit unwinds; then skip the interpreter's
+            # teardown (seconds of CPU for torch, stolen from co-located ranks that train on).
+            atexit.register(exit_process, p.ExitCode.OK,
+                            f"rank {control.rank} left after handing over at step {switch.step} "
+                            "(interpreter teardown skipped)")
+            raise LeaverExit()
+        groups.commit(mid)
+        control.enter(Stage.TRAINING)
+        self.reports.report(mid, p.MigrationPhase.COMMITTED, step=switch.step, seconds=time.perf_counter() - paused)

@@ -1,0 +1,241 @@
+"""Failure recovery on the rank side: the survivor's halt, plan and carry-out, and the replacement's take-over.
+
+When a peer dies, hangs or is cut off, a collective of the current step fails (the movers are tolerant: the
+failure is latched and the op completes with its outputs untouched) or tmd's ``Halt`` fails every mover at once.
+Then, on every survivor:
+
+1. the step's optimizer update is refused (:class:`StepAborted`, raised by a managed optimizer's pre-hook), so
+   the rank has committed either the step (``done``) or the one before it;
+2. at the step boundary it reports ``collective_failed`` (if it saw the failure before tmd said anything) and,
+   once tmd's Halt is there, ``halted`` with its last committed step;
+3. it waits for tmd's ``Recover`` plan, then carries it out on a helper thread (:meth:`Recovery.recover`): send
+   its replicated state to the ranks the plan names, receive it if it is one step behind, build generation
+   ``plan.generation`` of every group, load what it received, restore the RNG and swap the groups in; it reports
+   ``recovered`` and redoes the interrupted step with the same data.
+
+A replacement (a standby given a lost rank, after its shadow iterations) reports ``warmed``, waits for the plan
+and receives the replicated state from a replica (:meth:`Recovery.replace`). A newer Halt while a plan is
+carried out abandons it (nothing it received is loaded) and the rank halts again under the new incident.
+
+The step ledger (which managed optimizers stepped, the last committed step, the RNG at the start of the
+attempt) is the training thread's own; what the agent thread delivers (halt, plan) is read from
+:class:`worker.control.Control`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from tmd import protocol as p
+from worker import backend as mb
+from worker import transfer
+from worker.control import Attempt, Control, Stage
+from worker.exit import exit_process
+from worker.reports import Reporter
+
+log = logging.getLogger("worker.recovery")
+
+RECOVERY_TIMEOUT_S = 600.0  # a halted rank that hears nothing from tmd this long (seconds) exits with an error
+
+
+class StepAborted(RuntimeError):
+    """Raised by a managed optimizer's ``step()`` when a collective of this step failed or tmd halted the job
+    for a failure: the update is refused (nothing is modified) and :meth:`Session.run` redoes the step after
+    recovery, with the same data, so the trajectory stays bit-identical."""
+
+
+class _Superseded(Exception):
+    """A newer Halt arrived while a recovery plan was being carried out."""
+
+
+class Recovery:
+    """This rank's part in failure recovery (see the module docstring). Training thread only, apart from the
+    helper thread of :meth:`recover` / :meth:`replace`, which the training thread waits for."""
+
+    def __init__(self, control: Control, reports: Reporter) -> None:
+        self.control = control
+        self.reports = reports
+        self.replicated: dict[str, Any] = {}  # state identical on every data-parallel replica
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.stepped: set[int] = set()  # ids of the managed optimizers that stepped in this attempt
+        self.committed_step = -1  # last step whose optimizer update this process applied
+        self.step_raised = False  # set by Session.run(): the step function raised
+        self.rng_snapshot: Optional[torch.Tensor] = None  # CPU RNG at the start of the current attempt
+
+    # --- the step ledger (training thread) -----------------------------------------------------------------------
+    def manage(self, objects: dict[str, Any], rank_local: bool) -> None:
+        """Track ``objects``: replicated unless ``rank_local``; managed optimizers get the step hooks."""
+        if not rank_local:
+            self.replicated.update(objects)
+        for obj in objects.values():
+            if isinstance(obj, torch.optim.Optimizer) and obj not in self.optimizers:
+                self.optimizers.append(obj)
+                obj.register_step_pre_hook(self._before_optimizer_step)
+                obj.register_step_post_hook(self._after_optimizer_step)
+
+    def failure(self) -> Optional[str]:
+        """Why the current step cannot commit (a latched collective failure, or tmd's halt), or None."""
+        halted = self.control.halt_reason()
+        if halted is not None:
+            return halted
+        groups = self.control.groups
+        return groups.failure() if groups is not None and self.control.role == p.WorkerRole.ACTIVE else None
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        why = self.failure()
+        if why:
+            raise StepAborted(f"rank {self.control.rank} step {self.control.step}: update refused, {why}")
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self.stepped.add(id(optimizer))
+        if len(self.stepped) == len(self.optimizers):
+            self.committed_step = self.control.step
+
+    def begin_step(self) -> None:
+        """A step attempt starts: no optimizer stepped yet; remember the RNG to redo it with."""
+        self.stepped.clear()
+        self.rng_snapshot = torch.get_rng_state()
+
+    def committed(self, step: int) -> bool:
+        """After a failure noticed in ``step``: did this rank commit that step anyway (every managed optimizer
+        stepped; without managed optimizers, the step function returned)?"""
+        return self.committed_step == step if self.optimizers else not self.step_raised
+
+    # --- survivor --------------------------------------------------------------------------------------------------
+    def recover(self, attempted: int, done: bool) -> int:
+        """Survivor: after a failure noticed in step ``attempted`` (``done``: that step committed here anyway),
+        halt, follow tmd's recovery plan and return the step to resume at. Exits the process (ExitCode.FAILED)
+        after ``RECOVERY_TIMEOUT_S`` seconds without word from tmd."""
+        committed = attempted if done else attempted - 1
+        rng_next = torch.get_rng_state() if done else self.rng_snapshot  # RNG at the start of committed + 1
+        self.control.enter(Stage.HALTED)
+        if self.control.halt is None:  # we saw it first (a peer's socket closed): a detection signal for tmd
+            self.reports.report(0, p.RecoveryPhase.COLLECTIVE_FAILED, ok=False, error=self.failure() or "",
+                                step=committed)
+        while True:
+            self._wait(lambda: self.control.halt is not None, "a halt")
+            halt = self.control.halt
+            self.reports.report(halt.incident_id, p.RecoveryPhase.HALTED, step=committed)
+            self._wait(lambda: self.control.halt is not halt or (
+                self.control.plan is not None and self.control.plan.incident_id == halt.incident_id),
+                "a recovery plan")
+            if self.control.halt is not halt:
+                continue  # superseded by a newer failure: halt again under its id
+            try:
+                self.control.enter(Stage.RECOVERING)
+                resume = self._carry_out(self.control.plan, committed, rng_next)
+            except _Superseded:
+                self.control.enter(Stage.HALTED)
+                continue
+            except Exception as e:  # noqa: BLE001 - reported; tmd decides (a new incident or the job fails)
+                self.control.enter(Stage.HALTED)
+                log.exception("recovery %d failed", halt.incident_id)
+                self.reports.report(halt.incident_id, p.RecoveryPhase.RECOVERED, ok=False, error=e, step=committed)
+                self._wait(lambda: self.control.halt is not halt, "a new plan after a failed recovery")
+                continue
+            self.control.enter(Stage.TRAINING)
+            return resume
+
+    # --- replacement -------------------------------------------------------------------------------------------------
+    def replace(self, incident_id: int) -> int:
+        """Joiner replacing a failed rank: report warmed, wait for the plan, receive state, return the step to
+        resume at. ``incident_id`` 0: a migration's joiner whose leaver died (tmd knows it is warm). Exits the
+        process (ExitCode.FAILED) when the recovery fails (a fresh standby takes over) or after
+        ``RECOVERY_TIMEOUT_S`` seconds without a plan."""
+        self.control.enter(Stage.RECOVERING)
+        if incident_id:
+            self.reports.report(incident_id, p.RecoveryPhase.WARMED, step=-1)
+        while True:
+            self._wait(lambda: self.control.plan is not None, "a recovery plan")
+            plan = self.control.plan
+            try:
+                resume = self._carry_out(plan, None, None)
+            except _Superseded:
+                continue
+            except Exception as e:  # noqa: BLE001 - a fresh standby takes over; this process is thrown away
+                log.exception("recovery %d failed", plan.incident_id)
+                self.reports.report(plan.incident_id, p.RecoveryPhase.RECOVERED, ok=False, error=e)
+                exit_process(p.ExitCode.FAILED, f"replacement for rank {self.control.rank}: recovery "
+                                                f"{plan.incident_id} failed: {type(e).__name__}: {e}")
+            groups = self.control.groups
+            groups.set_mode(p.MoverMode.LIVE)
+            groups.set_tolerant()
+            self.control.become_active()
+            return resume
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        if not self.control.wait_until(ready, RECOVERY_TIMEOUT_S):
+            exit_process(p.ExitCode.FAILED, f"rank {self.control.rank}: no word from tmd for "
+                                            f"{RECOVERY_TIMEOUT_S:.0f} s while waiting for {what}")
+
+    def _carry_out(self, plan: p.Recover, committed: Optional[int], rng_next: Optional[torch.Tensor]) -> int:
+        """Carry out ``plan`` on a helper thread (a dead peer can block a rendezvous or a transfer for the
+        gloo timeout) while this thread watches for a newer halt; on one, the helper's work is abandoned and
+        nothing it received is loaded. Returns the step to resume at. Raises _Superseded or the helper's error."""
+        rank = self.control.rank
+        incident = plan.incident_id
+        receive_from = next((s for s, d in plan.sends if d == rank), None)
+        send_to = sorted(d for s, d in plan.sends if s == rank)
+        if receive_from is None and committed != plan.resume_step - 1:
+            raise RuntimeError(f"plan resumes at step {plan.resume_step}, but this rank committed {committed} "
+                               "and is sent no state")
+        result: dict[str, Any] = {}
+        groups = self.control.groups
+        store, timeout_s, host = groups.store, groups.timeout_s, groups.host
+        attempt = Attempt(self.control.halt, plan)
+
+        def work() -> None:
+            started = time.perf_counter()
+            try:
+                # One thread, one order on every rank (transfer groups by receiver, then the groups): the job's
+                # TCPStore client serialises blocking waits, so two rendezvous in flight could deadlock.
+                moved = 0  # bytes received here (senders do not count them twice)
+                for dst in send_to:
+                    pg = mb.build_inner(store, p.layout.recovery_prefix(plan.generation, dst), 0, 2, timeout_s, host)
+                    transfer.send_state(pg, self.replicated, {"step": plan.resume_step, "rng": rng_next})
+                    mb.release_in_background(pg)
+                    pg = None
+                if receive_from is not None:
+                    pg = mb.build_inner(store, p.layout.recovery_prefix(plan.generation, rank), 1, 2, timeout_s, host)
+                    states, extra, n, _ = transfer.recv_state(pg, 0)
+                    mb.release_in_background(pg)
+                    pg = None
+                    moved += n
+                    result["received"] = (states, extra)
+                result.update(built=groups.build_all(plan.generation), moved=moved,
+                              seconds=time.perf_counter() - started)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                result["error"] = e
+            finally:
+                # The waiting thread decides under the same lock: one of us drops what was built.
+                if self.control.finish_attempt(attempt):
+                    for inner in result.get("built", {}).values():
+                        mb.release_in_background(inner)
+
+        threading.Thread(target=work, daemon=True, name=f"tm-recover-{incident}").start()
+        newer, done = self.control.await_attempt(attempt, RECOVERY_TIMEOUT_S)
+        if newer or not done:
+            for inner in result.get("built", {}).values() if done else ():
+                mb.release_in_background(inner)
+            raise _Superseded() if newer else RuntimeError("recovery timed out")
+        # The helper can no longer touch anything: load what it received and swap the groups in.
+        if "error" in result:
+            raise result["error"]
+        if "received" in result:
+            states, extra = result["received"]
+            transfer.load_state(self.replicated, states)  # KeyError if the sets of objects differ
+            rng_next = extra["rng"]
+        groups.install(result["built"])
+        if rng_next is not None:
+            torch.set_rng_state(rng_next)
+        self.control.recovered(attempt)
+        self.committed_step = plan.resume_step - 1
+        self.reports.report(incident, p.RecoveryPhase.RECOVERED, step=plan.resume_step - 1,
+                            bytes_moved=result["moved"], seconds=result["seconds"])
+        print(f"[worker] rank {rank} recovered from incident {incident}: resuming at step "
+              f"{plan.resume_step} (generation {plan.generation})", flush=True)
+        return plan.resume_step

@@ -1,0 +1,62 @@
+"""What a rank tells tmd about its own progress: one :class:`Reporter` for every report but the heartbeat.
+
+A migration's or a recovery's phase goes out through one method, :meth:`Reporter.report`: a
+:class:`tmd.protocol.MigrationPhase` becomes a ``PhaseDone`` of that migration, a
+:class:`tmd.protocol.RecoveryPhase` a ``RecoveryReport`` of that incident. Step times and the end of the loop
+(``StepReport``, ``Done``) go out here too. Sending never blocks (worker.agent queues the message); any thread
+may report.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
+from tmd import protocol as p
+
+Phase = Union[p.MigrationPhase, p.RecoveryPhase]
+
+
+def describe_error(error: Union[str, BaseException]) -> str:
+    """An exception as ``"TypeName: message"`` (a string is kept as it is)."""
+    return error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+
+
+class Reporter:
+    """Sends this rank's reports through ``send`` (worker.agent.Agent.send); ``rank()`` gives the rank they
+    carry (-1 before one is assigned)."""
+
+    def __init__(self, send: Callable[[p.Message], None], rank: Callable[[], int]) -> None:
+        self.send = send
+        self.rank = rank
+
+    def report(self, episode_id: int, phase: Phase, *, ok: bool = True, error: Union[str, BaseException] = "",
+               step: int = -1, bytes_moved: int = 0, seconds: float = 0.0,
+               groups: Optional[Sequence[str]] = None) -> None:
+        """Report ``phase`` of migration or incident ``episode_id`` (0: no incident known yet).
+
+        ``ok`` false: the phase failed and ``error`` (a string or the exception) says why. ``step``: for a
+        migration phase, the step the rank is on (``armed``) or the switch step (``committed``); for a recovery
+        phase, the last step whose update this rank committed (-1: none or unknown). ``bytes_moved`` (bytes) and
+        ``seconds`` measure a transfer or a wait; ``groups`` (migration ``prepared`` only) names the groups this
+        rank rebuilt. Raises TypeError for a phase of neither kind and ValueError for ``groups`` on a recovery
+        phase."""
+        if isinstance(phase, p.MigrationPhase):
+            self.send(p.PhaseDone(migration_id=episode_id, rank=self.rank(), phase=phase, ok=ok,
+                                  error=describe_error(error), step=step, bytes_moved=bytes_moved, seconds=seconds,
+                                  groups=list(groups or [])))
+        elif isinstance(phase, p.RecoveryPhase):
+            if groups:
+                raise ValueError("a recovery report carries no groups")
+            self.send(p.RecoveryReport(incident_id=episode_id, rank=self.rank(), phase=phase, ok=ok,
+                                       error=describe_error(error), committed_step=step, bytes_moved=bytes_moved,
+                                       seconds=seconds))
+        else:
+            raise TypeError(f"not a migration or recovery phase: {phase!r}")
+
+    def step_time(self, step: int, seconds: float, shadow: bool) -> None:
+        """Step ``step`` took ``seconds`` (wall time from the previous boundary); ``shadow``: a shadow
+        iteration."""
+        self.send(p.StepReport(rank=self.rank(), step=step, step_time_s=seconds, shadow=shadow))
+
+    def done(self, final_step: int, left: bool) -> None:
+        """The training loop ended after ``final_step`` (``left``: as a leaver that handed over)."""
+        self.send(p.Done(rank=self.rank(), final_step=final_step, left=left))
