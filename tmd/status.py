@@ -45,4 +45,4 @@ def status_reply(job: str, registry: Registry, migration: Optional[Episode], rec
     return p.StatusReply(job=job, world_size=registry.world_size, generation=registry.generations.current,
                          step=registry.current_step(), nodes=nodes,
                          migration=migration.to_dict() if migration else None,
-                         recovery=recovery.to_dict() if recovery else None)
+                         recovery=recovery.to_dict() if recovery else None, failure=None, warnings=[])

@@ -24,7 +24,8 @@ def test_every_message_round_trips():
         p.Release(reason="job finished", exit_code=0),
         p.Reregister(store_host="127.0.0.1", store_port=29501, generation=2),
         p.Rejoin(node="n1", local_rank=1, pid=123, host="host", rank=1, role="active", step=57, generation=2),
-        p.StatusReply(job="job", world_size=4, generation=1, step=10, nodes=[{"name": "n1"}], migration=None, recovery=None),
+        p.StatusReply(job="job", world_size=4, generation=1, step=10, nodes=[{"name": "n1"}], migration=None, recovery=None,
+                      failure=None, warnings=[]),
         p.MigrateRequest(source="n2", target="s1"),
         p.ErrorReply(code="unknown_node", message="unknown node 'n9'"),
     ]

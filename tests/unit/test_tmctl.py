@@ -123,7 +123,8 @@ def migration(state, reason="", **extra):
 
 
 def status_reply(mig=None):
-    return StatusReply(job="local-abc", world_size=4, generation=1, step=42, nodes=NODES, migration=mig, recovery=None)
+    return StatusReply(job="local-abc", world_size=4, generation=1, step=42, nodes=NODES, migration=mig, recovery=None, failure=None,
+                       warnings=[])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -151,7 +152,7 @@ def test_status_json_is_the_reply(fake):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data == {"job": "local-abc", "world_size": 4, "generation": 1, "step": 42, "nodes": NODES,
-                    "migration": None, "recovery": None}
+                    "migration": None, "recovery": None, "failure": None, "warnings": []}
 
 
 # ------------------------------------------------------------------------------------------------------------

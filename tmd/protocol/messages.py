@@ -20,7 +20,9 @@ import typing
 import enum
 from typing import Any, ClassVar, Optional
 
-from tmd.protocol.vocab import ErrorCode, HookKind, MigrationPhase, MigrationRole, RecoveryPhase, Sender, WorkerRole
+from tmd.protocol.vocab import (
+    ErrorCode, FailureKind, HookKind, MigrationPhase, MigrationRole, RecoveryPhase, Sender, WarningCode, WorkerRole,
+)
 
 PROTOCOL_VERSION = 1
 
@@ -149,6 +151,30 @@ class Done(Message, sender=Sender.WORKER):
     left: bool
 
 
+@dataclasses.dataclass(kw_only=True)
+class RankFailed(Message, sender=Sender.WORKER):
+    """This rank cannot go on and the job must fail (not a node failure: no standby is spent on it). ``kind``
+    SCRIPT_ERROR: the training script raised at ``step`` (``error`` is one line, ``"ValueError: ..."``;
+    ``traceback`` the formatted traceback, at most 8000 characters, its tail kept). STATE_MISMATCH: after a
+    migration or recovery the managed state of data-parallel replicas differs (``error`` says which ranks)."""
+
+    rank: int
+    step: int
+    kind: FailureKind
+    error: str
+    traceback: str
+
+
+@dataclasses.dataclass(kw_only=True)
+class RankWarning(Message, sender=Sender.WORKER):
+    """Misuse found at start (see :class:`~tmd.protocol.vocab.WarningCode`); ``message`` says what to fix.
+    tmd shows it in ``tmctl status`` and refuses migrations and recoveries of the job."""
+
+    rank: int
+    code: WarningCode
+    message: str
+
+
 # --------------------------------------------------------------------------------------------------------------
 # tmd -> worker agent
 # --------------------------------------------------------------------------------------------------------------
@@ -272,6 +298,8 @@ class StatusReply(Message, sender=Sender.COORDINATOR):
     nodes: list
     migration: Optional[dict]
     recovery: Optional[dict]
+    failure: Optional[dict]  # why the job failed (rank, node, kind, error, traceback), or None
+    warnings: list  # misuse found at start: dicts of rank, node, code, message
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -192,6 +192,23 @@ class ErrorCode(StrEnum):
     UNKNOWN_MIGRATION = "unknown_migration"
 
 
+class FailureKind(StrEnum):
+    """Why a rank reports that the job must fail (``RankFailed.kind``): the training script raised
+    (``SCRIPT_ERROR``: the user's error, not a peer failure), or the managed state of data-parallel replicas differs
+    after a migration or recovery (``STATE_MISMATCH``: the trajectory diverged)."""
+
+    SCRIPT_ERROR = "script_error"
+    STATE_MISMATCH = "state_mismatch"
+
+
+class WarningCode(StrEnum):
+    """Misuse a rank finds at start (``RankWarning.code``): nothing replicated was managed, or a DDP/FSDP module's
+    parameters are not all in managed state. Such a job cannot be migrated or recovered without diverging."""
+
+    NOTHING_MANAGED = "nothing_managed"
+    UNMANAGED_PARAMETERS = "unmanaged_parameters"
+
+
 class HookKind(StrEnum):
     """The SLURM hook a NodeNotice or a hook report comes from (slurm/hooks.py)."""
 
@@ -227,6 +244,9 @@ class Event(StrEnum):
     JOB_FAILED = "job_failed"
     JOB_RELEARNED = "job_relearned"
     PROCESSES_TERMINATED = "processes_terminated"
+    RANK_FAILED = "rank_failed"  # a rank's script raised, or its state diverged: the job fails
+    JOB_WARNING = "job_warning"  # misuse found at start (RankWarning)
+    STARTUP_FAILED = "startup_failed"  # a rank process died before worker.init() registered
     # workers and nodes
     WORKER_REGISTERED = "worker_registered"
     REGISTER_REFUSED = "register_refused"
