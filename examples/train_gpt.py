@@ -3,6 +3,7 @@
 Launched by the runtime on each node (active ranks and standbys alike)::
 
     python examples/train_gpt.py --steps 40 [--batch-size 8] [--seed 0] [--tiny] [--log-every 5]
+                                 [--dropout P] [--seed-mode shared|per-rank|per-step]
 
 ``worker.init()`` blocks on a standby until it is assigned a rank, then installs
 the default process group. ``session.manage(...)`` hands the model, optimizer
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import hashlib
 import json
 import os
 import sys
@@ -33,6 +35,22 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from examples.data import ShakespeareStream, load_corpus  # noqa: E402
 from examples.gpt import GPT, GPTConfig, loss as lm_loss  # noqa: E402
 from examples.state_hash import final_state_hash  # noqa: E402
+
+
+class SeedMode(enum.StrEnum):
+    """How the global RNG (dropout masks) is seeded: ``shared`` (``--seed`` before the model is built, the same
+    stream on every rank), ``per-rank`` (``torch.manual_seed(seed + rank)`` after ``worker.init()``) or
+    ``per-step`` (reseeded from (seed, rank, step) at the start of every step)."""
+
+    SHARED = "shared"
+    PER_RANK = "per-rank"
+    PER_STEP = "per-step"
+
+
+def step_seed(seed: int, rank: int, step: int) -> int:
+    """The ``per-step`` seed of ``rank`` at ``step`` (63 bits, stable across processes)."""
+    digest = hashlib.sha256(f"train_gpt/{seed}/{rank}/{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class FaultPhase(enum.StrEnum):
@@ -50,6 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank per step (default 8; 4 with --tiny)")
     p.add_argument("--seed", type=int, default=0, help="model-init and data seed")
     p.add_argument("--tiny", action="store_true", help="d_model 32, 1 layer, 2 heads, context 32, batch 4")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout probability on every block's output (randomness in the step; default 0: none)")
+    p.add_argument("--seed-mode", choices=tuple(SeedMode), default=SeedMode.SHARED,
+                   help="shared: one RNG stream on every rank; per-rank: manual_seed(seed + rank) after init; "
+                        "per-step: reseed from (seed, rank, step) every step")
+    p.add_argument("--unmanaged-model", action="store_true",
+                   help="misuse, for tests: do not manage the model and do not wrap it in DDP (gradients averaged "
+                        "by hand), so only the runtime's replica check can see that a joiner keeps a fresh model")
     p.add_argument("--log-every", type=int, default=5, help="print rank 0's loss every N steps")
     p.add_argument("--group-size", type=int, default=0,
                    help="also make subgroups of this many consecutive ranks (e.g. one per node) and average the "
@@ -73,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--fault phase must be forward, optimizer or between, not {phase!r}")
         faults[(node, int(step))] = FaultPhase(phase)
     args.fault = faults
+    args.seed_mode = SeedMode(args.seed_mode)
     if args.batch_size is None:
         args.batch_size = 4 if args.tiny else 8
     return args
@@ -122,11 +149,21 @@ def main(argv: list[str] | None = None) -> None:
     gpt = GPT(cfg)
     load_corpus()
 
+    if args.dropout > 0:  # dropout on each block's output: draws from the global CPU RNG every step
+        for block in gpt.blocks:
+            block.register_forward_hook(lambda mod, inp, out: torch.nn.functional.dropout(out, args.dropout,
+                                                                                          mod.training))
+
     session = worker.init()  # standbys block here until they are given a rank
-    model = torch.nn.parallel.DistributedDataParallel(gpt)  # default group (backend "tmover")
+    if args.seed_mode == SeedMode.PER_RANK:
+        torch.manual_seed(args.seed + session.rank)  # each rank its own stream: the runtime keeps each rank's RNG
+    model = gpt if args.unmanaged_model else torch.nn.parallel.DistributedDataParallel(gpt)  # backend "tmover"
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     data = ShakespeareStream(session.rank, batch_size=args.batch_size, context=cfg.context, seed=args.seed)
-    session.manage(model=model, optimizer=opt)  # identical on every data-parallel replica
+    if args.unmanaged_model:
+        session.manage(optimizer=opt)  # the mistake: the model's parameters move with nobody
+    else:
+        session.manage(model=model, optimizer=opt)  # identical on every data-parallel replica
     session.manage(rank_local=True, data=data)  # this rank's shard; batches are a function of the step
     subgroup = None
     if args.group_size:
@@ -146,11 +183,17 @@ def main(argv: list[str] | None = None) -> None:
     def train_step(step: int) -> None:
         nonlocal t_log
         t_step = time.perf_counter()
+        if args.seed_mode == SeedMode.PER_STEP:
+            torch.manual_seed(step_seed(args.seed, session.rank, step))
         x, y = data.batch(step)  # int64 [B, T] each
         loss = lm_loss(model(x), y)
         fault(step, FaultPhase.FORWARD)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if args.unmanaged_model:  # what DDP would do: average the gradients
+            for param in model.parameters():
+                torch.distributed.all_reduce(param.grad)
+                param.grad /= session.world_size
         opt.step()  # refused (StepAborted) if a collective of this step failed: the runtime redoes the step
         if subgroup is not None:  # the loss averaged over this rank's subgroup (logging only)
             group_loss = loss.detach().clone()

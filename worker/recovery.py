@@ -17,8 +17,24 @@ A replacement (a standby given a lost rank, after its shadow iterations) reports
 and receives the replicated state from a replica (:meth:`Recovery.replace`). A newer Halt while a plan is
 carried out abandons it (nothing it received is loaded) and the rank halts again under the new incident.
 
+**Each rank's own state.** In the first managed optimizer's step pre-hook of every step (only when the step is not
+already failing), every rank serialises its rank state (CPU and CUDA RNG, the ``rank_local`` managed objects;
+worker.rank_state) and the world group all-gathers them (two tiny collectives through the mover: a failure latches
+and the step is refused like any other). A rank that commits step S therefore holds every rank's state as of the
+end of S's compute, which is the state at the start of S + 1 (assumed: no RNG draws between the optimizer step and
+the start of the next step; rank-local state_dicts are plain data). Only the latest committed step's copy is kept
+(``world_size`` x a few KB of host memory). In a recovery every receiver (a replacement, or a survivor one step
+behind) gets, with the replicated state from its sender, *its own* rank state from the sender's copy and loads it;
+survivors that committed keep their own. During a joiner's shadow iterations the exchange is replayed like any
+collective.
+
+**Fingerprint check.** The same exchange carries a fingerprint of the replicated state (worker.rank_state).
+After a migration or recovery, at the first step after it, every rank compares all ranks' fingerprints (every rank
+is a data-parallel replica of the world group); a mismatch fails the job (``RankFailed(STATE_MISMATCH)``, exit
+``FAILED``). Only then is a fingerprint computed (~10 ms on the demo GPT); ``VERIFY_EVERY_STEP`` compares at every step.
+
 The step ledger (which managed optimizers stepped, the last committed step, the RNG at the start of the
-attempt) is the training thread's own; what the agent thread delivers (halt, plan) is read from
+attempt, the exchanged rank states) is the training thread's own; what the agent thread delivers (halt, plan) is read from
 :class:`worker.control.Control`.
 """
 from __future__ import annotations
@@ -32,7 +48,7 @@ import torch
 
 from tmd import protocol as p
 from worker import backend as mb
-from worker import transfer
+from worker import rank_state, transfer
 from worker.control import Attempt, Control, Stage
 from worker.exit import exit_process
 from worker.reports import Reporter
@@ -40,6 +56,10 @@ from worker.reports import Reporter
 log = logging.getLogger("worker.recovery")
 
 RECOVERY_TIMEOUT_S = 600.0  # a halted rank that hears nothing from tmd this long (seconds) exits with an error
+# Compare the replicas' fingerprints at every step, not only at the first step after a migration or recovery. Off:
+# a fingerprint costs ~10 ms on the demo GPT (~3 % of its step on this machine).
+VERIFY_EVERY_STEP = False
+NO_FINGERPRINT = bytes(32)  # sent in place of a fingerprint by a rank that does not verify this step
 
 
 class StepAborted(RuntimeError):
@@ -56,10 +76,16 @@ class Recovery:
     """This rank's part in failure recovery (see the module docstring). Training thread only, apart from the
     helper thread of :meth:`recover` / :meth:`replace`, which the training thread waits for."""
 
-    def __init__(self, control: Control, reports: Reporter) -> None:
+    def __init__(self, control: Control, reports: Reporter, fail: Callable[[p.FailureKind, str], None]) -> None:
+        """``fail(kind, error)``: report that the job must fail and end this process (never returns)."""
         self.control = control
         self.reports = reports
+        self.fail = fail
         self.replicated: dict[str, Any] = {}  # state identical on every data-parallel replica
+        self.local: dict[str, Any] = {}  # rank-local state (e.g. this rank's data sampler)
+        self.exchanged: Optional[tuple[int, list[bytes]]] = None  # (step, every rank's state) of this attempt
+        self.kept: Optional[tuple[int, list[bytes]]] = None  # the same, of the latest committed step
+        self.verify_next = False  # compare the replicas' fingerprints at the next exchange
         self.optimizers: list[torch.optim.Optimizer] = []
         self.stepped: set[int] = set()  # ids of the managed optimizers that stepped in this attempt
         self.committed_step = -1  # last step whose optimizer update this process applied
@@ -69,8 +95,7 @@ class Recovery:
     # --- the step ledger (training thread) -----------------------------------------------------------------------
     def manage(self, objects: dict[str, Any], rank_local: bool) -> None:
         """Track ``objects``: replicated unless ``rank_local``; managed optimizers get the step hooks."""
-        if not rank_local:
-            self.replicated.update(objects)
+        (self.local if rank_local else self.replicated).update(objects)
         for obj in objects.values():
             if isinstance(obj, torch.optim.Optimizer) and obj not in self.optimizers:
                 self.optimizers.append(obj)
@@ -87,6 +112,10 @@ class Recovery:
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         why = self.failure()
+        # first managed optimizer of the step (shadow iterations do not call begin_step: compare the step)
+        if not why and (self.exchanged is None or self.exchanged[0] != self.control.step):
+            self._exchange()
+            why = self.failure()  # the exchange's collectives may have latched a failure
         if why:
             raise StepAborted(f"rank {self.control.rank} step {self.control.step}: update refused, {why}")
 
@@ -94,10 +123,43 @@ class Recovery:
         self.stepped.add(id(optimizer))
         if len(self.stepped) == len(self.optimizers):
             self.committed_step = self.control.step
+            if self.exchanged is not None and self.exchanged[0] == self.committed_step:
+                self.kept = self.exchanged
+
+    def _exchange(self) -> None:
+        """All-gather every rank's fingerprint (32 bytes) + rank state; compare the fingerprints if due."""
+        step = self.control.step
+        # Replayed in shadow iterations: the recorded fingerprints are the leaver's peers', nothing to compare.
+        verifying = (self.verify_next or VERIFY_EVERY_STEP) and self.control.stage != Stage.SHADOW \
+            and self.control.role == p.WorkerRole.ACTIVE
+        fp = rank_state.fingerprint(self.replicated, self.optimizers) if verifying else NO_FINGERPRINT
+        gathered = rank_state.all_gather_bytes(fp + rank_state.serialize(self.local))
+        if self.failure() is not None:
+            return  # outputs untouched by a failed collective: keep nothing
+        self.exchanged = (step, gathered)
+        if verifying:
+            self.verify_next = False
+            prints = {r: g[:rank_state.FINGERPRINT_BYTES] for r, g in enumerate(gathered)}
+            prints = {r: f for r, f in prints.items() if f != NO_FINGERPRINT}  # ranks not verifying this step
+            mine = prints[self.control.rank]
+            if len(set(prints.values())) > 1:
+                agree = [r for r, f in prints.items() if f == mine]
+                other = [r for r, f in prints.items() if f != mine]
+                self.fail(p.FailureKind.STATE_MISMATCH,
+                          f"managed state differs between data-parallel replicas at step {step}: ranks "
+                          f"{agree} agree with rank {self.control.rank}, ranks {other} differ")
+
+    def own_state(self, rank: int, step: int) -> Optional[bytes]:
+        """Rank ``rank``'s state (worker.rank_state bytes) at the start of step ``step + 1``, from the copy kept
+        at committed step ``step``; None when no such copy is kept (no managed optimizer, or another step)."""
+        if self.kept is None or self.kept[0] != step or not 0 <= rank < len(self.kept[1]):
+            return None
+        return self.kept[1][rank][rank_state.FINGERPRINT_BYTES:]
 
     def begin_step(self) -> None:
         """A step attempt starts: no optimizer stepped yet; remember the RNG to redo it with."""
         self.stepped.clear()
+        self.exchanged = None
         self.rng_snapshot = torch.get_rng_state()
 
     def committed(self, step: int) -> bool:
@@ -196,7 +258,9 @@ class Recovery:
                 moved = 0  # bytes received here (senders do not count them twice)
                 for dst in send_to:
                     pg = mb.build_inner(store, p.layout.recovery_prefix(plan.generation, dst), 0, 2, timeout_s, host)
-                    transfer.send_state(pg, self.replicated, {"step": plan.resume_step, "rng": rng_next})
+                    transfer.send_state(pg, self.replicated, {
+                        "step": plan.resume_step, "rng": rng_next,
+                        "rank_state": self.own_state(dst, plan.resume_step - 1)})
                     mb.release_in_background(pg)
                     pg = None
                 if receive_from is not None:
@@ -228,12 +292,16 @@ class Recovery:
         if "received" in result:
             states, extra = result["received"]
             transfer.load_state(self.replicated, states)  # KeyError if the sets of objects differ
-            rng_next = extra["rng"]
+            rng_next = extra["rng"]  # the sender's RNG: only where the sender kept no copy of this rank's state
+            if extra.get("rank_state") is not None:
+                rank_state.restore(rank_state.deserialize(extra["rank_state"]), self.local)
+                rng_next = None
         groups.install(result["built"])
         if rng_next is not None:
             torch.set_rng_state(rng_next)
         self.control.recovered(attempt)
         self.committed_step = plan.resume_step - 1
+        self.verify_next = True
         self.reports.report(incident, p.RecoveryPhase.RECOVERED, step=plan.resume_step - 1,
                             bytes_moved=result["moved"], seconds=result["seconds"])
         print(f"[worker] rank {rank} recovered from incident {incident}: resuming at step "

@@ -3,7 +3,8 @@
 A migration's or a recovery's phase goes out through one method, :meth:`Reporter.report`: a
 :class:`tmd.protocol.MigrationPhase` becomes a ``PhaseDone`` of that migration, a
 :class:`tmd.protocol.RecoveryPhase` a ``RecoveryReport`` of that incident. Step times and the end of the loop
-(``StepReport``, ``Done``) go out here too. Sending never blocks (worker.agent queues the message); any thread
+(``StepReport``, ``Done``), a failure of the rank's own making (``RankFailed``) and misuse found at start
+(``RankWarning``) go out here too. Sending never blocks (worker.agent queues the message); any thread
 may report.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Callable, Optional, Sequence, Union
 from tmd import protocol as p
 
 Phase = Union[p.MigrationPhase, p.RecoveryPhase]
+TRACEBACK_CHARS = 8000  # a RankFailed carries at most this much of a traceback (its tail)
 
 
 def describe_error(error: Union[str, BaseException]) -> str:
@@ -56,6 +58,18 @@ class Reporter:
         """Step ``step`` took ``seconds`` (wall time from the previous boundary); ``shadow``: a shadow
         iteration."""
         self.send(p.StepReport(rank=self.rank(), step=step, step_time_s=seconds, shadow=shadow))
+
+    def failed(self, step: int, kind: p.FailureKind, error: Union[str, BaseException], traceback: str = "") -> None:
+        """This rank cannot go on and the job must fail (``RankFailed``): ``kind`` says why, ``error`` in one line
+        (an exception becomes ``"TypeName: message"``), ``traceback`` its formatted traceback (the tail of at most
+        ``TRACEBACK_CHARS`` characters is kept)."""
+        line = describe_error(error).splitlines()[0] if describe_error(error) else ""
+        self.send(p.RankFailed(rank=self.rank(), step=step, kind=kind, error=line,
+                               traceback=traceback[-TRACEBACK_CHARS:]))
+
+    def warning(self, code: p.WarningCode, message: str) -> None:
+        """Misuse found at start (``RankWarning``)."""
+        self.send(p.RankWarning(rank=self.rank(), code=code, message=message))
 
     def done(self, final_step: int, left: bool) -> None:
         """The training loop ended after ``final_step`` (``left``: as a leaver that handed over)."""

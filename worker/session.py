@@ -24,14 +24,16 @@ import datetime
 import logging
 import os
 import socket
+import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+import traceback
+from typing import Any, Callable, Iterator, NoReturn, Optional
 
 import torch.distributed as dist
 
 from tmd import protocol as p
-from worker import sandbox
+from worker import misuse, sandbox
 from worker.agent import Agent
 from worker.commands import Commands
 from worker.control import Control, Stage
@@ -77,7 +79,9 @@ class Session:
         self._groups: Optional[GroupManager] = None
         self._record_writer: Optional[threading.Thread] = None
         self._group_names: list[str] = []
-        self._recovery = Recovery(control, reports)
+        self._recovery = Recovery(control, reports, self._fail)
+        self._failure_reported = False
+        self._misuse_checked = False
         self._migration = Migration(control, reports, self.objects, agent.close)
 
     @property
@@ -108,6 +112,7 @@ class Session:
             exit_process(got.exit_code, f"released by tmd before a rank was assigned: {got.reason}")
         a = self._assign = got
         self._control.start(a)
+        self._install_excepthooks()
         self.world_size = a.world_size
         store = dist.TCPStore(a.store_host, a.store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
@@ -147,8 +152,11 @@ class Session:
 
         ``rank_local=False`` (model, optimizer, scheduler): the state is identical on every data-parallel
         replica, so after a failure a replacement (or a survivor one step behind) receives it from a replica.
-        ``rank_local=True`` (a data sampler built for this rank): not copied between ranks after a failure; it
-        must make each step's data a function of the step number (the redone step asks for the same step).
+        ``rank_local=True`` (a data sampler built for this rank): kept, with this rank's RNG states, by every rank
+        at each step (worker.rank_state); after a failure the rank's replacement (or the rank itself, one step
+        behind) gets it back from a replica's copy. Its state_dict must be plain data (tensors, numbers, strings,
+        containers: it is loaded with ``torch.load(weights_only=True)``), and each step's data a function of the
+        step number (the redone step asks for the same step).
 
         Managed optimizers get a step pre-hook that raises :class:`StepAborted` when a collective of the step
         failed (nothing is updated then) and a post-hook that records the step as committed.
@@ -158,6 +166,61 @@ class Session:
                 raise TypeError(f"managed object {name!r} has no state_dict/load_state_dict")
         self.objects.update(objects)
         self._recovery.manage(objects, rank_local)
+
+    # --- the script's own errors ------------------------------------------------------------------------------
+    def _script_error(self, exc: BaseException) -> None:
+        """Report ``exc`` (raised by the training script, not caused by a peer failure) as the job's failure
+        (``RankFailed(SCRIPT_ERROR)`` with its traceback) and flush the agent (up to 2 s). Once per process;
+        a :class:`StepAborted` or any exception while a failure is latched is a peer failure and is not
+        reported (tmd handles the node failure)."""
+        if self._failure_reported or isinstance(exc, (StepAborted, KeyboardInterrupt, SystemExit)):
+            return
+        if self._recovery.failure() is not None:
+            return
+        self._failure_reported = True
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self._reports.failed(self._control.step, p.FailureKind.SCRIPT_ERROR, exc, tb)
+        self.agent.close()
+
+    def _fail(self, kind: p.FailureKind, error: str) -> NoReturn:
+        """The job must fail for ``kind``: report it, flush the agent and exit (ExitCode.FAILED)."""
+        self._failure_reported = True
+        self._reports.failed(self._control.step, kind, error)
+        self.agent.close()
+        exit_process(p.ExitCode.FAILED, f"rank {self.rank}: {kind.value}: {error}")
+
+    def _install_excepthooks(self) -> None:
+        """Report an exception that would end the process (``sys.excepthook``) or a thread
+        (``threading.excepthook``) as a script error, then hand it to the previous hook."""
+        previous, previous_thread = sys.excepthook, threading.excepthook
+
+        def hook(kind, exc, tb):
+            try:
+                self._script_error(exc)
+            finally:
+                previous(kind, exc, tb)
+
+        def thread_hook(args):
+            try:
+                if args.exc_value is not None:
+                    self._script_error(args.exc_value)
+            finally:
+                previous_thread(args)
+
+        sys.excepthook = hook
+        threading.excepthook = thread_hook
+
+    def _check_misuse(self) -> None:
+        """Once, at the first step boundary on an active rank: report a job whose replicated state is not all
+        managed (worker.misuse); rank 0 also warns on stderr."""
+        self._misuse_checked = True
+        found = misuse.check(self._recovery.replicated)
+        if found is None:
+            return
+        code, message = found
+        self._reports.warning(code, message)
+        if self.rank == 0:
+            print(f"[worker] WARNING ({code.value}): {message}", file=sys.stderr, flush=True)
 
     # --- the training loop ----------------------------------------------------------------------------------
     def run(self, step_fn: Callable[[int], Any], total: int) -> None:
@@ -172,8 +235,9 @@ class Session:
             self._recovery.step_raised = False
             try:
                 step_fn(step)
-            except Exception:
+            except Exception as e:
                 if self._recovery.failure() is None:
+                    self._script_error(e)
                     raise
                 self._recovery.step_raised = True
                 log.warning("rank %d step %d interrupted by a failure: %s", self.rank, step, self._recovery.failure())
@@ -183,8 +247,9 @@ class Session:
         its shadow steps (``is_shadow`` true: collectives replayed, results thrown away), then blocks until the
         switch step S and continues with ``S .. total-1`` in the leaver's rank. On a leaver, the loop ends by
         raising :class:`LeaverExit` (exit code 0) once its state is handed over. After a failure the loop
-        recovers and yields the interrupted step again; only :meth:`run` survives a failure inside a step (a
-        plain ``for`` body sees :class:`StepAborted` from the optimizer). A rank that waits in a recovery without
+        recovers and yields the interrupted step again: a plain ``for`` body sees :class:`StepAborted` from the
+        optimizer and should catch it and ``continue`` (what :meth:`run` does). Any other exception out of the
+        body is the script's error: it is reported to tmd (``RankFailed``) before the process ends. A rank that waits in a recovery without
         word from tmd for ``RECOVERY_TIMEOUT_S`` seconds exits the process (code 1), as does a joiner whose
         state transfer failed with no recovery plan to fall back on."""
         a = self._assign
@@ -198,6 +263,8 @@ class Session:
             else:
                 self._migration.drop_buffers()
                 step = recovery.replace(a.incident_id)
+            recovery.verify_next = True
+        first = step
         prev = None
         while step < total:
             t0 = time.perf_counter()
@@ -210,6 +277,9 @@ class Session:
                     {g.name: g.mover for g in self._groups.groups.values()}, a.record_dir, self.rank)
             if switch is not None:
                 self._migration.switch_boundary(switch)
+                recovery.verify_next = True
+            if step > first and not self._misuse_checked and control.role == p.WorkerRole.ACTIVE:
+                self._check_misuse()
             recovery.begin_step()
             if recovery.failure() is None:
                 yield step

@@ -1,0 +1,86 @@
+"""worker.rank_state: the rank-state round trip (weights_only loading) and the replicated-state fingerprint;
+worker.misuse on a process without DDP modules."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from tmd import protocol as p
+from worker import misuse, rank_state
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self.next_step = 0
+
+    def state_dict(self) -> dict:
+        return {"next_step": self.next_step, "order": torch.arange(5)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_step = state["next_step"]
+
+
+def test_rank_state_round_trip_restores_rng_and_rank_local_objects():
+    torch.manual_seed(7)
+    torch.rand(3)
+    sampler = Sampler()
+    sampler.next_step = 12
+    data = rank_state.serialize({"data": sampler})
+    expected = torch.rand(4)  # what the RNG draws next
+    other = Sampler()
+    torch.manual_seed(123)
+    rank_state.restore(rank_state.deserialize(data), {"data": other})
+    assert other.next_step == 12
+    assert torch.equal(torch.rand(4), expected)
+    with pytest.raises(KeyError):
+        rank_state.restore(rank_state.deserialize(data), {"sampler": Sampler()})
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_deserialize_refuses_arbitrary_objects():
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    with pytest.raises(pickle.UnpicklingError):
+        rank_state.deserialize(pickle.dumps({"cpu_rng": Evil()}))
+
+
+def _model_and_optimizer(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(300, 20)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 300)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_fingerprint_is_equal_for_replicas_and_changes_with_one_element():
+    model, opt = _model_and_optimizer()
+    model2, opt2 = _model_and_optimizer()
+    fp = rank_state.fingerprint({"model": model, "optimizer": opt}, [opt])
+    assert len(fp) == rank_state.FINGERPRINT_BYTES
+    assert fp == rank_state.fingerprint({"model": model2, "optimizer": opt2}, [opt2])
+    with torch.no_grad():
+        model2.weight.view(-1)[0] += 1.0  # element 0 is always sampled
+    assert fp != rank_state.fingerprint({"model": model2, "optimizer": opt2}, [opt2])
+    # the optimizer's parameters count even when the model itself is not managed
+    assert rank_state.fingerprint({"optimizer": opt}, [opt]) != rank_state.fingerprint({"optimizer": opt2}, [opt2])
+    opt2.state[model2.bias]["step"] += 1  # the step count
+    assert rank_state.fingerprint({"optimizer": opt}, [opt]) != rank_state.fingerprint({"optimizer": opt2}, [opt2])
+
+
+def test_misuse_nothing_managed():
+    assert misuse.check({})[0] == p.WarningCode.NOTHING_MANAGED
+    model, opt = _model_and_optimizer()
+    assert misuse.check({"model": model, "optimizer": opt}) is None
+
+
+def test_misuse_unmanaged_parameters_of_a_data_parallel_module(monkeypatch):
+    model, opt = _model_and_optimizer()
+    monkeypatch.setattr(misuse, "data_parallel_modules", lambda: [model])
+    assert misuse.check({"model": model, "optimizer": opt}) is None
+    code, message = misuse.check({"optimizer": opt})  # the optimizer's state_dict does not carry the parameters
+    assert code == p.WarningCode.UNMANAGED_PARAMETERS and "weight" in message

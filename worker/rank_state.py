@@ -1,0 +1,120 @@
+"""Each rank's own state, kept by every rank, and a fingerprint of the replicated state.
+
+**Rank state**: what differs between data-parallel replicas and cannot come from a replica after a failure: the
+CPU RNG state, the CUDA RNG states (where CUDA is initialised) and the ``state_dict`` of every ``rank_local=True``
+managed object. :func:`serialize` writes it with ``torch.save`` into bytes; :func:`deserialize` reads bytes back
+only with ``torch.load(weights_only=True)`` (tensors, plain containers and numbers; never a plain pickle of
+received bytes), so rank-local objects must have plain-data state_dicts.
+
+**Fingerprint** (:func:`fingerprint`): sha256 over every tensor of the replicated managed state (dtype, shape and a
+fixed strided sample of at most :data:`SAMPLE` elements), the non-tensor leaves (an optimizer's step count,
+hyper-parameters) and the parameters of the managed optimizers (so a model left unmanaged is still covered). Equal
+replicas give equal fingerprints; one flipped sampled element changes it. 32 bytes.
+
+**Exchange** (:func:`all_gather_bytes`): every rank's bytes to every rank, over a process group, as two small
+collectives: the sizes (``int64[1]`` each), then the payloads padded to the largest (``uint8``). Through the mover
+a failure latches like any other collective. Each rank keeps every rank's payload of its latest committed step:
+``world_size`` x (a few KB) of host memory.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from worker.backend import inner_kind
+
+SAMPLE = 64  # at most this many elements of each tensor enter the fingerprint
+FINGERPRINT_BYTES = 32
+
+
+def serialize(local_objects: dict[str, Any]) -> bytes:
+    """This rank's state as bytes: ``{"cpu_rng": uint8 tensor, "cuda_rng": [uint8 tensor per device] (empty
+    without initialised CUDA), "local": {name: state_dict}}`` for the ``rank_local`` managed objects."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    state = {"cpu_rng": torch.get_rng_state(), "cuda_rng": list(cuda),
+             "local": {name: obj.state_dict() for name, obj in local_objects.items()}}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def deserialize(data: bytes) -> dict[str, Any]:
+    """The state :func:`serialize` wrote. Raises ``pickle.UnpicklingError`` for anything ``weights_only``
+    loading refuses (e.g. a rank-local state_dict holding arbitrary objects)."""
+    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+def restore(state: dict[str, Any], local_objects: dict[str, Any]) -> None:
+    """Load a deserialised rank state: the RNG states, and the rank-local objects' state_dicts. Raises KeyError
+    when the sets of rank-local objects differ."""
+    if set(state["local"]) != set(local_objects):
+        raise KeyError(f"rank-local objects differ: local {sorted(local_objects)}, received {sorted(state['local'])}")
+    torch.set_rng_state(state["cpu_rng"])
+    if state["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    for name, obj in local_objects.items():
+        obj.load_state_dict(state["local"][name])
+
+
+def _leaves(node: Any, path: str, out: list) -> None:
+    if isinstance(node, torch.Tensor):
+        out.append((path, node))
+    elif isinstance(node, dict):
+        for k in sorted(node, key=repr):
+            _leaves(node[k], f"{path}/{k!r}", out)
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            _leaves(v, f"{path}/{i}", out)
+    else:
+        out.append((path, node))
+
+
+def fingerprint(replicated: dict[str, Any], optimizers: Iterable[torch.optim.Optimizer] = ()) -> bytes:
+    """sha256 (32 bytes) of the replicated managed state (see the module docstring). Samples are gathered into one
+    host copy (one device sync for CUDA state)."""
+    leaves: list = []
+    for name in sorted(replicated):
+        _leaves(replicated[name].state_dict(), name, leaves)
+    for i, opt in enumerate(optimizers):
+        for j, group in enumerate(opt.param_groups):
+            for k, param in enumerate(group["params"]):
+                leaves.append((f"params/{i}/{j}/{k}", param))
+    h = hashlib.sha256()
+    samples = []
+    for path, value in leaves:
+        if isinstance(value, torch.Tensor):
+            t = value.detach().reshape(-1)
+            h.update(f"{path}:{t.dtype}:{tuple(value.shape)};".encode())
+            if t.numel():
+                stride = max(1, t.numel() // SAMPLE)
+                samples.append(t[::stride][:SAMPLE].to(torch.float64 if t.is_floating_point() else torch.int64))
+        else:
+            h.update(f"{path}={value!r};".encode())
+    if samples:
+        flat = torch.cat([s.to(samples[0].device, torch.float64) for s in samples]).cpu()
+        h.update(flat.numpy().tobytes())
+    return h.digest()
+
+
+def all_gather_bytes(data: bytes, group: Optional[dist.ProcessGroup] = None) -> list[bytes]:
+    """Every rank's ``data``, in rank order, gathered over ``group`` (default: the default group) in two
+    collectives (sizes, then uint8 payloads padded to the largest). Tensors live on the CPU (gloo) or the current
+    CUDA device (an NCCL inner backend, worker.backend.inner_kind). Raises what the collectives raise; through the mover a failed collective instead latches
+    and returns untouched outputs, so the caller must check the latch before trusting the result."""
+    world = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if inner_kind() == "nccl" else torch.device("cpu")
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(lengths + [1])
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    outs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(outs, mine.to(device), group=group)
+    return [bytes(o[:n].cpu().numpy().tobytes()) for o, n in zip(outs, lengths)]
