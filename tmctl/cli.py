@@ -14,8 +14,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from tmctl import render
-from tmctl.client import Client, TmctlError, find_coordinator
+from tmctl import ended, render
+from tmctl.client import Client, CoordinatorUnreachable, TmctlError, find_coordinator
 from tmd.protocol import (
     AddStandbyRequest,
     ErrorReply,
@@ -103,17 +103,31 @@ def _global_options(ctx: typer.Context, coordinator: CoordinatorOpt = None, run_
     ctx.obj = {"coordinator": coordinator, "run_dir": run_dir, "job": job, "timeout": timeout}
 
 
+def _options(ctx: typer.Context, coordinator: Optional[str], run_dir: Optional[str], job: Optional[str],
+             timeout: Optional[float]) -> dict:
+    """The connection options given after the command, falling back to those given before it."""
+    before = ctx.obj or {}
+    given = {"coordinator": coordinator, "run_dir": run_dir, "job": job, "timeout": timeout}
+    return {k: v if v is not None else before.get(k) for k, v in given.items()}
+
+
 def _connect(ctx: typer.Context, coordinator: Optional[str], run_dir: Optional[str], job: Optional[str],
              timeout: Optional[float]) -> Client:
     """A Client for the options given after the command, falling back to those given before it."""
-    before = ctx.obj or {}
+    o = _options(ctx, coordinator, run_dir, job, timeout)
+    address = find_coordinator(o["coordinator"], o["run_dir"], o["job"])
+    return Client(address, DEFAULT_TIMEOUT_S if o["timeout"] is None else o["timeout"])
 
-    def pick(name: str, value: Any) -> Any:
-        return value if value is not None else before.get(name)
 
-    address = find_coordinator(pick("coordinator", coordinator), pick("run_dir", run_dir), pick("job", job))
-    timeout_s = pick("timeout", timeout)
-    return Client(address, DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+def _journal_instead(ctx: typer.Context, coordinator: Optional[str], run_dir: Optional[str], job: Optional[str],
+                     error: CoordinatorUnreachable) -> str:
+    """The run directory whose journal answers for a tmd that does not (the job ended, or tmd died); re-raises
+    ``error`` when the options name no run directory with a journal."""
+    o = _options(ctx, coordinator, run_dir, job, None)
+    found = ended.find_run_dir(o["coordinator"], o["run_dir"], o["job"])
+    if found is None:
+        raise error
+    return found
 
 
 def _expect(reply: Message, cls: type) -> Any:
@@ -133,9 +147,21 @@ def _console() -> Console:
 @_guarded
 def status(ctx: typer.Context, json_: JsonOpt = False, coordinator: CoordinatorOpt = None,
            run_dir: RunDirOpt = None, job: JobOpt = None, timeout: TimeoutOpt = None) -> int:
-    """Show the job's nodes, standbys and the current (or last) migration."""
-    with _connect(ctx, coordinator, run_dir, job, timeout) as client:
-        reply = _expect(client.request(StatusRequest()), StatusReply)
+    """Show the job's nodes, standbys and the current (or last) migration.
+
+    When tmd does not answer but the run directory's journal exists (the job ended, or tmd died), shows the
+    last known state from the journal instead, marked as such (with --json: ``{"ended": ..., ...}``).
+    """
+    try:
+        with _connect(ctx, coordinator, run_dir, job, timeout) as client:
+            reply = _expect(client.request(StatusRequest()), StatusReply)
+    except CoordinatorUnreachable as e:
+        state = ended.last_known(_journal_instead(ctx, coordinator, run_dir, job, e))
+        if json_:
+            typer.echo(json.dumps(state))
+        else:
+            _console().print(render.last_known(state))
+        return 0
     if json_:
         typer.echo(json.dumps(dataclasses.asdict(reply)))
         return 0
@@ -152,6 +178,10 @@ def status(ctx: typer.Context, json_: JsonOpt = False, coordinator: CoordinatorO
         console.print("no migration")
     if reply.recovery:
         console.print(render.recovery_line(reply.recovery))
+    for line in render.warning_lines(reply.warnings):
+        console.print(line)
+    if reply.failure:
+        console.print(render.failure_text(reply.failure))
     return 0
 
 
@@ -272,9 +302,24 @@ def events(
     coordinator: CoordinatorOpt = None, run_dir: RunDirOpt = None, job: JobOpt = None,
     timeout: TimeoutOpt = None,
 ) -> int:
-    """Show tmd's event log (a table; one line per event with --follow or --json)."""
-    with _connect(ctx, coordinator, run_dir, job, timeout) as client:
+    """Show tmd's event log (a table; one line per event with --follow or --json).
+
+    When tmd does not answer but the run directory's journal exists (the job ended), reads it instead.
+    """
+    client = _connect(ctx, coordinator, run_dir, job, timeout)
+    try:
         batch = _expect(client.request(EventsRequest(after=after, limit=limit)), EventsReply).events
+    except CoordinatorUnreachable as e:
+        client.close()
+        journal = ended.read_journal(_journal_instead(ctx, coordinator, run_dir, job, e))
+        batch = [ev for ev in journal if isinstance(ev.get("seq"), int) and ev["seq"] > after]
+        if json_ or follow:
+            for ev in batch:
+                typer.echo(json.dumps(ev) if json_ else render.event_line(ev))
+        else:
+            _console().print(render.events_table(batch) if batch else f"no events after {after}")
+        return 0
+    with client:
         if not follow and not json_:
             _console().print(render.events_table(batch) if batch else f"no events after {after}")
             return 0

@@ -104,6 +104,15 @@ def _phases(m: dict) -> str:
     return ", ".join(f"{k} {seconds(v)} s" for k, v in (m.get("phases_s") or {}).items()) or "-"
 
 
+def downtime(m: dict) -> str:
+    """A migration's downtime: ``0.12 s``; ``pending (known after step N)`` for a committed migration whose
+    measuring window (the switch step and the 5 after it) has not passed yet; ``-`` otherwise."""
+    if m.get("downtime_s") is None and m.get("state") == MigrationState.COMMITTED:
+        after = m.get("downtime_after_step")
+        return "pending" + (f" (known after step {after}; see tmctl status)" if after is not None else "")
+    return _with_unit(m.get("downtime_s"))
+
+
 def migration_line(m: dict) -> str:
     """The migration in one plain line: id, source -> target, state, switch step, phases, downtime, bytes."""
     parts = [f"migration {_dash(m.get('id'))}: {_dash(m.get('source'))} -> {_dash(m.get('target'))}",
@@ -114,7 +123,7 @@ def migration_line(m: dict) -> str:
         parts.append(f"switch step {m['switch_step']}")
     if m.get("phases_s"):
         parts.append(f"phases: {_phases(m)}")
-    parts.append(f"downtime {_with_unit(m.get('downtime_s'))}")
+    parts.append(f"downtime {downtime(m)}")
     parts.append(f"moved {size(m.get('bytes_moved'))}")
     return "; ".join(parts)
 
@@ -133,7 +142,7 @@ def migration_panel(m: dict) -> Panel:
         grid.add_row("reason", _cell(m.get("reason")))
     grid.add_row("switch step", _cell(m.get("switch_step")))
     grid.add_row("phases", escape(_phases(m)))
-    grid.add_row("downtime", _with_unit(m.get("downtime_s")))
+    grid.add_row("downtime", escape(downtime(m)))
     moved = m.get("bytes_moved")
     exact = isinstance(moved, int) and moved >= 1024
     grid.add_row("bytes moved", f"{size(moved)} ({moved} B)" if exact else size(moved))
@@ -192,3 +201,41 @@ def recovery_line(r: dict) -> str:
         parts.append(" ".join(f"{k} {v:.3f}s" for k, v in r["phases_s"].items()))
     parts.append(f"reason: {r.get('reason')}")
     return escape("  ".join(parts))
+
+
+def warning_lines(warnings: Any) -> list[str]:
+    """One line per misuse a rank reported at start (rank, node, code, message); none for no warnings."""
+    out = []
+    for w in warnings or []:
+        if isinstance(w, dict):
+            out.append(f"[yellow]warning[/]: rank {_cell(w.get('rank'))} on {_cell(w.get('node'))}: "
+                       f"{_cell(w.get('code'))}: {_cell(w.get('message'))} (migrations and recoveries are refused)")
+    return out
+
+
+def failure_text(f: dict) -> str:
+    """Why the job failed: rank, node, kind and error on one line, then the traceback (or log tail) if any."""
+    head = (f"[red]job failed[/]: rank {_cell(f.get('rank'))} on {_cell(f.get('node'))} ({_cell(f.get('kind'))}): "
+            f"{_cell(f.get('error'))}")
+    tb = f.get("traceback") or f.get("log_tail")
+    return head + ("\n" + escape(str(tb).rstrip("\n")) if tb else "")
+
+
+def last_known(state: dict) -> str:
+    """The last known state of a job whose tmd does not answer, from its journal (tmctl.ended.last_known)."""
+    last = state.get("last_event") or {}
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["ts"])) if isinstance(last.get("ts"), (int, float)) \
+        else "-"
+    if state.get("ended"):
+        head = (f"[bold]job {_cell(state.get('job'))} has ended[/] (exit code {_cell(state.get('exit_code'))}, "
+                f"at {when})")
+    else:
+        head = (f"[yellow]job {_cell(state.get('job'))}: tmd does not answer and did not journal its stop[/] (it may "
+                f"have died: tmd resume restarts it; last event at {when})")
+    lines = [head, f"from the journal of {_cell(state.get('run_dir'))}; last step seen {_cell(state.get('step'))}"]
+    if state.get("reason"):
+        lines.append(f"failed: {_cell(state['reason'])}")
+    lines += warning_lines(state.get("warnings"))
+    if state.get("failure"):
+        lines.append(failure_text(state["failure"]))
+    return "\n".join(lines)

@@ -48,7 +48,8 @@ class JobControl(Protocol):
     # --- failures -------------------------------------------------------------------------------------------
     def fail_node(self, node: Node, reason: str, signal: FailureSignal) -> None:
         """``node`` is lost: fence it, abort the migration it takes part in and start (or restart) recovery.
-        A node already failed is left alone. Raises tmd.recovery.RecoveryError when the job cannot recover."""
+        A node already failed is left alone. Raises tmd.recovery.RecoveryError when the job cannot recover, and
+        tmd.faults.JobFailed when it must not (the crash-loop guard, misuse): the loop then ends the job."""
 
     # --- planned migrations ---------------------------------------------------------------------------------
     def request_migration(self, source: str, target: str, *, require_healthy: bool = True) -> "Migration":

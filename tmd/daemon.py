@@ -7,9 +7,11 @@ The daemon is the loop, the socket, a handler table per sender role (``Message.S
 from registered workers, Register and Rejoin being how a process becomes one; client requests (tmd.requests) and
 hook notices only from other identities; anything else is journalled as ``bad_message``) and the application of
 failure detection's verdicts (tmd.detection): failing a node (fence, abort its migration, start recovery),
-health changes, restarting a standby. The rules live elsewhere: migrations (tmd.migration) and recoveries
-(tmd.recovery) reach workers through it as a tmd.channel.WorkerChannel; evacuation (tmd.evacuation), the end of
-the job (tmd.ending), ``tmd resume`` (tmd.resume) and SLURM (tmd.slurm) act through tmd.control.JobControl.
+health changes, restarting a standby; and failing the job (:meth:`Daemon.fail_job`) when tmd.faults says the
+user's error ends it (a RankFailed, a process dead before it registered, the crash-loop guard, misuse). The rules
+live elsewhere: migrations (tmd.migration) and recoveries (tmd.recovery) reach workers through it as a
+tmd.channel.WorkerChannel; evacuation (tmd.evacuation), the end of the job (tmd.ending), ``tmd resume``
+(tmd.resume) and SLURM (tmd.slurm) act through tmd.control.JobControl.
 
 Assumption (as in torchft's lighthouse): tmd is a single point of coordination, not of training. If it dies the
 ranks keep training; they just cannot migrate (or recover from a failure) until it is back: ``tmd resume``
@@ -21,6 +23,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -30,12 +33,13 @@ from tmd import protocol as p
 from tmd.detection import Detector, Failure, Healthy, HostProcesses, ProcessExited, Slow, Unhealthy, Verdict
 from tmd.ending import JobEnd
 from tmd.evacuation import Evacuation
+from tmd.faults import Faults, JobFailed
 from tmd.journal import Journal
 from tmd.local import LocalLauncher
 from tmd.migration import Migration, MigrationError, Migrations
 from tmd.protocol.layout import RunDir
 from tmd.protocol.vocab import (
-    Event, ExitCode, FailureSignal, Health, MigrationMark, MigrationPhase, MigrationState, NodeRole, Sender,
+    ErrorCode, Event, ExitCode, FailureSignal, Health, MigrationMark, MigrationPhase, MigrationState, NodeRole, Sender,
     WorkerRole,
 )
 from tmd.recovery import Incident, Incidents, RecoveryError
@@ -82,6 +86,7 @@ class Daemon:
         if resume is not None:
             self.migrations.first_id = resume.last_migration_id + 1  # migration ids go on after a restart
         self.incidents = Incidents(self.registry, self.journal, self, self.layout)
+        self.faults = Faults(self.registry, self.journal, self.layout, self.incidents)
         self.store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False)
         self.store_host = store_host
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
@@ -111,7 +116,8 @@ class Daemon:
         self._handlers: dict[Sender, dict[type, Callable[[Any, Any], None]]] = {
             Sender.WORKER: {p.Heartbeat: self._heartbeat, p.StepReport: self._step_report,
                             p.PhaseDone: self._phase_done, p.RecoveryReport: self.incidents.on_report,
-                            p.Done: self._done},
+                            p.Done: self._done, p.RankFailed: self._rank_failed,
+                            p.RankWarning: self._rank_warning},
             Sender.CLIENT: {p.StatusRequest: self.requests.status, p.MigrateRequest: self.requests.migrate,
                             p.MigrationRequest: self.requests.migration,
                             p.AddStandbyRequest: self.requests.add_standby, p.EventsRequest: self.requests.events},
@@ -150,8 +156,9 @@ class Daemon:
                     if self.exit_code is None:
                         self._tick()
                 except RecoveryError as e:
-                    self.journal.record(Event.JOB_FAILED, reason=str(e))
-                    self.exit_code = ExitCode.FAILED
+                    self.fail_job(JobFailed(str(e)))
+                except JobFailed as e:
+                    self.fail_job(e)
         finally:
             if self.launcher:
                 self.launcher.terminate_all()
@@ -160,8 +167,19 @@ class Daemon:
             self.sock.close()
         return self.exit_code
 
+    def fail_job(self, failure: JobFailed) -> None:
+        """End the job now with exit code 1: journal ``job_failed`` and print the reason and its details (a
+        traceback, a log tail) on stderr, even with --quiet. The loop's end terminates every process."""
+        self.journal.record(Event.JOB_FAILED, reason=failure.reason)
+        text = f"tmd: job {self.job} failed: {failure.reason}"
+        if failure.details:
+            text += "\n" + failure.details.rstrip("\n")
+        print(text, file=sys.stderr, flush=True)
+        self.exit_code = ExitCode.FAILED
+
     def _tick(self) -> None:
         now = time.monotonic()
+        self.faults.tick()
         for verdict in self.detector.tick(now):
             self._apply(verdict)
         self.migrations.tick(now)
@@ -224,6 +242,8 @@ class Daemon:
         if w is None:
             self._refuse(identity, f"{msg.TYPE} from a process that never registered")
             return None
+        if w.fenced and isinstance(msg, p.RankFailed):
+            return w  # its exit was taken for a node failure before its report arrived: the report still counts
         if w.fenced:  # declared failed and replaced (e.g. SIGSTOPped, then continued): it must go away
             if not w.fence_sent:
                 w.fence_sent = True
@@ -266,6 +286,7 @@ class Daemon:
             return
         self.journal.record(Event.WORKER_REGISTERED, node=msg.node, local_rank=msg.local_rank, pid=msg.pid,
                             rank=w.rank, role=node.role)
+        self.faults.registered(w)
         if w.rank is not None:  # an active rank at job start: the first generation of groups
             self.send(w, self._assignment(WorkerRole.ACTIVE, w.rank, 0))
         if node.role == NodeRole.STANDBY and node.warm:
@@ -305,6 +326,12 @@ class Daemon:
         self.journal.record(Event.RANK_LEFT if msg.left else Event.RANK_DONE, node=w.node, local_rank=w.local_rank,
                             rank=msg.rank, final_step=msg.final_step)
 
+    def _rank_failed(self, w: Worker, msg: p.RankFailed) -> None:
+        raise self.faults.rank_failed(w, msg)
+
+    def _rank_warning(self, w: Worker, msg: p.RankWarning) -> None:
+        self.faults.warned(w, msg)
+
     # --- verdicts of failure detection --------------------------------------------------------------------------
     def _apply(self, v: Verdict) -> None:
         if isinstance(v, Failure):
@@ -332,16 +359,26 @@ class Daemon:
         node, w = v.node, v.worker
         if w is not None:
             w.exited = True
+        extra = {} if v.returncode is not None else {"exit_code_known": False, "reported_done": bool(w and w.done)}
         self.journal.record(Event.PROCESS_EXIT, node=node.name, local_rank=v.local_rank, returncode=v.returncode,
-                            expected=v.expected)
-        if not v.lost:
+                            expected=v.expected, **extra)
+        if w is None and not self.ending.released:
+            failed = self.faults.startup_exit(node, v.local_rank, v.returncode)
+            if failed is not None:
+                raise failed
+        if not v.lost and w is not None:
             return
-        self.migrations.on_worker_lost(w, f"exited with code {v.returncode}")
+        if w is not None:
+            self.migrations.on_worker_lost(w, f"exited with code {v.returncode}")
         if node.role == NodeRole.STANDBY and not self.ending.released and self.launcher is not None:
             node.health = Health.UNHEALTHY if node.workers else node.health
             if not self.launcher.running(node.name):
                 node.workers.clear()
                 node.health = Health.UNKNOWN
+                refused = self.faults.may_restart_standby(node)
+                if refused:
+                    self.journal.record(Event.STANDBY_RESTARTED, node=node.name, stopped=True, reason=refused)
+                    return
                 self.journal.record(Event.STANDBY_RESTARTED, node=node.name)
                 self.launcher.start_node(node.name, standby=True)
 
@@ -349,7 +386,8 @@ class Daemon:
         """What ``tmctl status`` shows (tmd.status)."""
         latest = lambda episodes: episodes.all[-1] if episodes.all else None  # noqa: E731
         return status_reply(self.job, self.registry, latest(self.migrations), latest(self.incidents),
-                            self.evacuation.flagged, self.cluster.decorate if self.cluster else None)
+                            self.evacuation.flagged, self.cluster.decorate if self.cluster else None,
+                            failure=self.faults.failure, warnings=self.faults.warnings)
 
     # --- JobControl (see tmd.control for what each does) ---------------------------------------------------
     @property
@@ -360,6 +398,9 @@ class Daemon:
         if node.role == NodeRole.FAILED:
             return
         self.journal.record(Event.NODE_FAILED, node=node.name, reason=reason, signal=signal, ranks=node.ranks)
+        refused = self.faults.refuse_recovery(node, reason) if self.detector.in_job(node) else None
+        if refused is not None:
+            raise refused
         for w in node.workers.values():
             w.fenced = True  # whatever it sends from now on is answered with a Release
         self._stonith(node)
@@ -394,6 +435,10 @@ class Daemon:
         return inc is not None and node_name in inc.standbys.values()
 
     def request_migration(self, source: str, target: str, *, require_healthy: bool = True) -> Migration:
+        unmanaged = self.faults.unmanaged()
+        if unmanaged:
+            raise MigrationError(ErrorCode.UNMANAGED_STATE, f"refused: the joiners would not get the job's state "
+                                                            f"and the ranks would diverge ({unmanaged})")
         return self.migrations.request(source, target, require_healthy=require_healthy)
 
     def migration(self, migration_id: int) -> Migration:

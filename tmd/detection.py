@@ -16,6 +16,10 @@ Failure detection (defaults), cheapest signal first:
   it is then only slow to heartbeat (:class:`Slow`), not failed;
 - a node is silent for ``heartbeat_timeout_s`` (5 s) whatever its peers do.
 
+A process that exits with a positive code (not killed by a signal) may be a training script that raised: its
+rank sent a ``RankFailed`` just before, which fails the job instead (tmd.faults). Its node's failure is therefore
+held back ``exit_report_grace_s`` (0.5 s) so that report arrives first and no standby is spent on it.
+
 Until all of a node's processes finished a first step (imports and lazy initialisation on a crowded machine
 can starve the heartbeat thread) only the long timeout applies. A long step is not a failure: heartbeats come
 from a separate thread and peers wait only at the collective. Nodes whose loss is a failure of the job are the
@@ -37,6 +41,7 @@ from tmd.registry import Node, Registry, Worker
 
 HEARTBEAT_TIMEOUT_S = 5.0
 SUSPECT_AFTER_S = 0.8
+EXIT_REPORT_GRACE_S = 0.5  # a positive exit code's node failure waits this long for the rank's RankFailed
 BLOCKED_AFTER_S = 0.3
 BUSY_CPU_S = 0.05  # CPU seconds a silent node must use (since first seen silent) to count as computing
 BUSY_GRACE_S = 0.1  # a silent node not yet seen using CPU is given this long (seconds) before it counts as idle
@@ -230,6 +235,7 @@ class Detector:
         suspect_after_s: float = SUSPECT_AFTER_S,
         blocked_after_s: float = BLOCKED_AFTER_S,
         wall_clock: Callable[[], float] = time.time,
+        exit_report_grace_s: float = EXIT_REPORT_GRACE_S,
     ) -> None:
         self.registry = registry
         self.exits = exits
@@ -240,7 +246,9 @@ class Detector:
         self.suspect_after_s = suspect_after_s
         self.blocked_after_s = blocked_after_s
         self.wall_clock = wall_clock
+        self.exit_report_grace_s = exit_report_grace_s
         self._suspect_cpu: dict[str, tuple[float, float]] = {}  # node -> (monotonic s, CPU s) when first silent
+        self._held: list[tuple[float, str, str]] = []  # (monotonic s due, node, reason): exits awaiting a report
 
     def in_job(self, n: Node) -> bool:
         """Nodes whose loss is a failure of the job: active ones, and standbys taking over ranks."""
@@ -251,21 +259,31 @@ class Detector:
         exits, then processes dead or stopped, then heartbeats. A node is failed at most once per tick: later
         checks treat it as failed already (the exits of its other processes are expected)."""
         t = _TickState(now)
+        self._held_exits(t)
         self._exits(t)
         self._liveness(t)
         self._heartbeats(t)
         return t.verdicts
 
-    def broken_transfer(self, source: Node, leavers: Iterable[Worker]) -> Optional[Failure]:
+    def broken_transfer(self, source: Node, leavers: Iterable[Worker], grace_s: float = 0.2) -> Optional[Failure]:
         """A joiner's state transfer broke: a Failure of the leavers' node ``source`` if one of its processes
         died (or is stopped): the warm joiners then take its ranks over in recovery. None if they all run
-        (or are not ours to see): the migration merely aborts."""
-        for w in leavers:
-            state = self.processes.state(w)
-            if state is not None:
-                return Failure(source, f"{w.node}/{w.local_rank} (pid {w.pid}) {state.value}",
-                               FailureSignal.PROCESS_EXIT)
-        return None
+        (or are not ours to see): the migration merely aborts.
+
+        A killed process closes its sockets (so the joiner sees the transfer break) before the kernel shows it
+        as a zombie; for up to ``grace_s`` seconds (0.2) the leavers are looked at again, every 10 ms, before
+        they count as running. This blocks tmd's loop only on this rare error path."""
+        leavers = list(leavers)
+        deadline = time.monotonic() + grace_s
+        while True:
+            for w in leavers:
+                state = self.processes.state(w)
+                if state is not None:
+                    return Failure(source, f"{w.node}/{w.local_rank} (pid {w.pid}) {state.value}",
+                                   FailureSignal.PROCESS_EXIT)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)  # the kernel's teardown of a killed process has no event we can wait on
 
     # --- the checks of one tick ---------------------------------------------------------------------------------
     def _in_job(self, t: _TickState, n: Node) -> bool:
@@ -282,9 +300,20 @@ class Detector:
             in_job = unexpected and self._in_job(t, node)
             t.verdicts.append(ProcessExited(node, proc.local_rank, proc.returncode, w, expected,
                                             lost=unexpected and not in_job))
-            if in_job:
-                t.fail(node, f"{proc.node}/{proc.local_rank} exited with code {proc.returncode}",
-                       FailureSignal.PROCESS_EXIT)
+            reason = f"{proc.node}/{proc.local_rank} exited with code {proc.returncode}"
+            if in_job and proc.returncode is not None and proc.returncode > 0 and self.exit_report_grace_s > 0:
+                self._held.append((t.now + self.exit_report_grace_s, node.name, reason))
+            elif in_job:
+                t.fail(node, reason, FailureSignal.PROCESS_EXIT)
+
+    def _held_exits(self, t: _TickState) -> None:
+        """Exits held back for a RankFailed whose grace is over: their node fails now (if still in the job)."""
+        due = [h for h in self._held if h[0] <= t.now]
+        self._held = [h for h in self._held if h[0] > t.now]
+        for _, name, reason in due:
+            node = self.registry.nodes[name]
+            if self._in_job(t, node):
+                t.fail(node, reason, FailureSignal.PROCESS_EXIT)
 
     def _liveness(self, t: _TickState) -> None:
         """Processes on this host: a zombie or vanished one has died, a stopped one (SIGSTOP) hangs."""

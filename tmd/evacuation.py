@@ -27,6 +27,7 @@ class Evacuation:
         self.gpu_policy = gpu_policy or GpuHealthPolicy()
         self.stragglers = stragglers or StragglerDetector()
         self._gpu_verdicts: dict[int, Optional[tuple[GpuLevel, str]]] = {}  # rank -> last verdict
+        self._in_incident = False
 
     def observe(self, w: Worker, counters: dict, now: float) -> None:
         """One heartbeat's ``counters`` from ``w`` at ``now`` (time.monotonic()); only a rank's owner counts."""
@@ -50,7 +51,14 @@ class Evacuation:
 
     def tick(self, now: float) -> None:
         """Journal ranks that turn into stragglers or recover (tmctl status shows them per node); with
-        ``migrate_stragglers``, move a straggler's node to a warm standby. ``now``: time.monotonic()."""
+        ``migrate_stragglers``, move a straggler's node to a warm standby. ``now``: time.monotonic(). While an
+        incident runs nobody is judged, and every rank's window starts over at its start and its end: halted
+        survivors wait for the lost ranks, and the first steps after a recovery are the redone ones."""
+        in_incident = self.control.current_incident is not None
+        if in_incident or self._in_incident:
+            self._in_incident = in_incident
+            self.stragglers.reset(now)
+            return
         new, cleared = self.stragglers.evaluate(now)
         reg, journal = self.control.registry, self.control.journal
         for rank, event in [(r, Event.STRAGGLER_DETECTED) for r in new] + \

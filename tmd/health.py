@@ -43,6 +43,14 @@ class StragglerDetector:
         while samples and now_s - samples[0][0] > self.window_s:
             samples.popleft()
 
+    def reset(self, now_s: float) -> None:
+        """Start every rank's window over at monotonic time ``now_s`` (the job halted, or just resumed, for an
+        incident: collective waits then say nothing about who is slow). Flagged ranks stay flagged until
+        ``patience`` on-time windows clear them."""
+        self._samples.clear()
+        self._streak.clear()
+        self._next_eval = now_s + self.window_s
+
     def forget(self, rank: int) -> None:
         self._samples.pop(rank, None)
         self._streak.pop(rank, None)

@@ -26,7 +26,7 @@ from tmd.protocol.layout import RunDir
 class Adopted:
     """A process this tmd did not start (found by ``tmd resume``), with the part of Popen's interface the
     launcher uses. Its exit code is unknown (a non-child cannot be waited for): ``poll()`` returns -1 once
-    it is gone or a zombie."""
+    it is gone or a zombie, a marker only: the launcher reports the exit code of such a process as None."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -76,7 +76,8 @@ class Proc:
     node: str
     local_rank: int
     popen: Union[subprocess.Popen, Adopted]
-    returncode: Optional[int] = None
+    returncode: Optional[int] = None  # its exit code once it exited (None: running, or adopted: unknown)
+    exited: bool = False
     pump: Optional[threading.Thread] = None  # echoes its log file (with echo)
 
 
@@ -157,7 +158,7 @@ class LocalLauncher:
             log.seek(offset)
             pending = b""
             while True:
-                exited = proc.returncode is not None or proc.popen.poll() is not None
+                exited = proc.exited or proc.popen.poll() is not None
                 chunk = log.read(1 << 16)
                 if not chunk:
                     if exited:
@@ -175,18 +176,19 @@ class LocalLauncher:
                     sys.stdout.flush()
 
     def poll(self) -> list[Proc]:
-        """Processes that exited since the last call."""
+        """Processes that exited since the last call (``returncode`` None for an adopted one: unknown)."""
         exited = []
         for proc in self.procs:
-            if proc.returncode is None:
+            if not proc.exited:
                 rc = proc.popen.poll()
                 if rc is not None:
-                    proc.returncode = rc
+                    proc.exited = True
+                    proc.returncode = None if isinstance(proc.popen, Adopted) else rc
                     exited.append(proc)
         return exited
 
     def running(self, node: Optional[str] = None) -> list[Proc]:
-        return [p for p in self.procs if p.returncode is None and (node is None or p.node == node)]
+        return [p for p in self.procs if not p.exited and (node is None or p.node == node)]
 
     def pid_of(self, node: str, local_rank: int) -> Optional[int]:
         for proc in reversed(self.procs):
@@ -204,7 +206,9 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 proc.popen.wait()
-            proc.returncode = proc.popen.returncode
+            if not proc.exited:
+                proc.exited = True
+                proc.returncode = None if isinstance(proc.popen, Adopted) else proc.popen.returncode
         for proc in self.procs:  # echo the last lines (the pumps end at the end of their files)
             if proc.pump is not None:
                 proc.pump.join(timeout=1.0)

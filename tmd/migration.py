@@ -45,6 +45,15 @@ DEFAULT_DEADLINES_S: dict[MigrationState, float] = {
     MigrationState.TRANSFERRED: 60.0,
 }
 DOWNTIME_WINDOW_STEPS = 6  # the switch step and the 5 after it
+DOWNTIME_PENDING_MAX = 16  # the latest migrations whose downtime may still be filled in
+
+
+def downtime_s(window_s: list[float], median_step_s: float) -> float:
+    """A migration's downtime (seconds): the time the switch step and the ``DOWNTIME_WINDOW_STEPS - 1`` steps
+    after it took on the lowest stayer rank (``window_s``, seconds each) beyond as many steps at that rank's median
+    step time before the migration was requested (``median_step_s``). Never negative: a window faster than the
+    median (noise) is no downtime, 0.0."""
+    return round(max(0.0, sum(window_s) - len(window_s) * median_step_s), 6)
 
 
 class MigrationError(Exception):
@@ -113,6 +122,8 @@ class Migration(Episode):
             "ranks": sorted(self.leavers),
             "phases": dict(self.phases),
             "downtime_s": self.downtime_s,
+            "downtime_after_step": (None if self.switch_step is None
+                                    else self.switch_step + DOWNTIME_WINDOW_STEPS - 1),
             "median_step_s": self.median_step_s,
             "pause_s": self.pause_s,
             "bytes_moved": self.bytes_moved,
@@ -165,14 +176,14 @@ class Migrations(Episodes[Migration]):
         standbys = sorted(n.name for n in reg.nodes_in(NodeRole.STANDBY))
         src = reg.nodes.get(source)
         if src is None or src.role != NodeRole.ACTIVE:
-            why = f"is {src.role}" if src else "is not part of this job"
-            raise MigrationError(ErrorCode.UNKNOWN_NODE,
-                                 f"unknown node '{source}': it {why} (active nodes: {', '.join(actives) or 'none'})")
+            what = f"{source} is not an active node (it is {src.role})" if src else \
+                f"unknown node '{source}': it is not part of this job"
+            raise MigrationError(ErrorCode.UNKNOWN_NODE, f"{what} (active nodes: {', '.join(actives) or 'none'})")
         dst = reg.nodes.get(target)
         if dst is None or dst.role not in (NodeRole.STANDBY, NodeRole.JOINING):
-            why = f"is {dst.role}" if dst else "is not a standby of this job"
-            raise MigrationError(ErrorCode.UNKNOWN_STANDBY,
-                                 f"unknown standby '{target}': it {why} (standbys: {', '.join(standbys) or 'none'})")
+            what = f"{target} is not a standby (it is {dst.role})" if dst else \
+                f"unknown standby '{target}': it is not a standby of this job"
+            raise MigrationError(ErrorCode.UNKNOWN_STANDBY, f"{what} (standbys: {', '.join(standbys) or 'none'})")
         running = self.current
         if running is not None:
             raise MigrationError(
@@ -279,23 +290,23 @@ class Migrations(Episodes[Migration]):
             self.abort(m, f"timed out in state {m.state} after {m.deadline_s:.0f} s")
 
     def on_step(self, rank: int, step: int) -> None:
-        """Fill in downtime once the window after the last committed switch step is complete."""
-        m = self.latest
-        if m is None or m.state != MigrationState.COMMITTED or m.downtime_s is not None or not m.stayers:
-            return
-        ref = min(m.stayers)
-        S = m.switch_step
-        if rank != ref or step < S + DOWNTIME_WINDOW_STEPS - 1:
-            return
-        times = self.registry.step_times.get(ref, {})
-        window = [times.get(s) for s in range(S, S + DOWNTIME_WINDOW_STEPS)]
-        median = self.registry.median_step_s(ref, before=max(m.request_step, 2))
-        if median is None or any(t is None for t in window):
-            return
-        m.downtime_s = round(sum(window) - DOWNTIME_WINDOW_STEPS * median, 6)
-        m.median_step_s = round(median, 6)
-        self.journal.record(Event.MIGRATION_DOWNTIME, migration_id=m.id, downtime_s=m.downtime_s,
-                            median_step_s=median, window_s=[round(t, 6) for t in window])
+        """Fill in the downtime of every committed migration whose window is complete with ``rank``'s ``step``
+        (back-to-back migrations each get their own; see :func:`downtime_s`)."""
+        for m in self.all[-DOWNTIME_PENDING_MAX:]:
+            if m.state != MigrationState.COMMITTED or m.downtime_s is not None or not m.stayers:
+                continue
+            ref, S = min(m.stayers), m.switch_step
+            if rank != ref or S is None or step < S + DOWNTIME_WINDOW_STEPS - 1:
+                continue
+            times = self.registry.step_times.get(ref, {})
+            window = [times.get(s) for s in range(S, S + DOWNTIME_WINDOW_STEPS)]
+            median = self.registry.median_step_s(ref, before=max(m.request_step, 2))
+            if median is None or any(t is None for t in window):
+                continue
+            m.downtime_s = downtime_s(window, median)
+            m.median_step_s = round(median, 6)
+            self.journal.record(Event.MIGRATION_DOWNTIME, migration_id=m.id, downtime_s=m.downtime_s,
+                                median_step_s=median, window_s=[round(t, 6) for t in window])
 
     # ---------------------------------------------------------------------------------------------------------
     def abort(self, m: Migration, reason: str, spare_joiners: bool = False) -> None:

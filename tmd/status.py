@@ -1,8 +1,9 @@
 """What ``tmctl status`` shows: the job's :class:`~tmd.protocol.StatusReply`, built from tmd's state.
 
 One dict per node (name, role, ranks, health and its reason, live processes, heartbeat age, step, step time,
-warm, straggler ranks; SLURM mode adds the node's SLURM state), the latest migration and the latest failure
-recovery (their ``to_dict()``), the job's generation and step.
+warm, straggler ranks, ``pids``: local rank (a string) -> pid of each live process; SLURM mode adds the node's
+SLURM state), the latest migration and the latest failure recovery (their ``to_dict()``), the job's generation
+and step, why it failed (``failure``) and the misuse its ranks reported (``warnings``).
 """
 from __future__ import annotations
 
@@ -29,15 +30,18 @@ def node_status(n: Node, now: float, stragglers: list[int]) -> dict:
         "step_time_s": round(max(times), 6) if times else None,
         "warm": n.warm,
         "stragglers": stragglers,
+        "pids": {str(w.local_rank): w.pid for w in workers},
     }
 
 
 def status_reply(job: str, registry: Registry, migration: Optional[Episode], recovery: Optional[Episode],
                  stragglers: Callable[[Node], list[int]], decorate: Optional[Callable[[list[dict]], None]] = None,
-                 now: Optional[float] = None) -> p.StatusReply:
+                 now: Optional[float] = None, failure: Optional[dict] = None,
+                 warnings: Optional[list[dict]] = None) -> p.StatusReply:
     """The StatusReply of job ``job``: ``migration`` and ``recovery`` are the latest of each (or None);
     ``stragglers(node)`` gives a node's straggler ranks; ``decorate`` may add fields to the node dicts (SLURM
-    mode); ``now`` defaults to time.monotonic()."""
+    mode); ``now`` defaults to time.monotonic(); ``failure``: why the job failed (tmd.faults), ``warnings``: the
+    misuse ranks reported."""
     now = time.monotonic() if now is None else now
     nodes = [node_status(n, now, stragglers(n)) for n in registry.nodes.values()]
     if decorate is not None:
@@ -45,4 +49,5 @@ def status_reply(job: str, registry: Registry, migration: Optional[Episode], rec
     return p.StatusReply(job=job, world_size=registry.world_size, generation=registry.generations.current,
                          step=registry.current_step(), nodes=nodes,
                          migration=migration.to_dict() if migration else None,
-                         recovery=recovery.to_dict() if recovery else None, failure=None, warnings=[])
+                         recovery=recovery.to_dict() if recovery else None, failure=failure,
+                         warnings=list(warnings or []))

@@ -55,9 +55,9 @@ def job(tmp_path_factory):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, message", [
     (("--from", "n9", "--to", "s1"), "unknown node 'n9'"),
-    (("--from", "s1", "--to", "s1"), "unknown node 's1'"),
+    (("--from", "s1", "--to", "s1"), "s1 is not an active node (it is standby)"),
     (("--from", "n2", "--to", "s7"), "unknown standby 's7'"),
-    (("--from", "n2", "--to", "n1"), "unknown standby 'n1'"),
+    (("--from", "n2", "--to", "n1"), "n1 is not a standby (it is active)"),
 ])
 def test_bad_migrate_requests_fail_with_one_line(job, args, message):
     before = job["status"]().step

@@ -112,6 +112,8 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path):
     assert restart["address"] == next(e for e in ev if e["event"] == "tmd_started")["address"]
     n2_exits = [e for e in ev if e["event"] == "process_exit" and e["node"] == "n2"]
     assert len(n2_exits) == 2 and all(e["expected"] for e in n2_exits)
+    # adopted by the restarted tmd: their exit code is unknown (None, not a made-up -1), and they had reported done
+    assert all(e["returncode"] is None and e["exit_code_known"] is False and e["reported_done"] for e in n2_exits)
     print(f"\n[restart] killed -> tmd resume launched (training checked): {launched - killed:.2f} s; "
           f"launched -> restarted tmd up (journalled): {restart['ts'] - launched:.2f} s; "
           f"up -> all ranks re-learned: {relearn['after_s']:.3f} s; training went on meanwhile: step {at_kill} at the "

@@ -179,3 +179,16 @@ def test_a_broken_transfer_is_a_failure_only_if_the_leaver_is_dead():
     job.procs.states["n2/1"] = ProcessState.DIED
     f = job.detector.broken_transfer(job.reg.nodes["n2"], leavers)
     assert (f.node.name, f.reason, f.signal) == ("n2", "n2/1 (pid 101) died", FailureSignal.PROCESS_EXIT)
+
+
+def test_an_exit_with_a_positive_code_waits_for_the_ranks_report_before_failing_its_node():
+    job = Job()
+    job.exited = [SimpleNamespace(node="n2", local_rank=1, returncode=1)]  # a script that raised: RankFailed first
+    v = job.tick(0.05)
+    assert failures(v) == [] and [x.local_rank for x in v if isinstance(x, ProcessExited)] == [1]
+    job.w("n2/1").exited = True  # (the daemon applied the exit)
+    assert failures(job.tick(0.3, *BUT_N2, "n2/0")) == []
+    v = job.tick(0.6, *BUT_N2, "n2/0")  # no report came: the node fails after the grace
+    assert failures(v) == [("n2", FailureSignal.PROCESS_EXIT)]
+    assert next(x for x in v if isinstance(x, Failure)).reason == "n2/1 exited with code 1"
+    assert failures(job.tick(1.5, *BUT_N2, "n2/0")) == []  # once

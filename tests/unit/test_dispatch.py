@@ -91,3 +91,29 @@ def test_bad_frames_are_journalled(daemon):
     daemon.on_frames([b"x", b"not json"])
     daemon.on_frames([b"only one frame"])
     assert [e["error"][:8] for e in refusals(daemon)] == ["not JSON", "expected"]
+
+
+def test_a_rank_failed_ends_the_job_even_from_a_fenced_worker(daemon):
+    from tmd.faults import JobFailed
+
+    n2 = register(daemon, "n2")
+    daemon.registry.nodes["n2"].workers[0].fenced = True  # its exit was taken for a node failure first
+    with pytest.raises(JobFailed, match="rank 1 on n2 raised at step 5: ValueError: x"):
+        daemon.on_frames([n2, p.encode(p.RankFailed(rank=1, step=5, kind=p.FailureKind.SCRIPT_ERROR,
+                                                     error="ValueError: x", traceback="tb"))])
+    assert daemon.status().failure["rank"] == 1
+
+
+def test_a_warning_is_shown_and_refuses_migrations(daemon):
+    from tmd.migration import MigrationError
+
+    n1 = register(daemon, "n1")
+    register(daemon, "n2")
+    register(daemon, "s1")
+    daemon.on_frames([n1, p.encode(p.RankWarning(rank=0, code=p.WarningCode.NOTHING_MANAGED, message="manage it"))])
+    assert daemon.status().warnings == [{"rank": 0, "node": "n1", "code": p.WarningCode.NOTHING_MANAGED,
+                                         "message": "manage it"}]
+    with pytest.raises(MigrationError) as e:
+        daemon.request_migration("n2", "s1")
+    assert e.value.code == p.ErrorCode.UNMANAGED_STATE and "nothing_managed" in str(e.value)
+    assert daemon.status().nodes[0]["pids"] == {"0": 1}

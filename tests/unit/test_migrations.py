@@ -74,11 +74,14 @@ def test_happy_path_messages_and_states(world):
 
 def test_requests_that_are_refused_change_nothing(world):
     reg, migs, sent, _ = world
-    for args, code in [(("n9", "s1"), ErrorCode.UNKNOWN_NODE), (("s1", "s1"), ErrorCode.UNKNOWN_NODE),
-                       (("n2", "s9"), ErrorCode.UNKNOWN_STANDBY), (("n2", "n1"), ErrorCode.UNKNOWN_STANDBY)]:
+    for args, code, words in [
+            (("n9", "s1"), ErrorCode.UNKNOWN_NODE, "unknown node 'n9': it is not part of this job"),
+            (("s1", "s1"), ErrorCode.UNKNOWN_NODE, "s1 is not an active node (it is standby)"),
+            (("n2", "s9"), ErrorCode.UNKNOWN_STANDBY, "unknown standby 's9': it is not a standby of this job"),
+            (("n2", "n1"), ErrorCode.UNKNOWN_STANDBY, "n1 is not a standby (it is active)")]:  # known, not unknown
         with pytest.raises(MigrationError) as e:
             migs.request(*args)
-        assert e.value.code == code
+        assert e.value.code == code and str(e.value).startswith(words), str(e.value)
     reg.nodes["s1"].workers[1].exited = True
     with pytest.raises(MigrationError, match="standby 's1' is busy"):
         migs.request("n2", "s1")
@@ -164,6 +167,7 @@ def test_episode_shape_ids_events_and_durations(world):
                       Event.MIGRATION_SWITCHING, Event.MIGRATION_TRANSFERRED, Event.MIGRATION_COMMITTED]
     d = m.to_dict()
     assert set(d) == {"id", "source", "target", "generation", "state", "reason", "switch_step", "ranks", "phases",
+                      "downtime_after_step",
                       "phases_s", "downtime_s", "median_step_s", "pause_s", "bytes_moved", "transfer_s", "rebuilt"}
     assert d["state"] == MigrationState.COMMITTED and d["ranks"] == [2, 3] and d["id"] == 4
     assert set(d["phases_s"]) == {"warm_up", "prepare", "switch_wait", "transfer", "commit", "total"}
@@ -204,3 +208,19 @@ def test_downtime_of_the_window_after_the_switch_step(world):
         assert (m.downtime_s is None) == (s < S + 5)
     assert m.downtime_s == pytest.approx(0.4) and m.median_step_s == pytest.approx(0.1)
     assert journal.since(0, 100)[-1]["event"] == Event.MIGRATION_DOWNTIME
+
+
+def test_downtime_is_never_negative_and_each_migration_gets_its_own(world):
+    import dataclasses
+
+    reg, migs, _, journal = world
+    m1 = commit_migration(migs, reg)
+    S = m1.switch_step
+    m2 = migs.add(dataclasses.replace(m1, id=m1.id + 1, switch_step=S + 2, downtime_s=None))  # back to back
+    for s in range(S, S + 8):
+        reg.record_step(0, s, 0.5 if s == S + 7 else 0.05)  # faster than the median (0.1) but one slow step
+        migs.on_step(0, s)
+    assert m1.downtime_s == 0.0  # 6 x 0.05 = 0.3 < 6 x 0.1: noise, not a negative downtime
+    assert m2.downtime_s == pytest.approx(5 * 0.05 + 0.5 - 0.6)
+    assert [e["migration_id"] for e in journal.since(0, 100) if e["event"] == Event.MIGRATION_DOWNTIME] == \
+        [m1.id, m2.id]

@@ -44,3 +44,42 @@ def test_one_slow_step_and_two_rank_jobs_are_not_stragglers():
     two = StragglerDetector(window_s=2, patience=1)
     _, flagged, _ = feed(two, 0, 10, {0: 0.9, 1: 0.0}, ranks=range(2))
     assert flagged == []
+
+
+@pytest.mark.timeout(10)
+def test_reset_starts_every_window_over():
+    feed.busy = {}
+    det = StragglerDetector(window_s=2, lateness_threshold=0.2, patience=3)
+    t, _, _ = feed(det, 0, 4, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1})
+    t, flagged, _ = feed(det, t, 4, {0: 0.9, 1: 0.9, 2: 0.9, 3: 0.0})  # late windows, not yet flagged
+    assert flagged == []
+    det.reset(t)  # an incident started: the late windows so far count for nothing
+    t, flagged, _ = feed(det, t, 4, {0: 0.9, 1: 0.9, 2: 0.9, 3: 0.0})
+    assert flagged == []
+    t, flagged, _ = feed(det, t, 4, {0: 0.9, 1: 0.9, 2: 0.9, 3: 0.0})  # without a reset: flagged in time
+    assert flagged == [3]
+
+
+@pytest.mark.timeout(10)
+def test_evacuation_judges_nobody_during_an_incident_and_starts_over_after_it():
+    from types import SimpleNamespace
+
+    from tmd.evacuation import Evacuation
+    from tmd.journal import Journal
+    from tmd.registry import Registry
+
+    control = SimpleNamespace(registry=Registry(["n1", "n2"], 2, []), journal=Journal(None), current_incident=None)
+    det = StragglerDetector(window_s=2, lateness_threshold=0.2, patience=3)
+    ev = Evacuation(control, stragglers=det)
+    feed.busy = {}
+    t = 0.0
+    for phase, incident in ((6, "incident"), (5, None)):  # halted survivors wait on the lost ranks; then resumed
+        control.current_incident = incident
+        end = t + phase
+        while t < end:
+            t += 0.5
+            for r, share in {0: 0.9, 1: 0.9, 2: 0.9, 3: 0.0}.items():
+                feed.busy[r] = feed.busy.get(r, 0.0) + share * 0.5
+                det.observe(r, t, feed.busy[r])
+            ev.tick(t)
+    assert not det.flagged  # 6 s halted + 5 s after: without the resets rank 3 would be flagged

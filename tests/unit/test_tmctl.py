@@ -361,3 +361,45 @@ def test_bad_reply_is_one_line_not_a_traceback(fake):
     r = run("status", "--coordinator", f.address)
     assert r.exit_code == 2
     assert lines(r.stderr) == ["error: unexpected reply from tmd: EventsReply (wanted StatusReply)"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# a job whose tmd is gone: the journal answers
+# ------------------------------------------------------------------------------------------------------------
+ENDED = [
+    {"seq": 1, "ts": 1.0, "event": "tmd_started", "job": "j7"},
+    {"seq": 2, "ts": 2.0, "event": "job_warning", "rank": 0, "node": "n1", "code": "nothing_managed",
+     "message": "manage it"},
+    {"seq": 3, "ts": 3.0, "event": "rank_failed", "rank": 3, "node": "n2", "step": 5, "kind": "script_error",
+     "error": "ValueError: bad", "traceback": "Traceback (most recent call last):\nValueError: bad"},
+    {"seq": 4, "ts": 4.0, "event": "job_failed", "reason": "rank 3 on n2 raised at step 5: ValueError: bad"},
+    {"seq": 5, "ts": 5.0, "event": "tmd_stopped", "exit_code": 1},
+]
+
+
+@pytest.mark.timeout(10)
+def test_status_and_events_of_an_ended_job_read_its_journal(tmp_path):
+    run_dir = tmp_path / "r"
+    write_tmd_json(run_dir, f"tcp://127.0.0.1:{free_port()}")
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ENDED))
+    r = run("status", "--json", "--run-dir", str(run_dir), "--timeout", "0.2")
+    assert r.exit_code == 0, r.output
+    state = json.loads(r.stdout)
+    assert state["ended"] is True and state["exit_code"] == 1 and state["job"] == "j7" and state["step"] == 5
+    assert state["failure"]["rank"] == 3 and state["warnings"][0]["code"] == "nothing_managed"
+    r = run("status", "--run-dir", str(run_dir), "--timeout", "0.2")
+    assert r.exit_code == 0 and "has ended" in r.stdout and "ValueError: bad" in r.stdout and "warning" in r.stdout
+    r = run("events", "--json", "--after", "3", "--run-dir", str(run_dir), "--timeout", "0.2")
+    assert r.exit_code == 0 and [json.loads(line)["seq"] for line in lines(r.stdout)] == [4, 5]
+    # an explicit --coordinator names no run directory: still the one-line error
+    r = run("events", "--coordinator", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.2")
+    assert r.exit_code == 2 and lines(r.stderr)[0].startswith("error: no coordinator reachable")
+
+
+def test_downtime_pending_until_its_window_passed():
+    from tmctl import render
+
+    m = {"id": 1, "source": "n2", "target": "s1", "state": "committed", "switch_step": 20,
+         "downtime_s": None, "downtime_after_step": 25}
+    assert "downtime pending (known after step 25" in render.migration_line(m)
+    assert "downtime 0.12 s" in render.migration_line({**m, "downtime_s": 0.12})

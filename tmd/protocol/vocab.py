@@ -190,6 +190,7 @@ class ErrorCode(StrEnum):
     NOT_READY = "not_ready"
     NOT_SUPPORTED = "not_supported"
     UNKNOWN_MIGRATION = "unknown_migration"
+    UNMANAGED_STATE = "unmanaged_state"  # a rank reported misuse (RankWarning): moving the job would diverge
 
 
 class FailureKind(StrEnum):

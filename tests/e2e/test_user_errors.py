@@ -1,0 +1,128 @@
+"""The user's errors, end to end in local mode: a mistake of the training script fails the job at once, loudly,
+and spends no standby; misuse is refused. Small scripts (tests/e2e/scripts/user_error.py: a DDP linear model),
+2 nodes x 2 ranks; every job here ends within seconds."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.support import events, wait_until
+from tests.support.job import wait_for_address
+from tmctl.client import Client
+from tmd import protocol as p
+from tmd.protocol.vocab import Event, ExitCode, FailureKind
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "user_error.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def tmd_local(run_dir: str, standbys: int, *command: str) -> list[str]:
+    return [sys.executable, "-m", "tmd.cli", "local", "--nodes", "2", "--ranks-per-node", "2",
+            "--standbys", str(standbys), "--run-dir", run_dir, "--quiet", "--", *command]
+
+
+def script(*args: str) -> tuple[str, ...]:
+    return (sys.executable, SCRIPT, *args)
+
+
+def run_job(run_dir: str, standbys: int, command: tuple,
+            timeout_s: float = 90) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    r = subprocess.run(tmd_local(run_dir, standbys, *command), capture_output=True, text=True, timeout=timeout_s,
+                       cwd=REPO)
+    return r, time.monotonic() - t0
+
+
+def named(run_dir: str, name: str) -> list[dict]:
+    return [e for e in events(run_dir) if e["event"] == name]
+
+
+def tmctl(run_dir: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tmctl.cli", *args, "--run-dir", run_dir], capture_output=True,
+                          text=True, timeout=30, cwd=REPO)
+
+
+@pytest.mark.timeout(60)
+def test_every_rank_exiting_before_init_ends_the_job_in_seconds(tmp_path):
+    run_dir = str(tmp_path / "job")
+    r, took = run_job(run_dir, 0, (sys.executable, "-c", "import sys; print('argparse says no'); sys.exit(2)"))
+    assert r.returncode == ExitCode.FAILED, r.stderr
+    assert took < 30, took  # tmd's own start (torch for the store) included; today it never ended
+    (failed,) = named(run_dir, Event.JOB_FAILED)
+    assert "exited with code 2 before worker.init()" in failed["reason"]
+    first = named(run_dir, Event.STARTUP_FAILED)[0]
+    assert first["log_tail"] == "argparse says no" and first["returncode"] == 2
+    assert "argparse says no" in r.stderr  # the log tail is printed, --quiet or not
+
+
+@pytest.mark.timeout(90)
+def test_one_rank_exiting_before_init_is_named_and_the_rest_terminated(tmp_path):
+    run_dir = str(tmp_path / "job")
+    r, took = run_job(run_dir, 1, script("--die", "n2/1:3", "--steps", "200"))
+    assert r.returncode == ExitCode.FAILED, r.stderr
+    assert took < 45, took  # not the store's 120 s wait
+    (startup,) = named(run_dir, Event.STARTUP_FAILED)
+    assert (startup["node"], startup["local_rank"], startup["rank"], startup["returncode"]) == ("n2", 1, 3, 3)
+    assert "a mistake before worker.init(), exiting with code 3" in startup["log_tail"]
+    (failed,) = named(run_dir, Event.JOB_FAILED)
+    assert failed["reason"].startswith("rank 3 (n2/1) exited with code 3"), failed
+    assert not named(run_dir, Event.NODE_FAILED) and not named(run_dir, Event.RECOVERY_STARTED)
+    assert not named(run_dir, Event.RANK_DONE)  # the others were terminated, not left to finish
+    # After the job: tmctl reads the journal
+    st = tmctl(run_dir, "status", "--json")
+    assert st.returncode == 0, st.stderr
+    state = json.loads(st.stdout)
+    assert state["ended"] is True and state["exit_code"] == 1 and state["failure"]["rank"] == 3
+    ev = tmctl(run_dir, "events", "--json")
+    assert ev.returncode == 0
+    assert any(json.loads(line)["event"] == Event.STARTUP_FAILED for line in ev.stdout.splitlines())
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_raising_in_a_step_fails_the_job_with_its_traceback(tmp_path):
+    run_dir = str(tmp_path / "job")
+    r, took = run_job(run_dir, 1, script("--raise-at", "5", "--raise-rank", "3", "--steps", "400"))
+    assert r.returncode == ExitCode.FAILED, r.stderr
+    assert took < 60, took  # 400 steps would take 20 s more; today it hung for good
+    (rf,) = named(run_dir, Event.RANK_FAILED)
+    assert (rf["rank"], rf["node"], rf["step"], rf["kind"]) == (3, "n2", 5, FailureKind.SCRIPT_ERROR)
+    assert rf["error"] == "ValueError: a bad batch at step 5" and "Traceback" in rf["traceback"]
+    assert "train_step" in rf["traceback"]
+    (failed,) = named(run_dir, Event.JOB_FAILED)
+    assert "rank 3 on n2 raised at step 5: ValueError: a bad batch at step 5" in failed["reason"]
+    assert "ValueError: a bad batch at step 5" in r.stderr and "Traceback" in r.stderr  # printed by tmd
+    # no standby spent: nothing promoted, no node failed
+    assert not named(run_dir, Event.STANDBY_PROMOTED) and not named(run_dir, Event.RECOVERY_STARTED)
+    assert not named(run_dir, Event.NODE_FAILED)
+    st = tmctl(run_dir, "status")
+    assert st.returncode == 0 and "has ended" in st.stdout and "ValueError: a bad batch at step 5" in st.stdout, st
+
+
+@pytest.mark.timeout(120)
+def test_a_job_that_never_manages_its_model_is_warned_and_not_migrated(tmp_path):
+    run_dir = str(tmp_path / "job")
+    proc = subprocess.Popen(tmd_local(run_dir, 1, *script("--unmanaged", "--steps", "2000")),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    try:
+        client = Client(wait_for_address(run_dir, proc), timeout_s=10.0)
+        st = wait_until(lambda: (lambda s: s if s.warnings and s.step > 5 and
+                                 any(n["name"] == "s1" and n["warm"] for n in s.nodes) else None)(
+            client.request(p.StatusRequest())), 60, "a misuse warning, step 5 and a warm standby")
+        assert {w["node"] for w in st.warnings} <= {"n1", "n2"} and st.warnings[0]["message"]
+        assert all(set(n["pids"]) == {"0", "1"} for n in st.nodes)  # --json carries each local rank's pid
+        assert named(run_dir, Event.JOB_WARNING)
+        shown = tmctl(run_dir, "status")
+        assert "warning" in shown.stdout and st.warnings[0]["code"] in shown.stdout, shown
+        r = tmctl(run_dir, "migrate", "--from", "n2", "--to", "s1")
+        assert r.returncode == 2 and "refused" in r.stderr and st.warnings[0]["code"] in r.stderr, r
+        assert not named(run_dir, Event.MIGRATION_REQUESTED)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
