@@ -195,20 +195,24 @@ def notify_tmd(state_dir: str | None, job_id: str, node: str, detail: str) -> st
     p = _protocol()
     try:
         with open(p.layout.job_tmd_json(job_id, root=state_dir)) as f:
-            address = json.load(f)["address"]
+            info = json.load(f)
+        address, keys_dir = info["address"], info.get("keys")
     except (OSError, ValueError, KeyError, TypeError):
         return "no tmd for this job"
     import zmq
+    from tmd.protocol.keys import JobKeys, KeysUnavailable
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 200)  # ms: deliver if tmd is up; never wait longer when it is gone
     sock.setsockopt(zmq.SNDTIMEO, 200)
     try:
+        if keys_dir:  # the job's hook key (root reads the user's 0700 key directory)
+            JobKeys.load(keys_dir, parties=(p.Sender.HOOK,)).connect_as(sock, p.Sender.HOOK)
         sock.connect(address)
         sock.send(p.encode(p.NodeNotice(node=node, job_id=job_id, hook=p.HookKind.EPILOG, detail=detail)))
         return f"notice sent to {address}"
-    except zmq.ZMQError as e:
+    except (zmq.ZMQError, KeysUnavailable) as e:
         return f"notice to {address} failed: {e}"
     finally:
         sock.close()

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from tmctl import ended, render
-from tmctl.client import Client, CoordinatorUnreachable, TmctlError, find_coordinator
+from tmctl.client import Client, CoordinatorUnreachable, TmctlError, find_coordinator, find_keys
 from tmd.protocol import (
     AddStandbyRequest,
     ErrorReply,
@@ -116,7 +116,8 @@ def _connect(ctx: typer.Context, coordinator: Optional[str], run_dir: Optional[s
     """A Client for the options given after the command, falling back to those given before it."""
     o = _options(ctx, coordinator, run_dir, job, timeout)
     address = find_coordinator(o["coordinator"], o["run_dir"], o["job"])
-    return Client(address, DEFAULT_TIMEOUT_S if o["timeout"] is None else o["timeout"])
+    return Client(address, DEFAULT_TIMEOUT_S if o["timeout"] is None else o["timeout"],
+                  keys_dir=find_keys(o["run_dir"], o["job"]))
 
 
 def _journal_instead(ctx: typer.Context, coordinator: Optional[str], run_dir: Optional[str], job: Optional[str],

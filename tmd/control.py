@@ -18,6 +18,7 @@ from tmd.protocol.vocab import FailureSignal
 from tmd.registry import Node, Registry, Worker
 
 if TYPE_CHECKING:
+    from tmd.protocol.keys import JobKeys
     from tmd.local import LocalLauncher
     from tmd.migration import Migration
     from tmd.recovery import Incident
@@ -30,6 +31,7 @@ class JobControl(Protocol):
     registry: Registry
     run_dir: str  # absolute path of the run directory (tmd.protocol.layout.RunDir)
     address: str  # tmd's ZeroMQ address (``tcp://HOST:PORT``)
+    keys: Optional["JobKeys"]  # the job's CURVE keys and secret (tmd.protocol.keys); None without authentication
     hostname: str  # this host's name: workers registered with it run here (psutil can see them)
     store_host: str  # the job's TCPStore, hosted by tmd
     launcher: Optional["LocalLauncher"]  # starts and watches the job's processes (None: they start themselves)

@@ -25,18 +25,21 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import zmq
 
 from tmd import protocol as p
+from tmd.bad_input import BadInput
 from tmd.detection import Detector, Failure, Healthy, HostProcesses, ProcessExited, Slow, Unhealthy, Verdict
 from tmd.ending import JobEnd
 from tmd.evacuation import Evacuation
 from tmd.faults import Faults, JobFailed
-from tmd.journal import Journal
+from tmd.journal import Journal, cut_text
 from tmd.local import LocalLauncher
 from tmd.migration import Migration, MigrationError, Migrations
+from tmd.protocol.keys import KEYS_ENV, Authenticator, JobKeys, limit, role_of_frame
 from tmd.protocol.layout import RunDir
 from tmd.protocol.vocab import (
     ErrorCode, Event, ExitCode, FailureSignal, Health, MigrationMark, MigrationPhase, MigrationState, NodeRole, Sender,
@@ -52,6 +55,12 @@ if TYPE_CHECKING:
     from tmd.slurm import SlurmCluster
 
 TICK_S = 0.05
+CRASH_AFTER_TICK_ERRORS = 20  # consecutive failing ticks (a bug that does not go away) end the loop: TmdCrashed
+
+
+class TmdCrashed(Exception):
+    """tmd's loop ended by a bug of its own (journalled as ``tmd_crashed`` with its traceback). The ranks were
+    left training: tmd.supervise restarts tmd (as ``tmd resume`` would), or the user runs ``tmd resume``."""
 
 
 class Daemon:
@@ -63,7 +72,7 @@ class Daemon:
                  heartbeat_timeout_s: float = 5.0, echo: bool = True, suspect_after_s: float = 0.8,
                  blocked_after_s: float = 0.3, migrate_stragglers: bool = False, advertise_host: Optional[str] = None,
                  netns: Optional[dict] = None, command: Optional[list[str]] = None,
-                 resume: Optional[JobState] = None) -> None:
+                 resume: Optional[JobState] = None, keys_dir: Optional[str] = None, auth: bool = True) -> None:
         """``record_steps``: steps whose collective outputs the active ranks record for joiners' replay (and
         the joiners' number of shadow iterations). ``heartbeat_timeout_s``: silence after which a node is
         failed whatever its peers do (seconds). ``suspect_after_s``: silence after which a node is failed if a
@@ -71,9 +80,14 @@ class Daemon:
         ``migrate_stragglers``: move a node with a straggler rank to a warm standby (a planned migration).
         ``command``: the workers' command line in local mode (kept in tmd.json for ``tmd resume``).
         ``resume``: take over this running job (its journal goes on; the workers re-register) instead of
-        starting one. Raises zmq.ZMQError when the address is taken."""
-        import torch.distributed as dist  # only tmd pays for torch: it hosts the job's store
+        starting one. ``keys_dir``: where the job's CURVE keys and secret live (tmd.protocol.keys; default
+        ``<run_dir>/keys``): created at start, reused by a resumed tmd (the workers pinned its public key).
+        ``auth`` false serves plain ZeroMQ with no authentication (only to measure CURVE's cost: anyone on the
+        host can then command the job). Raises zmq.ZMQError when the address is taken, KeysUnavailable when a
+        resumed job's keys cannot be read."""
+        from tmd.store import host_store  # only tmd pays for torch: it hosts the job's store
 
+        os.umask(0o077)  # the run dir's files (journal, recordings, logs; the workers inherit it) are the user's only
         self.job = job
         self.layout = RunDir(run_dir)
         self.run_dir = self.layout.path
@@ -87,11 +101,25 @@ class Daemon:
             self.migrations.first_id = resume.last_migration_id + 1  # migration ids go on after a restart
         self.incidents = Incidents(self.registry, self.journal, self, self.layout)
         self.faults = Faults(self.registry, self.journal, self.layout, self.incidents)
-        self.store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False)
+        self.store = host_store(store_host)  # on the job's address only, never all interfaces
         self.store_host = store_host
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.keys: Optional[JobKeys] = None
+        self._auth: Optional[Authenticator] = None
+        self._ctx = zmq.Context()  # its own context: ZAP (the authenticator) is per context
+        self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker may reuse its identity
+        # No ROUTER_HANDOVER: an identity in use cannot be taken over by another connection (worker identities
+        # carry a random part, so a restarted process never collides with its predecessor).
+        if auth:
+            keys_dir = keys_dir or os.path.join(self.layout.path, "keys")
+            self.keys = JobKeys.load(keys_dir) if resume is not None else JobKeys.create(keys_dir)
+            os.environ[KEYS_ENV] = self.keys.path  # for the processes tmd starts (local mode, srun)
+            self._auth = Authenticator(self._ctx, self.keys)
+            self._auth.start()
+            self.keys.serve(self.sock)
+        else:
+            os.environ.pop(KEYS_ENV, None)
+            limit(self.sock)
         self.sock.bind(f"tcp://{bind_host}:{port or '*'}")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT).replace(
             "0.0.0.0", advertise_host or socket.gethostname())
@@ -106,7 +134,11 @@ class Daemon:
         self.ending = JobEnd(self)
         self.requests = Requests(self, self.status, lambda: self.cluster)
         self.exit_code: Optional[int] = None
-        info = {"address": self.address, "pid": os.getpid(), "job": job, "run_dir": self.run_dir, "netns": netns or {}}
+        self.bad_input = BadInput(self.journal)
+        self.internal_errors = 0  # handler and tick errors (bugs of tmd's own) survived
+        self._failing_ticks = 0
+        info = {"address": self.address, "pid": os.getpid(), "job": job, "run_dir": self.run_dir, "netns": netns or {},
+                "keys": self.keys.path if self.keys else None}
         if command:
             info.update(command=command, cwd=os.getcwd())
         with open(self.layout.tmd_json, "w") as f:
@@ -143,29 +175,63 @@ class Daemon:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, stop)
+        crashed: Optional[BaseException] = None
         try:
             while self.exit_code is None:
                 try:
                     if poller.poll(int(TICK_S * 1000)):
                         while True:
                             try:
-                                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                             except zmq.Again:
                                 break
-                            self.on_frames(frames)
+                            role = role_of_frame(frames[-1]) if self.keys else None
+                            self.on_frames([f.bytes for f in frames], role)
                     if self.exit_code is None:
-                        self._tick()
+                        self._contained_tick()
                 except RecoveryError as e:
                     self.fail_job(JobFailed(str(e)))
                 except JobFailed as e:
                     self.fail_job(e)
+        except Exception as e:  # a bug of tmd's own that containment could not absorb: the ranks train on
+            crashed = e
+            self.journal.record(Event.TMD_CRASHED, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            raise TmdCrashed(f"tmd crashed: {type(e).__name__}: {e}") from e
         finally:
-            if self.launcher:
+            if self.launcher and crashed is None:
                 self.launcher.terminate_all()
-            self.journal.record(Event.TMD_STOPPED, exit_code=self.exit_code)
-            self.journal.close()
-            self.sock.close()
+            if crashed is None:
+                self.journal.record(Event.TMD_STOPPED, exit_code=self.exit_code)
+            self.close()
         return self.exit_code
+
+    def close(self) -> None:
+        """Close the socket, the authenticator and the journal (the job's processes are left alone). Idempotent."""
+        if self.sock.closed:
+            return
+        self.journal.close()
+        self.sock.close()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self._ctx.term()
+
+    def _contained_tick(self) -> None:
+        """One tick; a bug in it is journalled (``internal_error``) and the loop goes on, unless ticks keep
+        failing (:data:`CRASH_AFTER_TICK_ERRORS` in a row): then it raises and the loop ends as a crash."""
+        try:
+            self._tick()
+            self._failing_ticks = 0
+        except (RecoveryError, JobFailed):
+            raise
+        except Exception as e:
+            self._failing_ticks += 1
+            self.internal_errors += 1
+            if self._failing_ticks >= CRASH_AFTER_TICK_ERRORS:
+                raise
+            if self._failing_ticks == 1:
+                self.journal.record(Event.INTERNAL_ERROR, where="tick", error=f"{type(e).__name__}: {e}",
+                                    traceback=traceback.format_exc())
 
     def fail_job(self, failure: JobFailed) -> None:
         """End the job now with exit code 1: journal ``job_failed`` and print the reason and its details (a
@@ -182,6 +248,7 @@ class Daemon:
         self.faults.tick()
         for verdict in self.detector.tick(now):
             self._apply(verdict)
+        self.bad_input.tick(now)
         self.migrations.tick(now)
         self.incidents.tick(now)
         self.evacuation.tick(now)
@@ -194,21 +261,36 @@ class Daemon:
             self.exit_code = code
 
     # --- dispatch -------------------------------------------------------------------------------------------------
-    def on_frames(self, frames: list[bytes]) -> None:
-        """Handle one multipart message from the socket: ``[identity, frame]``. Never raises for bad input."""
+    def on_frames(self, frames: list[bytes], role: Optional[Sender] = None) -> None:
+        """Handle one multipart message from the socket: ``[identity, frame]``, sent over a connection
+        authenticated as ``role`` (tmd.protocol.keys; None: no authentication, any role). Never raises for bad
+        input, and a bug of tmd's own in a handler is journalled (``internal_error``) and survived; only the
+        job's own end (JobFailed, RecoveryError) propagates."""
         if len(frames) != 2:
-            self.journal.record(Event.BAD_MESSAGE, error=f"expected 2 frames, got {len(frames)}")
+            self._refuse(frames[0] if frames else b"", f"expected 2 frames, got {len(frames)}")
             return
         identity, frame = frames
         try:
             msg = p.decode(frame)
         except p.ProtocolError as e:
             self._refuse(identity, str(e))
+            if role == Sender.CLIENT:  # tmctl waits for an answer: say why instead of letting it time out
+                self.reply(identity, p.ErrorReply(code=ErrorCode.BAD_REQUEST, message=cut_text(str(e), 500)))
+            return
+        if role is not None and msg.SENDER != role:
+            self._refuse(identity, f"{msg.TYPE} is a {msg.SENDER} message; this connection is authenticated as "
+                                   f"a {role}")
             return
         try:
             self._dispatch(identity, msg)
         except MigrationError as e:
             self.reply(identity, p.ErrorReply(code=e.code, message=str(e)))
+        except (RecoveryError, JobFailed):
+            raise
+        except Exception as e:
+            self.internal_errors += 1
+            self.journal.record(Event.INTERNAL_ERROR, where=msg.TYPE, sender=identity.decode(errors="replace"),
+                                error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
 
     def _dispatch(self, identity: bytes, msg: p.Message) -> None:
         kind = type(msg)
@@ -230,7 +312,7 @@ class Daemon:
             handler(identity, msg)
 
     def _refuse(self, identity: bytes, error: str) -> None:
-        self.journal.record(Event.BAD_MESSAGE, sender=identity.decode(errors="replace"), error=error)
+        self.bad_input.refuse(identity.decode(errors="replace"), error, time.monotonic())
 
     def _worker(self, identity: bytes, msg: p.Message) -> Optional[Worker]:
         """The registered, live worker that sent ``msg``, or None: an unknown process is refused (or, after
@@ -276,6 +358,9 @@ class Daemon:
 
     # --- worker messages --------------------------------------------------------------------------------------
     def _register(self, identity: bytes, msg: p.Register) -> None:
+        if not identity.startswith(f"{msg.node}/{msg.local_rank}/".encode()):  # see worker.agent: node/local/nonce
+            self._refuse(identity, f"Register of {msg.node}/{msg.local_rank} from another identity")
+            return
         w = Worker(identity, msg.node, msg.local_rank, msg.pid, msg.host)
         try:
             node = self.registry.add_worker(w)
@@ -293,6 +378,9 @@ class Daemon:
             self.journal.record(Event.STANDBY_WARM, node=node.name)
 
     def _rejoin(self, identity: bytes, msg: p.Rejoin) -> None:
+        if not identity.startswith(f"{msg.node}/{msg.local_rank}/".encode()):
+            self._refuse(identity, f"Rejoin of {msg.node}/{msg.local_rank} from another identity")
+            return
         if self.resumed is None:
             self._refuse(identity, "Rejoin, but this tmd did not restart")
             return

@@ -346,7 +346,8 @@ class SlurmCluster:
         c = self.control
         info = {"address": c.address, "pid": os.getpid(), "job": self.job_id, "run_dir": c.run_dir,
                 "slurm_job": job_id, "standby_for": standby_for, "reservation": self.reservation,
-                "ranks_per_node": self.registry.ranks_per_node, "command": self.command}
+                "ranks_per_node": self.registry.ranks_per_node, "command": self.command,
+                "keys": c.keys.path if c.keys else None}
         path = p.layout.job_tmd_json(job_id)
         try:
             write_json_atomic(path, info)

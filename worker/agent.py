@@ -6,6 +6,13 @@ within a second) and whatever the session queues
 (worker.commands.Commands.on_message, which hands it to worker.control.Control). Only this
 thread touches the DEALER; other threads queue messages through :meth:`send`, which wakes the loop at once over
 an inproc socket (no polling delay on the switch path).
+
+The DEALER is a CURVE client of the job (tmd.protocol.keys, from env ``TM_KEYS``): it authenticates with the
+job's worker key and pins tmd's public key, so a process that binds tmd's address while tmd is down is never
+heard. After a failed handshake (a stranger at tmd's address, which libzmq would otherwise never retry after) the
+agent connects again every RECONNECT_AFTER_HANDSHAKE_FAILURE_S, so the real tmd is reached once it is back. Its
+ZeroMQ identity is ``<node>/<local_rank>/<16 random hex digits>``: unique per process, so a
+restarted process never collides with its predecessor and no other connection can take the identity over.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import itertools
 import logging
 import os
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -21,16 +29,24 @@ from typing import Callable
 import zmq
 
 from tmd import protocol as p
+from tmd.protocol.keys import KEYS_ENV, JobKeys, limit
 
 log = logging.getLogger("worker.agent")
 _ids = itertools.count()
+RECONNECT_AFTER_HANDSHAKE_FAILURE_S = 1.0
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | \
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
 class Agent:
     def __init__(self, address: str, node: str, local_rank: int, standby: bool,
                  on_message: Callable[[p.Message], None], heartbeat: Callable[[], p.Heartbeat],
                  heartbeat_interval_s: float = 0.1) -> None:
+        """Raises tmd.protocol.keys.KeysUnavailable when env ``TM_KEYS`` names keys this process cannot read
+        (without ``TM_KEYS`` the socket is plain: tmd was started without authentication)."""
         self.address = address
+        self.keys = JobKeys.load(os.environ[KEYS_ENV]) if os.environ.get(KEYS_ENV) else None
+        self.identity = f"{node}/{local_rank}/{secrets.token_hex(8)}".encode()
         self.node = node
         self.local_rank = local_rank
         self.standby = standby
@@ -73,15 +89,22 @@ class Agent:
 
     def _run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.node}/{self.local_rank}".encode())
+        sock.setsockopt(zmq.IDENTITY, self.identity)
         sock.setsockopt(zmq.LINGER, 2000)
+        if self.keys is not None:
+            self.keys.connect_as(sock, p.Sender.WORKER)
+        else:
+            limit(sock)
+        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
         sock.connect(self.address)
-        sock.send(p.encode(p.Register(node=self.node, local_rank=self.local_rank, pid=os.getpid(),
-                                      host=socket.gethostname(), standby=self.standby)))
+        self._send(sock, p.Register(node=self.node, local_rank=self.local_rank, pid=os.getpid(),
+                                    host=socket.gethostname(), standby=self.standby))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         next_beat = time.monotonic()
+        reconnect_at = None
         try:
             while True:
                 self._drain_outbox(sock)
@@ -90,11 +113,22 @@ class Agent:
                 now = time.monotonic()
                 if now >= next_beat:
                     try:
-                        sock.send(p.encode(self._heartbeat()))
+                        self._send(sock, self._heartbeat())
                     except Exception:  # a failing probe must not stop the agent: tmd sees the silence
                         log.exception("heartbeat failed")
                     next_beat = now + self.heartbeat_interval_s
+                if reconnect_at is not None and now >= reconnect_at:
+                    sock.disconnect(self.address)
+                    sock.connect(self.address)
+                    reconnect_at = None
                 events = dict(poller.poll(max(0, int((next_beat - time.monotonic()) * 1000)) + 1))
+                if monitor in events:
+                    while monitor.poll(0):
+                        monitor.recv_multipart()
+                    if reconnect_at is None:
+                        log.warning("handshake with %s failed (not this job's tmd?): connecting again in %g s",
+                                    self.address, RECONNECT_AFTER_HANDSHAKE_FAILURE_S)
+                        reconnect_at = time.monotonic() + RECONNECT_AFTER_HANDSHAKE_FAILURE_S
                 if self._wake_rx in events:
                     while self._wake_rx.poll(0):
                         self._wake_rx.recv()
@@ -111,8 +145,19 @@ class Agent:
                         except Exception:  # a handler bug must not kill heartbeats
                             log.exception("error handling %s", msg.TYPE)
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close()
             self._stopped.set()
+
+    @staticmethod
+    def _send(sock: zmq.Socket, msg: p.Message) -> None:
+        """Send without blocking: while tmd is unreachable for long (its queue is full) the message is dropped; a
+        restarted tmd re-learns the job from a Rejoin instead (tmd.resume)."""
+        try:
+            sock.send(p.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("tmd unreachable: %s dropped", msg.TYPE)
 
     def _drain_outbox(self, sock: zmq.Socket) -> None:
         while True:
@@ -120,4 +165,4 @@ class Agent:
                 msg = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            sock.send(p.encode(msg))
+            self._send(sock, msg)

@@ -16,10 +16,12 @@ import time
 
 import psutil
 import pytest
+import zmq
 
-from tests.support.job import final_hashes, tmd_command, wait_for_address
+from tests.support.job import final_hashes, tmd_command, wait_for_address, job_client
 from tmctl.client import Client
 from tmd import protocol as p
+from tmd.protocol.keys import JobKeys
 from tmd.resume import ResumeError, load
 
 from tests.support import events, wait_until
@@ -46,7 +48,7 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path):
     resumed = None
     workers: list[psutil.Process] = []
     try:
-        client = Client(wait_for_address(run_dir, tmd), timeout_s=10.0)
+        client = job_client(run_dir, tmd)
         status = lambda: client.request(p.StatusRequest())  # noqa: E731
         wait_until(lambda: status().step > 5 and any(n["warm"] for n in status().nodes), 120,
                    "training and a warm s1")
@@ -58,6 +60,19 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path):
         killed = time.time()
         # Training goes on without tmd: rank 0 keeps logging steps, every process is still there.
         at_kill = rank0_step(run_dir)
+        # A rogue coordinator binds tmd's address while tmd is down (plain, then CURVE with a key of its own):
+        # the workers pin the job's tmd key, so no handshake completes and the rogue hears nothing.
+        for curve in (False, True):
+            ctx = zmq.Context()  # its own: term() returns once the port is released
+            rogue = ctx.socket(zmq.ROUTER)
+            rogue.setsockopt(zmq.LINGER, 0)
+            if curve:
+                rogue.curve_publickey, rogue.curve_secretkey = zmq.curve_keypair()
+                rogue.curve_server = True
+            rogue.bind(client.address)
+            assert rogue.poll(1500) == 0, "a worker talked to a rogue coordinator"
+            rogue.close()
+            ctx.term()
         wait_until(lambda: rank0_step(run_dir) >= at_kill + 20, 30, "training to go on without tmd")
         assert all(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
 
@@ -189,24 +204,24 @@ def test_restarted_daemon_relearns_from_rejoins(tmp_path):
     (tmp_path / "events.jsonl").write_text("".join(json.dumps({"seq": i + 1, "ts": 1.0, **e}) + "\n"
                                                    for i, e in enumerate([start, cut])))
     st = load(str(tmp_path))
+    JobKeys.create(str(tmp_path / "keys"))  # a resumed tmd reuses the job's keys: its workers pinned its public key
     d = Daemon(st.job, str(tmp_path), st.nodes, st.ranks_per_node, st.standbys, record_steps=1, echo=False, resume=st)
     sent: list[tuple[bytes, p.Message]] = []
     d.reply = lambda identity, msg: sent.append((identity, msg))  # observe, no sockets
     try:
-        d.on_frames([b"n1/0", p.encode(p.Heartbeat(step=40, counters={}))])
-        d.on_frames([b"n1/0", p.encode(p.Heartbeat(step=40, counters={}))])  # asked again only after a second
-        assert sent == [(b"n1/0", p.Reregister(store_host="127.0.0.1", store_port=d.store.port, generation=2))]
-        d.on_frames([b"s1/0", p.encode(p.Rejoin(node="s1", local_rank=0, pid=11, host="h", rank=1, role="joiner", step=2, generation=3))])
-        assert sent[-1] == (b"s1/0", p.Release(reason="joiner of a migration tmd's restart aborted", exit_code=0))
-        d.on_frames([b"n1/0", p.encode(p.Rejoin(node="n1", local_rank=0, pid=12, host="h", rank=0, role="active", step=41, generation=0))])
-        assert sent[-1] == (b"n1/0", p.Decide(migration_id=3, commit=False, reason="tmd restarted during the migration"))
+        d.on_frames([b"n1/0/a", p.encode(p.Heartbeat(step=40, counters={}))])
+        d.on_frames([b"n1/0/a", p.encode(p.Heartbeat(step=40, counters={}))])  # asked again only after a second
+        assert sent == [(b"n1/0/a", p.Reregister(store_host="127.0.0.1", store_port=d.store.port, generation=2))]
+        d.on_frames([b"s1/0/b", p.encode(p.Rejoin(node="s1", local_rank=0, pid=11, host="h", rank=1, role="joiner", step=2, generation=3))])
+        assert sent[-1] == (b"s1/0/b", p.Release(reason="joiner of a migration tmd's restart aborted", exit_code=0))
+        d.on_frames([b"n1/0/a", p.encode(p.Rejoin(node="n1", local_rank=0, pid=12, host="h", rank=0, role="active", step=41, generation=0))])
+        assert sent[-1] == (b"n1/0/a", p.Decide(migration_id=3, commit=False, reason="tmd restarted during the migration"))
         assert not d.registry.all_ranks_assigned()
-        d.on_frames([b"n2/0", p.encode(p.Rejoin(node="n2", local_rank=0, pid=13, host="h", rank=1, role="active", step=42, generation=0))])
+        d.on_frames([b"n2/0/c", p.encode(p.Rejoin(node="n2", local_rank=0, pid=13, host="h", rank=1, role="active", step=42, generation=0))])
         assert d.registry.all_ranks_assigned() and d.registry.current_step() == 42
         assert d.registry.generations.current == 2 and d.migrations.first_id == 4
         names = [e["event"] for e in d.journal.since(0, 100)]
         assert names[:2] == ["tmd_restarted", "migration_aborted"] and d.journal.since(0, 1)[0]["seq"] == 3
         assert names.count("worker_rejoined") == 2 and names[-1] == "job_relearned" and "rejoin_refused" in names
     finally:
-        d.journal.close()
-        d.sock.close()
+        d.close()

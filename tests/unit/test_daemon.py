@@ -4,7 +4,7 @@ import time
 import pytest
 
 from tmd import protocol as p
-from tmd.daemon import Daemon
+from tmd.daemon import CRASH_AFTER_TICK_ERRORS, Daemon, TmdCrashed
 from tmd.detection import Failure, ProcessExited
 from tmd.protocol.vocab import Event, FailureSignal, IncidentState, MigrationMark, MigrationState, NodeRole
 from tmd.registry import Worker
@@ -28,8 +28,7 @@ def daemon(tmp_path):
     try:
         yield d
     finally:
-        d.journal.close()
-        d.sock.close()
+        d.close()
 
 
 def events(d: Daemon) -> list[str]:
@@ -71,3 +70,41 @@ def test_a_standby_whose_process_exited_is_not_failed(daemon):
     s1 = d.registry.nodes["s1"]
     d._apply(ProcessExited(s1, 0, 1, s1.workers[0], expected=False, lost=True))  # noqa: SLF001
     assert s1.role == NodeRole.STANDBY and Event.NODE_FAILED not in events(d)
+
+
+def test_a_bug_in_a_handler_is_journalled_and_tmd_goes_on(daemon, monkeypatch):
+    d = daemon
+    replies = []
+    d.reply = lambda identity, msg: replies.append(msg)
+
+    def bug(w, msg):
+        raise TypeError("a bug in tmd")
+
+    d._handlers[p.Sender.WORKER][p.Heartbeat] = bug
+    d.on_frames([b"n1/0", p.encode(p.Heartbeat(step=6, counters={}))], p.Sender.WORKER)
+    (err,) = [e for e in d.journal.since(0, 1000) if e["event"] == Event.INTERNAL_ERROR]
+    assert err["where"] == "Heartbeat" and err["error"] == "TypeError: a bug in tmd" and "bug" in err["traceback"]
+    d.on_frames([b"tmctl-1", p.encode(p.StatusRequest())], p.Sender.CLIENT)
+    assert isinstance(replies[-1], p.StatusReply) and d.internal_errors == 1
+
+
+def test_a_tick_that_keeps_failing_ends_the_loop_as_a_crash_and_leaves_the_ranks(daemon, monkeypatch):
+    d = daemon
+
+    class Launcher:
+        terminated = False
+
+        def poll(self):
+            return ()
+
+        def terminate_all(self):
+            self.terminated = True
+
+    d.launcher = Launcher()
+    monkeypatch.setattr(d.migrations, "tick", lambda now: 1 / 0)
+    with pytest.raises(TmdCrashed, match="ZeroDivisionError"):
+        d.run()
+    names = events(d)
+    assert names.count(Event.INTERNAL_ERROR) == 1 and names[-1] == Event.TMD_CRASHED
+    assert Event.TMD_STOPPED not in names and d.internal_errors == CRASH_AFTER_TICK_ERRORS
+    assert not d.launcher.terminated, "tmd's own crash must not take the ranks down"

@@ -15,15 +15,15 @@ def daemon(tmp_path):
     d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], record_steps=1, echo=False)
     d.sent = []
     d.reply = lambda identity, msg: d.sent.append((identity, msg))  # observe, no sockets
+    d.bad_input.window_s = 0.0  # every refusal journalled (tmd.bad_input: one per sender per second otherwise)
     try:
         yield d
     finally:
-        d.journal.close()
-        d.sock.close()
+        d.close()
 
 
 def register(d: Daemon, node: str) -> bytes:
-    identity = f"{node}/0".encode()
+    identity = f"{node}/0/0123456789abcdef".encode()
     msg = p.Register(node=node, local_rank=0, pid=1, host="elsewhere", standby=node.startswith("s"))
     d.on_frames([identity, p.encode(msg)])
     return identity
@@ -49,9 +49,9 @@ def test_a_registered_worker_sending_a_client_request_is_refused(daemon):
     daemon.on_frames([n2, p.encode(p.StatusRequest())])
     assert daemon.sent == [] and daemon.migrations.all == []
     assert [(e["sender"], e["error"]) for e in refusals(daemon)] == [
-        ("n2/0", "MigrateRequest is a client message, not one a worker (n2/0) may send"),
-        ("n2/0", "NodeNotice is a hook message, not one a worker (n2/0) may send"),
-        ("n2/0", "StatusRequest is a client message, not one a worker (n2/0) may send")]
+        ("n2/0/0123456789abcdef", "MigrateRequest is a client message, not one a worker (n2/0) may send"),
+        ("n2/0/0123456789abcdef", "NodeNotice is a hook message, not one a worker (n2/0) may send"),
+        ("n2/0/0123456789abcdef", "StatusRequest is a client message, not one a worker (n2/0) may send")]
 
 
 def test_a_coordinator_message_sent_to_tmd_is_refused(daemon):
@@ -61,7 +61,7 @@ def test_a_coordinator_message_sent_to_tmd_is_refused(daemon):
         assert daemon.sent == []
     assert [(e["sender"], e["error"]) for e in refusals(daemon)] == [
         ("tmctl-1", "Release is not a request tmd serves (a coordinator message)"),
-        ("n1/0", "Release is not a request tmd serves (a coordinator message)")]
+        ("n1/0/0123456789abcdef", "Release is not a request tmd serves (a coordinator message)")]
 
 
 def test_each_role_is_served_from_its_own_senders(daemon):
@@ -117,3 +117,41 @@ def test_a_warning_is_shown_and_refuses_migrations(daemon):
         daemon.request_migration("n2", "s1")
     assert e.value.code == p.ErrorCode.UNMANAGED_STATE and "nothing_managed" in str(e.value)
     assert daemon.status().nodes[0]["pids"] == {"0": 1}
+
+
+def test_each_authenticated_role_may_send_only_its_own_messages(daemon):
+    """tmd.protocol.keys labels each connection worker, client or hook: a message of another role is refused."""
+    S = p.Sender
+    cases = [(b"tmctl-1", S.CLIENT, p.Register(node="n1", local_rank=0, pid=1, host="h", standby=False)),
+             (b"tmctl-2", S.CLIENT, p.Done(rank=0, final_step=1, left=False)),
+             (b"epilog-1", S.HOOK, p.MigrateRequest(source="n2", target="s1")),
+             (b"n9/0/x", S.WORKER, p.MigrateRequest(source="n2", target="s1")),
+             (b"n9/1/x", S.WORKER, p.NodeNotice(node="n2", job_id="7", hook=p.HookKind.EPILOG, detail=""))]
+    for identity, role, msg in cases:
+        daemon.on_frames([identity, p.encode(msg)], role)
+    assert daemon.sent == [] and daemon.registry.by_identity == {} and daemon.migrations.all == []
+    assert [e["error"] for e in refusals(daemon)] == [
+        f"{msg.TYPE} is a {msg.SENDER} message; this connection is authenticated as a {role}"
+        for _, role, msg in cases]
+    daemon.on_frames([b"tmctl-3", p.encode(p.StatusRequest())], S.CLIENT)
+    assert isinstance(daemon.sent[-1][1], p.StatusReply)
+
+
+def test_a_worker_registers_only_under_its_own_identity(daemon):
+    """A worker's identity is ``<node>/<local_rank>/<nonce>`` (worker.agent): a Register naming another is refused."""
+    daemon.on_frames([b"n1/0/0123456789abcdef", p.encode(
+        p.Register(node="n2", local_rank=0, pid=1, host="h", standby=False))], p.Sender.WORKER)
+    assert daemon.registry.by_identity == {}
+    assert refusals(daemon)[-1]["error"] == "Register of n2/0 from another identity"
+    register(daemon, "n2")
+    assert list(daemon.registry.by_identity) == [b"n2/0/0123456789abcdef"]
+
+
+def test_an_authenticated_client_gets_told_why_its_frame_was_refused(daemon):
+    """tmctl waits for an answer: a frame it sent that does not decode is answered with bad_request at once."""
+    daemon.on_frames([b"tmctl-1", b'{"v": 1, "type": "MigrateRequest", "source": "n\\udcff", "target": "s1"}'],
+                     p.Sender.CLIENT)
+    ((identity, reply),) = daemon.sent
+    assert identity == b"tmctl-1" and reply.code == p.ErrorCode.BAD_REQUEST and "surrogate" in reply.message
+    daemon.on_frames([b"n1/0/x", b"garbage"], p.Sender.WORKER)  # a worker gets no answer: it does not wait
+    assert len(daemon.sent) == 1 and daemon.migrations.all == []

@@ -13,7 +13,7 @@ import zmq
 from typer.testing import CliRunner
 
 from tmctl import cli
-from tmctl.client import Client, CoordinatorNotFound, CoordinatorUnreachable, find_coordinator
+from tmctl.client import Client, CoordinatorNotFound, CoordinatorUnreachable, TimedOut, find_coordinator
 from tmd.protocol import (
     ErrorReply,
     EventsReply,
@@ -286,15 +286,62 @@ def test_unreachable_coordinator_exits_2_with_one_line():
     r = run("status", "--coordinator", address, "--timeout", "0.3")
     assert time.monotonic() - t0 < 3
     assert r.exit_code == 2
-    assert lines(r.stderr) == [f"error: no coordinator reachable at {address} (no reply in 0.3 s)"]
+    assert lines(r.stderr) == [f"error: connection refused at {address}: no tmd listens there (the job ended, or "
+                               f"its tmd died: `tmd resume` restarts it)"]
 
 
 @pytest.mark.timeout(10)
-def test_client_raises_unreachable_on_silence(fake):
+def test_client_raises_timed_out_on_silence(fake):
     f = fake(lambda req: None)
-    with Client(f.address, timeout_s=0.2) as client, pytest.raises(CoordinatorUnreachable) as e:
+    with Client(f.address, timeout_s=0.2) as client, pytest.raises(TimedOut) as e:
         client.request(StatusRequest())
     assert e.value.address == f.address and e.value.timeout_s == 0.2
+    assert str(e.value) == f"timed out after 0.2 s waiting for tmd at {f.address} (connected, no reply)"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("address, problem", [
+    ("tcp://127.0.0.1:99999", "expected tcp://HOST:PORT with a port in 1..65535"),
+    ("tcp://127.0.0.1", "expected tcp://HOST:PORT with a port in 1..65535"),
+    ("tcp://no-such-host.invalid:5555", "cannot resolve host 'no-such-host.invalid'"),
+])
+def test_invalid_address_is_named_as_such(address, problem):
+    r = run("status", "--coordinator", address, "--timeout", "0.2")
+    assert r.exit_code == 2
+    (line,) = lines(r.stderr)
+    assert line.startswith(f"error: invalid coordinator address {address}: {problem}")
+
+
+@pytest.mark.timeout(20)
+def test_authentication_failure_is_named_as_such(tmp_path, monkeypatch):
+    """A CURVE tmd with job A's keys: tmctl with job B's keys, and tmctl without keys, each get told why."""
+    from tmd.protocol.keys import Authenticator, JobKeys
+    ours, theirs = JobKeys.create(str(tmp_path / "a")), JobKeys.create(str(tmp_path / "b"))
+    ctx = zmq.Context()
+    auth = Authenticator(ctx, ours)
+    auth.start()
+    sock = ctx.socket(zmq.ROUTER)
+    ours.serve(sock)
+    address = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        monkeypatch.chdir(tmp_path)  # no ./tmrun/tmd.json to take keys from
+        monkeypatch.delenv("TM_KEYS", raising=False)
+        r = run("status", "--coordinator", address, "--timeout", "0.5")
+        assert r.exit_code == 2 and lines(r.stderr) == [
+            f"error: authentication failed at {address} without keys (give --job/--run-dir, or TM_KEYS): not this "
+            f"job's keys, or not this job's tmd"]
+        monkeypatch.setenv("TM_KEYS", theirs.path)
+        r = run("status", "--coordinator", address, "--timeout", "0.5")
+        assert r.exit_code == 2 and lines(r.stderr) == [
+            f"error: authentication failed at {address} with the keys in {theirs.path}: not this job's keys, or "
+            f"not this job's tmd"]
+        monkeypatch.setenv("TM_KEYS", str(tmp_path / "missing"))
+        r = run("status", "--coordinator", address, "--timeout", "0.5")
+        assert r.exit_code == 2 and "cannot read the job's keys in" in r.stderr and "only the job's user" in r.stderr
+    finally:
+        sock.close()
+        auth.stop()
+        ctx.term()
 
 
 def write_tmd_json(directory, address):
@@ -393,7 +440,7 @@ def test_status_and_events_of_an_ended_job_read_its_journal(tmp_path):
     assert r.exit_code == 0 and [json.loads(line)["seq"] for line in lines(r.stdout)] == [4, 5]
     # an explicit --coordinator names no run directory: still the one-line error
     r = run("events", "--coordinator", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.2")
-    assert r.exit_code == 2 and lines(r.stderr)[0].startswith("error: no coordinator reachable")
+    assert r.exit_code == 2 and lines(r.stderr)[0].startswith("error: connection refused at")
 
 
 def test_downtime_pending_until_its_window_passed():
@@ -403,3 +450,11 @@ def test_downtime_pending_until_its_window_passed():
          "downtime_s": None, "downtime_after_step": 25}
     assert "downtime pending (known after step 25" in render.migration_line(m)
     assert "downtime 0.12 s" in render.migration_line({**m, "downtime_s": 0.12})
+
+
+@pytest.mark.timeout(10)
+def test_a_timeout_too_short_to_connect_says_so(fake):
+    f = fake(lambda req: None)
+    with Client(f.address, timeout_s=0.0001) as client, pytest.raises(TimedOut) as e:
+        client.request(StatusRequest())
+    assert str(e.value).startswith(f"timed out after 0.0001 s waiting for tmd at {f.address} (")

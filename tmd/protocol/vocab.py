@@ -241,6 +241,8 @@ class Event(StrEnum):
     TMD_RESTARTED = "tmd_restarted"
     TMD_SIGNALLED = "tmd_signalled"
     TMD_STOPPED = "tmd_stopped"
+    TMD_CRASHED = "tmd_crashed"  # a bug in tmd ended its loop (traceback); the ranks train on, tmd is restarted
+    INTERNAL_ERROR = "internal_error"  # a bug in tmd while handling one message or tick (traceback); tmd goes on
     JOB_FINISHED = "job_finished"
     JOB_FAILED = "job_failed"
     JOB_RELEARNED = "job_relearned"
@@ -276,6 +278,8 @@ class Event(StrEnum):
     EVACUATION_SKIPPED = "evacuation_skipped"
     # bad input
     BAD_MESSAGE = "bad_message"
+    BAD_MESSAGES_DROPPED = "bad_messages_dropped"  # bad messages of one sender counted, not journalled one by one
+    STANDBY_REFUSED = "standby_refused"  # an AddStandbyRequest over the cap or the rate limit
     STALE_PHASE_REPORT = "stale_phase_report"
     UNEXPECTED_PHASE_REPORT = "unexpected_phase_report"
     STALE_RECOVERY_REPORT = "stale_recovery_report"
