@@ -28,7 +28,7 @@ import time
 import psutil
 
 from benchmarks.cold_restart import run_cold_restart
-from tests.support.job import migrate_when_ready, tmd_command, wait_for_address
+from tests.support.job import migrate_when_ready, tmd_command, wait_for_address, job_client
 from tmctl.client import Client
 from tmd import protocol as p
 
@@ -47,11 +47,12 @@ def rss_bytes(pids: list[int]) -> int:
     return sum(psutil.Process(pid).memory_info().rss for pid in pids)
 
 
-def run_live(steps: int, migrate_at: int, tiny: bool, run_dir: str) -> dict:
+def run_live(steps: int, migrate_at: int, tiny: bool, run_dir: str, tmd_args: tuple = ()) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
-    proc = subprocess.Popen(tmd_command(run_dir, 1, steps, tiny, quiet=True), stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(tmd_command(run_dir, 1, steps, tiny, quiet=True, tmd_args=tmd_args),
+                            stdout=subprocess.DEVNULL)
     try:
-        client = Client(wait_for_address(run_dir, proc), timeout_s=10.0)
+        client = job_client(run_dir, proc)
         while client.request(p.StatusRequest()).step < migrate_at:
             time.sleep(0.2)
         pids = stayer_pids(run_dir, ("n1",))

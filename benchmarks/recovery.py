@@ -64,7 +64,7 @@ import time
 import psutil
 
 from benchmarks.cold_restart import run_cold_restart
-from tests.support.job import final_hashes, tmd_command, wait_for_address
+from tests.support.job import final_hashes, tmd_command, wait_for_address, job_client
 from tmctl.client import Client, CoordinatorUnreachable
 from tmd import protocol as p
 
@@ -168,7 +168,7 @@ def inject_failure(run_dir: str, steps: int, fail_at: int, tiny: bool, script_ar
     extra: dict = {}
     pids: dict[int, int] = {}
     try:
-        clock = StepClock(Client(wait_for_address(run_dir, proc), timeout_s=10.0))
+        clock = StepClock(job_client(run_dir, proc))
         while True:  # training past fail_at with a warm standby; keep polling for the step-time window
             if proc.poll() is not None:
                 return job_ended_early(run_dir, proc.returncode)

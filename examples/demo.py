@@ -1,11 +1,14 @@
 """The end-to-end demo: a live migration of a training GPT, checked bit for bit against an uninterrupted run.
 
-    python -m examples.demo [--steps 40] [--migrate-at 15] [--tiny]
+    python -m examples.demo [--steps 40] [--migrate-at 15] [--tiny] [--netns-all]
 
 1. Reference: ``tmd local`` runs 2 nodes x 2 ranks with no standby for ``--steps`` steps.
 2. Migration: the same job with standby node s1; once rank 0 reaches ``--migrate-at`` the demo asks tmd to migrate
    n2 -> s1 through the same request path ``tmctl migrate`` uses (tmctl.client), and follows it to commit.
 3. Every rank's final parameters + optimizer state hash must equal the reference run's.
+
+With ``--netns-all`` (root) the migration run puts tmd and every node in a network namespace of its own, each
+with its own address on a bridge (``tmd local --netns-all``), as on separate hosts; the reference run is plain.
 
 The last line of output is one JSON object:
 ``{"steps", "median_step_s", "migrations": [{"from", "to", "switch_step", "phases_s", "downtime_s",
@@ -21,7 +24,7 @@ import subprocess
 import sys
 
 from tests.support.job import final_hashes, migrate_when_ready, tmd_command, wait_for_address
-from tmctl.client import Client
+from tmctl.client import Client, find_keys
 from tmd import protocol as p
 
 
@@ -32,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny GPT (fast)")
     ap.add_argument("--run-dir", default="tmrun/demo")
     ap.add_argument("--verbose", action="store_true", help="echo every rank's output")
+    ap.add_argument("--netns-all", action="store_true",
+                    help="the migration run with tmd and each node in a network namespace of its own (root)")
     args = ap.parse_args(argv)
     shutil.rmtree(args.run_dir, ignore_errors=True)
     ref_dir, mig_dir = os.path.join(args.run_dir, "reference"), os.path.join(args.run_dir, "migration")
@@ -43,9 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     print(f"[demo] migration run: 2 nodes x 2 ranks + standby s1; n2 -> s1 at step ~{args.migrate_at}", flush=True)
-    proc = subprocess.Popen(tmd_command(mig_dir, 1, args.steps, args.tiny, quiet=not args.verbose))
+    cmd = tmd_command(mig_dir, 1, args.steps, args.tiny, quiet=not args.verbose)
+    if args.netns_all:
+        cmd[cmd.index("--"):cmd.index("--")] = ["--netns-all"]
+    proc = subprocess.Popen(cmd)
     try:
-        client = Client(wait_for_address(mig_dir, proc), timeout_s=10.0)
+        client = Client(wait_for_address(mig_dir, proc), timeout_s=10.0, keys_dir=find_keys(mig_dir, None))
         m = migrate_when_ready(client, proc, args.migrate_at, "n2", "s1")
         rc = proc.wait(timeout=1800)
     finally:

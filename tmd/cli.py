@@ -12,11 +12,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from tmd.protocol.vocab import ExitCode
+
+if TYPE_CHECKING:
+    from tmd.netns import Bridge
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="TrainMover coordinator daemon (one per job).")
 
@@ -38,39 +41,82 @@ def local(
     netns_node: list[str] = typer.Option([], "--netns-node", metavar="NODE",
                                          help="Run NODE's processes in a network namespace of their own, so it can "
                                               "be cut off (a real partition; needs root). Repeatable."),
+    netns_all: bool = typer.Option(False, "--netns-all",
+                                   help="Run every node (active, standby, and those added later) and tmd itself "
+                                        "each in a network namespace of its own, with its own address on a "
+                                        "Linux bridge (tmbr<k>, 10.214.<k>.0/24; this host gets .1): as on "
+                                        "separate hosts, nothing can pass over 127.0.0.1. tmctl reaches tmd "
+                                        "through the bridge. Each node can still be cut off. Needs root."),
     migrate_stragglers: bool = typer.Option(False, help="Move a node with a straggler rank to a warm standby."),
+    no_auth: bool = typer.Option(False, "--no-auth",
+                                 help="Serve plain ZeroMQ, without CURVE: only to measure its cost "
+                                      "(benchmarks/curve.py); anyone on this host can then command the job."),
 ) -> None:
-    """Run a job locally: start tmd, the ranks and the standbys on this host. Exits with the job's code."""
+    """Run a job locally: start tmd, the ranks and the standbys on this host; a crashed tmd is restarted from its
+    journal (tmd.supervise) while the ranks train on. Exits with the job's code."""
     from tmd.daemon import Daemon
     from tmd.local import LocalLauncher
 
     command = list(ctx.args) or DEFAULT_COMMAND
     active = [f"n{i + 1}" for i in range(nodes)]
     spares = [f"s{i + 1}" for i in range(standbys)]
-    namespaces = {}
-    if netns_node:
-        from tmd import netns
-        if not netns.available():
-            raise typer.BadParameter("network namespaces need root and iproute2 here", param_hint="--netns-node")
-        namespaces = {node: netns.NodeNamespace(node, i + 1) for i, node in enumerate(netns_node)}
-    host = next(iter(namespaces.values())).host_ip if namespaces else None  # an address every namespace reaches
-    daemon = Daemon(job or f"local-{os.getpid()}", run_dir, active, ranks_per_node, spares, port=port,
-                    record_steps=record_steps, heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
-                    bind_host="0.0.0.0" if host else "127.0.0.1", store_host=host or "127.0.0.1",
-                    advertise_host=host, migrate_stragglers=migrate_stragglers,
-                    netns={n: {"name": ns.name, "index": ns.index} for n, ns in namespaces.items()},
-                    command=command)
-    launcher = LocalLauncher(command, daemon.run_dir, daemon.address, ranks_per_node, echo=not quiet,
-                             namespaces=namespaces, host_ip=host)
-    daemon.launcher = launcher
-    for name in active:
-        launcher.start_node(name, standby=False)
-    for name in spares:
-        launcher.start_node(name, standby=True)
+    namespaces, bridge, specs, host = _namespaces(netns_node, netns_all, active + spares)
+    from tmd.supervise import supervise
+
+    name = job or f"local-{os.getpid()}"
+
+    def build(state):  # None: the job's first tmd; a tmd.resume.JobState: a crashed tmd resumed (tmd.supervise)
+        d = Daemon(name, run_dir, active, ranks_per_node, spares,
+                   port=port if state is None else int(state.address.rpartition(":")[2]),
+                   record_steps=record_steps, heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
+                   bind_host=host or "127.0.0.1", store_host=host or "127.0.0.1", advertise_host=host,
+                   migrate_stragglers=migrate_stragglers, netns=specs, command=command, resume=state,
+                   auth=not no_auth)
+        if state is None:
+            d.launcher = LocalLauncher(command, d.run_dir, d.address, ranks_per_node, echo=not quiet,
+                                       namespaces=namespaces, host_ip=host,
+                                       new_namespace=bridge.add if bridge else None)
+            for n in active:
+                d.launcher.start_node(n, standby=False)
+            for n in spares:
+                d.launcher.start_node(n, standby=True)
+        return d
+
     started = time.monotonic()
-    code = daemon.run()
-    print(f"[tmd] job {daemon.job} ended with code {code} after {time.monotonic() - started:.1f} s", flush=True)
+    code = supervise(build)
+    print(f"[tmd] job {name} ended with code {code} after {time.monotonic() - started:.1f} s", flush=True)
+    if bridge is not None:
+        bridge.close()  # the namespaces of tmd and of every node, and the bridge (also at exit, stale at next start)
     raise typer.Exit(code)
+
+
+def _namespaces(netns_node: list[str], netns_all: bool,
+                nodes: list[str]) -> tuple[dict, Optional["Bridge"], dict, Optional[str]]:
+    """The network namespaces of ``tmd local``: (node -> NodeNamespace, the bridge of ``--netns-all`` or None,
+    tmd.json's ``netns`` specs, the address tmd binds and advertises: None for 127.0.0.1). With ``--netns-all``
+    this process enters tmd's namespace (before it has any other thread)."""
+    if not (netns_node or netns_all):
+        return {}, None, {}, None
+    from tmd import netns
+    hint = "--netns-all" if netns_all else "--netns-node"
+    if netns_all and netns_node:
+        raise typer.BadParameter("--netns-all already puts every node in a namespace of its own", param_hint=hint)
+    if not netns.available():
+        raise typer.BadParameter("network namespaces need root and iproute2 here", param_hint=hint)
+    if not netns_all:
+        namespaces = {node: netns.NodeNamespace(node, i + 1) for i, node in enumerate(netns_node)}
+        host = next(iter(namespaces.values())).host_ip  # a local address of this host every namespace reaches
+        return namespaces, None, {n: ns.spec() for n, ns in namespaces.items()}, host
+    bridge = netns.Bridge()
+    try:
+        tmd_ns = bridge.add("tmd")
+        namespaces = {node: bridge.add(node) for node in nodes}
+        netns.enter(tmd_ns)
+    except BaseException:
+        bridge.close()
+        raise
+    specs = {netns.TMD_KEY: tmd_ns.spec(), **{n: ns.spec() for n, ns in namespaces.items()}}
+    return namespaces, bridge, specs, tmd_ns.node_ip
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -87,7 +133,7 @@ def slurm(
     slurm_timeout_s: float = typer.Option(5.0, min=0.1, help="Timeout of every SLURM client call (seconds)."),
     host: Optional[str] = typer.Option(None, envvar="TM_HOST",
                                        help="Address tmd binds and the ranks reach it and its store at (default: "
-                                            "all interfaces, advertised as this host's name)."),
+                                            "the address this host's name resolves to; never all interfaces)."),
     port: int = typer.Option(0, help="ZeroMQ port (0: any free port)."),
     quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
 ) -> None:
@@ -113,8 +159,11 @@ def slurm(
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(ExitCode.REFUSED)
     rpn = ranks_per_node or int((os.environ.get("SLURM_NTASKS_PER_NODE") or "1").split("(")[0].split(",")[0])
+    from tmd.protocol import layout
+
+    host = host or socket.gethostbyname(socket.gethostname())  # this host's own address, never all interfaces
     daemon = Daemon(job_id, run_dir or os.path.join("tmrun", job_id), nodes, rpn, [],
-                    bind_host=host or "0.0.0.0", store_host=host or socket.gethostname(), port=port,
+                    bind_host=host, store_host=host, port=port, keys_dir=os.path.join(layout.job_dir(job_id), "keys"),
                     record_steps=record_steps, heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet)
     launcher = SrunLauncher(command, daemon.run_dir, daemon.address, rpn, echo=not quiet)
     daemon.launcher = launcher

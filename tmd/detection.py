@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Optional, Protocol, Union
 
 import psutil
 
+from tmd.health import finite
 from tmd.protocol.vocab import FailureSignal, Health, NodeRole
 from tmd.registry import Node, Registry, Worker
 
@@ -363,9 +364,10 @@ class Detector:
         now = self.wall_clock()
         worst = 0.0
         for w in self.registry.rank_owner.values():
-            c = w.counters
-            if w.node != n.name and c.get("pending", 0) > 0 and c.get("last_op_start_s", 0) > 0:
-                worst = max(worst, now - float(c["last_op_start_s"]))
+            c = w.counters if isinstance(w.counters, dict) else {}
+            pending, started = finite(c.get("pending")), finite(c.get("last_op_start_s"))
+            if w.node != n.name and pending is not None and pending > 0 and started is not None and started > 0:
+                worst = max(worst, now - started)
         return worst
 
     def _busy(self, n: Node, live: list[Worker], now: float) -> tuple[bool, Optional[Slow]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tmd.control import JobControl
-from tmd.health import GpuHealthPolicy, StragglerDetector
+from tmd.health import GpuHealthPolicy, StragglerDetector, finite
 from tmd.migration import MigrationError
 from tmd.protocol.vocab import GPU_EVENTS, Event, GpuLevel, Health, NodeRole
 from tmd.registry import Node, Worker
@@ -29,17 +29,28 @@ class Evacuation:
         self._gpu_verdicts: dict[int, Optional[tuple[GpuLevel, str]]] = {}  # rank -> last verdict
         self._in_incident = False
 
-    def observe(self, w: Worker, counters: dict, now: float) -> None:
-        """One heartbeat's ``counters`` from ``w`` at ``now`` (time.monotonic()); only a rank's owner counts."""
+    def observe(self, w: Worker, counters: dict, now: float) -> Optional[str]:
+        """One heartbeat's ``counters`` from ``w`` at ``now`` (time.monotonic()); only a rank's owner counts.
+        Returns why the counters are malformed (``busy_s`` not a non-negative number, ``gpu`` not an object;
+        that part is ignored), None when fine. Never raises."""
+        if not isinstance(counters, dict):
+            return "counters are not an object"
         owner = w.rank is not None and self.control.registry.rank_owner.get(w.rank) is w
         if not owner:
-            return
-        busy = counters.get("busy_s")
-        if isinstance(busy, (int, float)):
-            self.stragglers.observe(w.rank, now, float(busy))
+            return None
+        problem = None
+        if "busy_s" in counters:
+            busy = finite(counters["busy_s"])
+            if busy is not None and busy >= 0:
+                self.stragglers.observe(w.rank, now, busy)
+            else:
+                problem = "busy_s is not a non-negative number"
         gpu = counters.get("gpu")
         if isinstance(gpu, dict):
             self._check_gpu(w, gpu)
+        elif gpu is not None:
+            problem = "gpu is not an object"
+        return problem
 
     def gpu_unhealthy(self, n: Node) -> bool:
         """Whether a rank of ``n`` has an unhealthy GPU verdict (heartbeats coming back do not clear it)."""

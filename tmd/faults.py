@@ -25,7 +25,7 @@ from typing import Optional
 
 from tmd import protocol as p
 from tmd.episode import Episodes
-from tmd.journal import Journal
+from tmd.journal import Journal, cut_text
 from tmd.protocol.layout import RunDir
 from tmd.protocol.vocab import Event, FailureKind, IncidentState, NodeRole
 from tmd.registry import Node, Registry, Worker
@@ -82,8 +82,9 @@ class Faults:
         again = self._failed_again(msg.step)
         if again:
             reason = f"{again}: {reason}"
-        self.failure = {"rank": msg.rank, "node": w.node, "kind": msg.kind, "error": msg.error,
-                        "traceback": msg.traceback, "step": msg.step}
+        # kept for every StatusReply: bounded, so a reply always fits in one frame (tmd.protocol.keys)
+        self.failure = {"rank": msg.rank, "node": w.node, "kind": msg.kind, "error": cut_text(msg.error, 1000),
+                        "traceback": cut_text(msg.traceback, 8000), "step": msg.step}
         return JobFailed(reason, msg.traceback)
 
     def startup_exit(self, node: Node, local_rank: int, returncode: Optional[int]) -> Optional[JobFailed]:

@@ -15,10 +15,28 @@ collective-wait statistics of NVIDIA resiliency-ext's straggler detector, comput
 from __future__ import annotations
 
 import collections
+import math
 import statistics
-from typing import Optional
+from typing import Any, Optional
 
 from tmd.protocol.vocab import GpuLevel
+
+
+def finite(value: Any) -> Optional[float]:
+    """``value`` as a float if it is a finite number (not a bool, not text), else None: what a heartbeat's
+    counters are read with, so a malformed one is ignored rather than raising."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _whole(value: Any) -> Optional[int]:
+    """``value`` if it is an int (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class StragglerDetector:
@@ -138,34 +156,38 @@ class GpuHealthPolicy:
     def evaluate(self, rank: int, sample: dict) -> Optional[tuple[GpuLevel, str]]:
         """One heartbeat's sample of ``rank``: None when fine (or the sample is empty: no GPU), else
         ``(GpuLevel.UNHEALTHY | GpuLevel.DEGRADED, "rank R GPU I: reason with the value")``, the worst state
-        found."""
-        if not sample:
+        found. A field of the wrong type (text where a number belongs) is ignored: never raises."""
+        if not sample or not isinstance(sample, dict):
             return None
-        if rank in self._gpu and sample.get("uuid") != self._gpu[rank]:
+        uuid = sample.get("uuid") if isinstance(sample.get("uuid"), str) else None
+        if rank in self._gpu and uuid != self._gpu[rank]:
             self.forget(rank)
-        self._gpu[rank] = sample.get("uuid")
+        self._gpu[rank] = uuid
         unhealthy, degraded = [], []
-        if sample.get("gpu_lost"):
+        if sample.get("gpu_lost") is True:
             unhealthy.append("GPU is lost (NVML)")
-        xids = sample.get("xids") or ([sample["xid"]] if sample.get("xid") is not None else [])
+        xids = sample.get("xids") if isinstance(sample.get("xids"), list) else []
+        xids = [x for x in xids if _whole(x) is not None] or \
+            ([sample["xid"]] if _whole(sample.get("xid")) is not None else [])
         critical = [x for x in xids if x in self.critical_xids]
         if critical:
             unhealthy.append(f"critical XID {', '.join(map(str, critical))}")
-        ecc = sample.get("ecc_uncorrected")
+        ecc = _whole(sample.get("ecc_uncorrected"))
         if ecc is not None:
             baseline = self._ecc_baseline.get(rank)
             if baseline is None or ecc < baseline:
                 self._ecc_baseline[rank] = baseline = ecc
             if ecc > baseline:
                 unhealthy.append(f"{ecc - baseline} new uncorrected ECC errors ({ecc} since driver load)")
-        temperature = sample.get("temperature_c")
+        temperature = finite(sample.get("temperature_c"))
         if temperature is not None and temperature > self.max_temperature_c:
-            degraded.append(f"temperature {temperature} C > {self.max_temperature_c} C")
-        slowdown = [r for r in sample.get("throttle") or () if r in HW_THROTTLE]
+            degraded.append(f"temperature {sample['temperature_c']} C > {self.max_temperature_c} C")
+        throttle = sample.get("throttle") if isinstance(sample.get("throttle"), list) else ()
+        slowdown = [r for r in throttle if isinstance(r, str) and r in HW_THROTTLE]
         self._throttled[rank] = streak = self._throttled.get(rank, 0) + 1 if slowdown else 0
         if slowdown and streak >= self.throttle_patience:
             degraded.append(f"{', '.join(slowdown)} for {streak} samples")
         if not (unhealthy or degraded):
             return None
         return (GpuLevel.UNHEALTHY if unhealthy else GpuLevel.DEGRADED,
-                f"rank {rank} GPU {sample.get('index')}: {'; '.join(unhealthy or degraded)}")
+                f"rank {rank} GPU {_whole(sample.get('index'))}: {'; '.join(unhealthy or degraded)}")

@@ -5,6 +5,8 @@ Each process gets its identity by environment: ``TM_COORDINATOR`` (tmd's address
 ranks from oversubscribing the cores and gloo on loopback. Every process writes its output to
 ``<run_dir>/logs/<node>.<local_rank>.log`` itself (not through a pipe to tmd: its output, and so its training,
 outlives a killed tmd); with ``echo`` tmd follows the file and prints each line prefixed by ``[node/local_rank]``.
+Nodes may run in network namespaces of their own (``tmd local --netns-node``/``--netns-all``, see tmd/netns.py):
+their processes then advertise their namespace's address to gloo (``TM_GLOO_HOST``) instead.
 A restarted tmd (``tmd resume``) adopts the processes it did not start (:meth:`LocalLauncher.adopt`).
 In SLURM mode srun starts the processes instead and this module is not used.
 """
@@ -16,11 +18,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import psutil
 
 from tmd.protocol.layout import RunDir
+
+if TYPE_CHECKING:
+    from tmd.netns import NodeNamespace
 
 
 class Adopted:
@@ -84,11 +89,14 @@ class Proc:
 class LocalLauncher:
     def __init__(self, command: list[str], run_dir: str, coordinator: str, ranks_per_node: int,
                  echo: bool = True, extra_env: Optional[dict[str, str]] = None,
-                 namespaces: Optional[dict] = None, host_ip: Optional[str] = None) -> None:
+                 namespaces: Optional[dict] = None, host_ip: Optional[str] = None,
+                 new_namespace: Optional[Callable[[str], "NodeNamespace"]] = None) -> None:
         """``namespaces``: node -> tmd.netns.NodeNamespace for nodes whose processes run in a network namespace
         of their own (they advertise its address to gloo; the others advertise ``host_ip``, which the namespaces
-        reach). They are deleted by :meth:`terminate_all`."""
+        reach). ``new_namespace(node)``: makes one for a node started without (``--netns-all``: standbys added
+        by request). They are deleted by :meth:`terminate_all`."""
         self.namespaces = namespaces or {}
+        self.new_namespace = new_namespace
         self.host_ip = host_ip
         self.command = command
         self.run_dir = run_dir
@@ -104,6 +112,8 @@ class LocalLauncher:
     def start_node(self, node: str, standby: bool) -> None:
         """Start ``ranks_per_node`` processes for ``node`` (none without a command: ``tmd resume`` of a job
         whose tmd.json does not say it)."""
+        if self.command and self.new_namespace is not None and node not in self.namespaces:
+            self.namespaces[node] = self.new_namespace(node)
         for local_rank in range(self.ranks_per_node if self.command else 0):
             self._spawn(node, local_rank, standby)
 
@@ -117,9 +127,10 @@ class LocalLauncher:
 
     def _spawn(self, node: str, local_rank: int, standby: bool) -> Proc:
         ns = self.namespaces.get(node)
+        gloo_host = ns.node_ip if ns else self.host_ip
         env = {
             **self.base_env(),
-            **({"TM_GLOO_HOST": ns.node_ip if ns else self.host_ip} if self.host_ip else {}),
+            **({"TM_GLOO_HOST": gloo_host} if gloo_host else {}),
             "TM_COORDINATOR": self.coordinator,
             "TM_NODE": node,
             "TM_LOCAL_RANK": str(local_rank),

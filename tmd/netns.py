@@ -33,10 +33,28 @@ gloo all_reduce across a 2 s cut completes ~1 s after heal(); one that outlives 
 ``close()`` deletes the veth and the namespace (idempotent; also run at exit). Creating a ``NodeNamespace``
 first deletes the namespaces ``tm-*`` left by processes that are gone (a crashed test).
 Needs root and iproute2 (``ip``, ``tc``); ``available()`` says whether this machine can do it.
+
+**Every process on its own address** (``tmd local --netns-all``): a :class:`Bridge` ``tmbr<k>`` in the host
+namespace owns the subnet 10.214.<k>.0/24 (``k``: the first one free on this machine) and gives the host
+10.214.<k>.1; ``Bridge.add(node)`` makes a ``NodeNamespace`` joined to the bridge by its own veth, with the next
+address (10.214.<k>.2, .3, ...)::
+
+    host namespace                                            tm-<node>-<pid>-<j>
+    tmbr<k> 10.214.<k>.1/24 -- port tmb<k>v<j>  <---->  tm0 10.214.<k>.<j>/24  (no default route)
+
+All of them share one link-local subnet, as hosts on one switch; nothing is routed or forwarded, and with no
+default route a name lookup fails at once (ENETUNREACH). ``cut()``/``heal()`` work as above on the veth's two
+ends (the host end is a bridge port). :func:`enter` moves the calling process itself into such a namespace
+(tmd does, so it binds and advertises its own address); the ``ip``/``tc`` commands of this module then still
+run in the host namespace (through ``nsenter`` and a descriptor of it kept open), so that process can add
+namespaces to the bridge later (standbys added by request). ``close()`` of the bridge deletes its namespaces and
+itself; bridges whose creator is gone (its pid is the bridge's alias ``tm-<pid>``) go at the next start.
 """
 from __future__ import annotations
 
 import atexit
+import ctypes
+import errno
 import os
 import re
 import shutil
@@ -52,6 +70,10 @@ ETC_NETNS = "/etc/netns"  # `ip netns exec NAME` bind-mounts the files of ETC_NE
 RESOLV_CONF = "# tmd.netns: no DNS inside a node namespace\nnameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
 _CMD_TIMEOUT_S = 20.0
 _CUT_QDISCS = (["blackhole"], ["netem", "loss", "100%"])
+BRIDGE_PREFIX = "tmbr"  # tmbr<k>: the bridge of 10.214.<k>.0/24
+BRIDGE_NS_IF = "tm0"  # a bridged namespace's end of its veth
+_CLONE_NEWNET = 0x40000000
+_host_net_fd: Optional[int] = None  # set by enter(): the host's network namespace, for the ip/tc commands
 
 _available: Optional[bool] = None
 _lock = threading.Lock()
@@ -68,8 +90,13 @@ def _tc(*args: str, netns: Optional[str] = None, check: bool = True) -> subproce
 
 
 def _run(cmd: list[str], check: bool) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in the host's network namespace (also after :func:`enter` moved this process out of it)."""
+    fds: tuple[int, ...] = ()
+    if _host_net_fd is not None:
+        cmd, fds = ["nsenter", f"--net=/proc/self/fd/{_host_net_fd}", *cmd], (_host_net_fd,)
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S, stdin=subprocess.DEVNULL,
+                             pass_fds=fds)
     except (OSError, subprocess.TimeoutExpired) as e:
         if check:
             raise RuntimeError(f"`{' '.join(cmd)}` failed: {e}") from e
@@ -118,14 +145,57 @@ def _delete_namespace(name: str) -> None:
 
 
 def cleanup_stale() -> list[str]:
-    """Delete the namespaces ``tm-*`` whose creating process is gone; return their names."""
+    """Delete the namespaces ``tm-*`` and the bridges ``tmbr*`` whose creating process is gone; return their
+    names."""
     removed = []
     for name in _list_namespaces():
         pid = _creator_pid(name)
         if pid is not None and pid != os.getpid() and not _pid_alive(pid):
             _delete_namespace(name)
             removed.append(name)
+    for name, pid in _bridges().items():
+        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
+            _ip("link", "del", name, check=False)
+            removed.append(name)
     return removed
+
+
+def _bridges() -> dict[str, Optional[int]]:
+    """The bridges ``tmbr*`` of the host namespace -> their creator's pid (from the alias ``tm-<pid>``)."""
+    out: dict[str, Optional[int]] = {}
+    for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
+        m = re.match(r"\d+:\s*([^:@\s]+)", line)
+        if m and m.group(1).startswith(BRIDGE_PREFIX):
+            alias = re.search(r"alias " + re.escape(PREFIX) + r"(\d+)", line)
+            out[m.group(1)] = int(alias.group(1)) if alias else None
+    return out
+
+
+def enter(ns: "NodeNamespace") -> None:
+    """Move this process into ``ns``'s network namespace: every socket it opens from now on is there (tmd in
+    ``tmd local --netns-all``). Only the network namespace changes (not the mounts: /etc/resolv.conf stays the
+    host's; with no default route a lookup fails at once). Call it while the process has one thread (a thread
+    keeps the namespace it had); raises RuntimeError otherwise or when setns(2) fails. The module's ip/tc
+    commands go on running in the host namespace."""
+    global _host_net_fd
+    threads = os.listdir("/proc/self/task")
+    if len(threads) != 1:
+        raise RuntimeError(f"enter() needs a single-threaded process ({len(threads)} threads: they would stay "
+                           f"in the host namespace)")
+    if _host_net_fd is not None:
+        raise RuntimeError("this process already entered a namespace")
+    if not shutil.which("nsenter"):
+        raise RuntimeError("nsenter (util-linux) is needed to manage namespaces from inside one")
+    host = os.open("/proc/self/ns/net", os.O_RDONLY)
+    target = os.open(os.path.join("/var/run/netns", ns.name), os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(target, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            os.close(host)
+            raise RuntimeError(f"setns({ns.name}) failed: {errno.errorcode.get(err, err)}")
+    finally:
+        os.close(target)
+    _host_net_fd = host
 
 
 def available() -> bool:
@@ -163,19 +233,23 @@ def _probe() -> bool:
 class NodeNamespace:
     """A network namespace for one node's processes, joined to the host by a veth pair (see the module doc).
     ``index`` (0..255) picks the subnet 10.213.<index>.0/24 and the interface names; it must be unique among
-    the namespaces alive on this machine."""
+    the namespaces alive on this machine. With ``bridge`` (made by :meth:`Bridge.add`) the veth is a port of
+    that bridge instead and ``index`` (2..254) is the last byte of the node's address on the bridge's subnet."""
 
-    def __init__(self, node: str, index: int) -> None:
-        if not 0 <= index <= 255:
-            raise ValueError(f"index must be in 0..255, got {index}")
+    def __init__(self, node: str, index: int, bridge: Optional["Bridge"] = None) -> None:
+        if not (2 <= index <= 254 if bridge else 0 <= index <= 255):
+            raise ValueError(f"index must be in {'2..254' if bridge else '0..255'}, got {index}")
         self.node = node
         self.index = index
         safe = re.sub(r"[^A-Za-z0-9_.]", "_", node)[:40] or "node"
         self.name = f"{PREFIX}{safe}-{os.getpid()}-{index}"
-        self.host_if = f"tmh{index}"
-        self.ns_if = f"tmn{index}"
-        self.host_ip = f"10.213.{index}.1"
-        self.node_ip = f"10.213.{index}.2"
+        self.bridge = bridge.name if bridge else None
+        if bridge:
+            self.host_if, self.ns_if = f"tmb{bridge.index}v{index}", BRIDGE_NS_IF
+            self.host_ip, self.node_ip = bridge.host_ip, f"{bridge.subnet}.{index}"
+        else:
+            self.host_if, self.ns_if = f"tmh{index}", f"tmn{index}"
+            self.host_ip, self.node_ip = f"10.213.{index}.1", f"10.213.{index}.2"
         self.is_cut = False
         self._closed = False
         self._cut_qdisc: Optional[list[str]] = None
@@ -192,13 +266,17 @@ class NodeNamespace:
             self._write_resolv_conf()
             _ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if, "netns", self.name)
             self._made_link = True
-            _ip("addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
+            if self.bridge:
+                _ip("link", "set", self.host_if, "master", self.bridge)
+            else:
+                _ip("addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
             _ip("link", "set", self.host_if, "up")
             _ip("link", "set", "lo", "up", netns=self.name)
             _ip("addr", "add", f"{self.node_ip}/24", "dev", self.ns_if, netns=self.name)
             _ip("link", "set", self.ns_if, "up", netns=self.name)
-            _ip("route", "add", "default", "via", self.host_ip, netns=self.name)
-            self._set_forwarding()
+            if not self.bridge:  # on a bridge every peer is on the namespace's own subnet: nothing to route
+                _ip("route", "add", "default", "via", self.host_ip, netns=self.name)
+                self._set_forwarding()
         except BaseException:
             self.close()
             raise
@@ -221,16 +299,29 @@ class NodeNamespace:
             pass
 
     @classmethod
-    def existing(cls, node: str, name: str, index: int) -> "NodeNamespace":
+    def existing(cls, node: str, name: str, index: int, **spec) -> "NodeNamespace":
         """A handle on a namespace another process created (e.g. tmd's, named in its tmd.json): it can cut()
-        and heal() it; close() leaves it alone."""
+        and heal() it; close() leaves it alone. ``spec``: the other fields of :meth:`spec` (``host_if``,
+        ``ns_if``, ``host_ip``, ``node_ip``, ``bridge``); by default those of a namespace made without a bridge."""
         ns = cls.__new__(cls)
         ns.node, ns.index, ns.name = node, index, name
-        ns.host_if, ns.ns_if = f"tmh{index}", f"tmn{index}"
-        ns.host_ip, ns.node_ip = f"10.213.{index}.1", f"10.213.{index}.2"
+        ns.host_if, ns.ns_if = spec.get("host_if") or f"tmh{index}", spec.get("ns_if") or f"tmn{index}"
+        ns.host_ip = spec.get("host_ip") or f"10.213.{index}.1"
+        ns.node_ip = spec.get("node_ip") or f"10.213.{index}.2"
+        ns.bridge = spec.get("bridge")
         ns.is_cut, ns._closed, ns._cut_qdisc, ns._made_link = False, False, None, False
         ns._owner = False
         return ns
+
+    @classmethod
+    def from_spec(cls, node: str, spec: dict) -> "NodeNamespace":
+        """:meth:`existing` from a :meth:`spec` dict (tmd.json's ``netns`` entries)."""
+        return cls.existing(node, **spec)
+
+    def spec(self) -> dict:
+        """What another process needs to find, cut and heal this namespace (JSON-able; see :meth:`from_spec`)."""
+        return {"name": self.name, "index": self.index, "host_if": self.host_if, "ns_if": self.ns_if,
+                "host_ip": self.host_ip, "node_ip": self.node_ip, "bridge": self.bridge}
 
     def wrap(self, argv: list[str]) -> list[str]:
         """``argv`` run inside the namespace."""
@@ -287,3 +378,72 @@ class NodeNamespace:
 
     def __repr__(self) -> str:
         return f"NodeNamespace({self.name!r}, node_ip={self.node_ip}, host_ip={self.host_ip}, cut={self.is_cut})"
+
+
+TMD_KEY = "@tmd"  # tmd's own namespace in tmd.json's ``netns`` (not a node name: those are alphanumeric)
+
+
+class Bridge:
+    """The bridge ``tmbr<k>`` of subnet 10.214.<k>.0/24 in the host namespace, with ``host_ip`` 10.214.<k>.1,
+    and the namespaces on it (see the module doc). ``k`` is the first subnet no interface of this machine uses
+    and no other bridge took. Raises RuntimeError when none is free or a command fails."""
+
+    def __init__(self) -> None:
+        cleanup_stale()
+        used = set()
+        for line in _ip("-o", "-4", "addr", "show", check=False).stdout.splitlines():
+            m = re.search(r"inet 10\.214\.(\d+)\.", line)
+            if m:
+                used.add(int(m.group(1)))
+        self.index = -1
+        for k in range(256):
+            if k not in used and _ip("link", "add", f"{BRIDGE_PREFIX}{k}", "type", "bridge",
+                                     check=False).returncode == 0:  # taken atomically: another job may race
+                self.index = k
+                break
+        if self.index < 0:
+            raise RuntimeError("no free bridge subnet 10.214.<k>.0/24 (k in 0..255)")
+        self.name = f"{BRIDGE_PREFIX}{self.index}"
+        self.subnet = f"10.214.{self.index}"
+        self.host_ip = f"{self.subnet}.1"
+        self.namespaces: list[NodeNamespace] = []
+        self._next = 2
+        self._closed = False
+        atexit.register(self.close)
+        try:
+            _ip("link", "set", self.name, "alias", f"{PREFIX}{os.getpid()}")
+            _ip("addr", "add", f"{self.host_ip}/24", "dev", self.name)
+            _ip("link", "set", self.name, "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def add(self, node: str) -> NodeNamespace:
+        """A new namespace for ``node`` on this bridge, with the next free address (thread-safe). Raises
+        RuntimeError when the subnet is full (253 namespaces) or a command fails."""
+        with _lock:
+            if self._closed:
+                raise RuntimeError(f"bridge {self.name} is closed")
+            if self._next > 254:
+                raise RuntimeError(f"bridge {self.name} is full")
+            index, self._next = self._next, self._next + 1
+        ns = NodeNamespace(node, index, bridge=self)
+        self.namespaces.append(ns)
+        return ns
+
+    def close(self) -> None:
+        """Delete this bridge's namespaces and the bridge (idempotent; also run at exit)."""
+        with _lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            atexit.unregister(self.close)
+        except Exception:
+            pass
+        for ns in self.namespaces:
+            ns.close()
+        _ip("link", "del", self.name, check=False)
+
+    def __repr__(self) -> str:
+        return f"Bridge({self.name!r}, {self.subnet}.0/24, namespaces={len(self.namespaces)})"

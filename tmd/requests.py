@@ -7,6 +7,8 @@ refuses raises tmd.migration.MigrationError; the daemon answers it with an Error
 """
 from __future__ import annotations
 
+import re
+import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from tmd import protocol as p
@@ -17,16 +19,30 @@ from tmd.protocol.vocab import ErrorCode, Event
 if TYPE_CHECKING:
     from tmd.slurm import SlurmCluster
 
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a standby's name: a file name on every system
+MAX_ADDED_STANDBYS = 4  # standbys added by request over a job's life (each starts ranks_per_node processes)
+ADD_STANDBY_INTERVAL_S = 10.0  # seconds between two standbys added by request
+
 
 class Requests:
     """``status()`` builds the job's StatusReply; ``cluster()`` is the SLURM side (None in local mode), which
     resolves migrate targets (``any``, a standby job id) and takes the hooks' notices."""
 
     def __init__(self, control: JobControl, status: Callable[[], p.StatusReply],
-                 cluster: Callable[[], Optional["SlurmCluster"]]) -> None:
+                 cluster: Callable[[], Optional["SlurmCluster"]], max_added_standbys: int = MAX_ADDED_STANDBYS,
+                 add_standby_interval_s: float = ADD_STANDBY_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``max_added_standbys``: standbys ``tmctl standby add`` may add over the job's life (those of a
+        resumed tmd's journal count); ``add_standby_interval_s``: seconds between two added standbys;
+        ``clock``: monotonic seconds (tests pass their own)."""
         self.control = control
         self.status_reply = status
         self.cluster = cluster
+        self.max_added_standbys = max_added_standbys
+        self.add_standby_interval_s = add_standby_interval_s
+        self.clock = clock
+        self._initial_nodes = set(control.registry.nodes)  # the job's nodes and standbys at start
+        self._last_added: Optional[float] = None
 
     def status(self, identity: bytes, msg: p.StatusRequest) -> None:
         self.control.reply(identity, self.status_reply())
@@ -50,20 +66,47 @@ class Requests:
         self.control.reply(identity, p.MigrationReply(migration=self.control.migration(msg.migration_id).to_dict()))
 
     def add_standby(self, identity: bytes, msg: p.AddStandbyRequest) -> None:
-        """Local mode: add standby node ``msg.node`` and start its processes; answered with the status."""
+        """Local mode: add standby node ``msg.node`` and start its processes; answered with the status.
+        Refused (ErrorReply, journalled as ``standby_refused``): a name that is not NODE_NAME (letters, digits,
+        ``.``, ``_``, ``-``; at most 64 characters, not starting with a punctuation mark) or already in use;
+        more than ``max_added_standbys`` standbys added by request over the job's life (each costs
+        ``ranks_per_node`` processes); a request sooner than ``add_standby_interval_s`` seconds after the last
+        one that was served."""
         c = self.control
         if c.launcher is None:
             raise MigrationError(ErrorCode.NOT_SUPPORTED, "tmd does not start processes in this mode: submit a "
                                  "standby job (sbatch slurm/standby.sbatch) and it registers by itself")
         name = msg.node.strip()
-        if not name or not name.replace("-", "").replace("_", "").isalnum():
-            raise MigrationError(ErrorCode.BAD_REQUEST, f"bad node name {msg.node!r}: letters, digits, - and _ only")
         try:
-            c.registry.add_node(name)
-        except ValueError as e:
-            raise MigrationError(ErrorCode.BAD_REQUEST, str(e)) from None
+            if not NODE_NAME.fullmatch(name):
+                raise MigrationError(ErrorCode.BAD_REQUEST, f"bad node name {name[:80]!r}: 1 to 64 letters, digits, "
+                                                            f"'.', '_' and '-', starting with a letter or digit")
+            if name in c.registry.nodes:
+                raise MigrationError(ErrorCode.BAD_REQUEST, f"node '{name}' is already part of this job (it is "
+                                                            f"{c.registry.nodes[name].role})")
+            added = len(set(c.registry.nodes) - self._initial_nodes)
+            if added >= self.max_added_standbys:
+                raise MigrationError(ErrorCode.BAD_REQUEST, f"{added} standbys were added by request already, the "
+                                                            f"most this job allows (tmd's max_added_standbys)")
+            now = self.clock()
+            if self._last_added is not None and now - self._last_added < self.add_standby_interval_s:
+                wait = self.add_standby_interval_s - (now - self._last_added)
+                raise MigrationError(ErrorCode.NOT_READY, f"one standby per {self.add_standby_interval_s:g} s: "
+                                                          f"try again in {wait:.1f} s")
+            try:
+                c.registry.add_node(name)
+            except ValueError as e:
+                raise MigrationError(ErrorCode.BAD_REQUEST, str(e)) from None
+        except MigrationError as e:
+            c.journal.record(Event.STANDBY_REFUSED, node=name, code=e.code, reason=str(e))
+            raise
+        self._last_added = now
         c.journal.record(Event.STANDBY_ADDED, node=name)
-        c.launcher.start_node(name, standby=True)
+        try:
+            c.launcher.start_node(name, standby=True)
+        except OSError as e:  # e.g. its log file cannot be created; the node stays known, with no process
+            c.journal.record(Event.STANDBY_REFUSED, node=name, code=ErrorCode.BAD_REQUEST, reason=str(e))
+            raise MigrationError(ErrorCode.BAD_REQUEST, f"cannot start standby {name}: {e}") from None
         self.status(identity, p.StatusRequest())
 
     def events(self, identity: bytes, msg: p.EventsRequest) -> None:

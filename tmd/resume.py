@@ -96,9 +96,11 @@ def load(run_dir: str) -> JobState:
         raise ResumeError(f"no job to resume in {layout.path}: its journal has no {Event.TMD_STARTED} event")
     events = events[starts[-1]:]
     started = events[0]
-    ends = [e for e in events
-            if e["event"] in (Event.TMD_STARTED, Event.TMD_RESTARTED, Event.TMD_STOPPED, Event.JOB_FINISHED)]
-    if ends[-1]["event"] == Event.TMD_STOPPED:
+    ends = [e for e in events if e["event"] in (Event.TMD_STARTED, Event.TMD_RESTARTED, Event.TMD_STOPPED,
+                                                 Event.TMD_CRASHED, Event.JOB_FINISHED)]
+    # A tmd that crashed (``tmd_crashed``; or, before tmd survived its own bugs, ``tmd_stopped`` with no exit
+    # code) left the ranks training: that job can be resumed. A stop with an exit code ended the job.
+    if ends[-1]["event"] == Event.TMD_STOPPED and ends[-1].get("exit_code") is not None:
         code = ends[-1].get("exit_code")
         raise ResumeError(f"job {started.get('job')} is over: its tmd stopped with exit code {code}")
     if any(e["event"] == Event.JOB_FINISHED for e in ends):
@@ -295,7 +297,8 @@ class Resumed:
                 return self._refuse(identity, fields, str(e), ExitCode.REFUSED)
         if w.rank is not None and w.rank != msg.rank:
             c.journal.record(Event.REJOIN_MISMATCH, **fields, journal_rank=w.rank)
-        if c.launcher is not None and msg.host == c.hostname:
+        if c.launcher is not None and msg.host == c.hostname \
+                and c.launcher.pid_of(msg.node, msg.local_rank) != msg.pid:  # (tmd.supervise: tracked already)
             c.launcher.adopt(msg.node, msg.local_rank, msg.pid)
         c.journal.record(Event.WORKER_REJOINED, **fields)
         if self.decision is not None and msg.role != WorkerRole.STANDBY:

@@ -3,19 +3,24 @@
 The mover is a c10d backend named ``tmover`` that wraps a swappable inner backend (gloo here, NCCL on GPU
 clusters). :func:`init_mover_world` installs it as the default process group, so DDP, FSDP2, DeviceMesh and
 functional collectives all run through it; :func:`build_gloo` builds inner backends to stage on it.
+
+Every group's store keys live below the job's secret namespace (:func:`store_prefix`: ``<namespace>/<prefix>``,
+the namespace derived from the job secret, worker.job_keys), whatever store connection a group is built over, so
+a process outside the job that reaches the TCPStore cannot guess, read or pre-empt a rendezvous key.
 """
 from __future__ import annotations
 
 import atexit
 import datetime
 import os
+import socket
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from tmd.protocol.vocab import MoverMode
-from worker import _C
+from worker import _C, job_keys
 
 CBackend = torch._C._distributed_c10d.Backend  # the c10d Backend type (dist.Backend is the name enum)
 MoverBackend = _C.MoverBackend
@@ -30,7 +35,7 @@ EXIT_DRAIN_S = float(os.environ.get("TM_EXIT_DRAIN_S", "5"))
 
 wait_for_background = _C.wait_for_background
 
-__all__ = ["new_mover_group", "build_inner", "inner_kind", "BACKEND_NAME", "MoverBackend", "build_gloo", "init_mover_world", "mover_of", "release_in_background",
+__all__ = ["new_mover_group", "build_inner", "inner_kind", "store_prefix", "gloo_host", "BACKEND_NAME", "MoverBackend", "build_gloo", "init_mover_world", "mover_of", "release_in_background",
            "wait_for_background"]
 
 # init_process_group calls the registered creator with (store, rank, size, timeout) only, so the inner backend
@@ -40,15 +45,40 @@ _pending_config: Optional[tuple[Optional[CBackend], str]] = None
 _registered = False
 
 
+def store_prefix(prefix: str) -> str:
+    """Where a group built under ``prefix`` (tmd.protocol.layout) keeps its store keys: ``<namespace>/<prefix>``
+    with the job's secret namespace (JobKeys.store_namespace), or ``prefix`` itself without ``TM_KEYS``. Raises
+    KeysUnavailable when ``TM_KEYS`` names keys this process cannot read."""
+    namespace = job_keys.store_namespace()
+    return f"{namespace}/{prefix}" if namespace else prefix
+
+
+def gloo_host(store_host: str) -> Optional[str]:
+    """The address gloo binds and advertises on this host: env ``TM_GLOO_HOST`` (local mode sets it), else this
+    host's address on the interface that routes to the job's store (tmd's host: under SLURM the rank's own
+    network address, found with a UDP ``connect``, which sends nothing), never all interfaces. None when neither
+    can be found (gloo then binds the address this host's name resolves to)."""
+    host = os.environ.get("TM_GLOO_HOST")
+    if host:
+        return host
+    try:
+        family, _, _, _, address = socket.getaddrinfo(store_host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError:
+        return None
+
+
 def build_gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float = 60.0,
                host: Optional[str] = None) -> dist.ProcessGroupGloo:
-    """A gloo backend over ``PrefixStore(prefix, store)``; it does not touch the default group.
+    """A gloo backend over ``PrefixStore(store_prefix(prefix), store)``; it does not touch the default group.
 
     Blocks until all ``size`` ranks built theirs with the same ``prefix`` (never reuse a prefix: the store keys
     of an earlier group would be picked up). ``timeout_s`` (seconds) bounds every op of the group. ``host``
     (or env ``TM_GLOO_HOST``) pins the address gloo binds to and advertises.
     """
-    prefixed = dist.PrefixStore(prefix, store)
+    prefixed = dist.PrefixStore(store_prefix(prefix), store)
     timeout = datetime.timedelta(seconds=timeout_s)
     host = host or os.environ.get("TM_GLOO_HOST")
     if not host:
@@ -70,7 +100,8 @@ def inner_kind() -> str:
 
 def build_inner(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float = 60.0,
                 host: Optional[str] = None) -> CBackend:
-    """An inner backend of :func:`inner_kind` over ``PrefixStore(prefix, store)`` (see :func:`build_gloo`).
+    """An inner backend of :func:`inner_kind` over ``PrefixStore(store_prefix(prefix), store)`` (see
+    :func:`build_gloo`).
     NCCL groups bind to ``cuda:<LOCAL_RANK>`` (env ``TM_LOCAL_RANK``, the device the script should use); their
     collectives and the state transfer then move CUDA tensors over NVLink/RDMA."""
     if inner_kind() == "gloo":
@@ -78,7 +109,7 @@ def build_inner(store: dist.Store, prefix: str, rank: int, size: int, timeout_s:
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     device = torch.device("cuda", int(os.environ.get("TM_LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
-    pg = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, opts)
+    pg = dist.ProcessGroupNCCL(dist.PrefixStore(store_prefix(prefix), store), rank, size, opts)
     pg.eager_connect_single_device(device)  # connect now (phase 1), not in the first collective (the switch step)
     return pg
 

@@ -10,6 +10,11 @@ reused).
   stages it on the mover; leaver and joiner also build their 2-rank transfer group.
 - Phase 2, :meth:`GroupManager.commit`, runs at the switch step, between two iterations: the mover swaps the staged
   inner in atomically and drops the old one on a C++ thread (destroying a gloo group costs ~10 ms per peer).
+
+**One store connection per group setup.** A TCPStore client runs one operation at a time: a rendezvous blocked in
+a ``get`` of a key that never comes (a peer died before publishing its address) holds the client until the store
+timeout. So each phase 1 and each recovery attempt sets up its groups over a store connection of its own
+(:meth:`GroupManager.connect_store`): a prepare stuck on a lost leaver cannot stall the recovery that follows it.
 """
 from __future__ import annotations
 
@@ -60,16 +65,27 @@ class GroupManager:
     def set_store(self, host: str, port: int) -> None:
         """Build future groups in the store at ``host:port``: a restarted tmd hosts a new one (the old store died
         with the old tmd). The groups in use keep working: gloo needs the store only while a group is set up."""
+        self.store = self._connect(host, port)
+
+    def _connect(self, host: str, port: int):
         import datetime
 
         import torch.distributed as dist
 
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s))
+        return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s))
 
-    def _inner(self, generation: int, group: str, ranks: list[int]):
+    def connect_store(self):
+        """A new connection (a TCPStore client, ``timeout_s`` seconds per operation) to the job's store, for one
+        group setup: a client serialises its operations, so a rendezvous blocked on a lost peer must hold only
+        its own. Returns ``store`` itself when it is not a TCPStore (no address to connect to). Raises
+        DistStoreError when the store cannot be reached within ``timeout_s``."""
+        host, port = getattr(self.store, "host", None), getattr(self.store, "port", None)
+        return self.store if host is None or port is None else self._connect(host, port)
+
+    def _inner(self, generation: int, group: str, ranks: list[int], store=None):
         self.generation = max(self.generation, generation)
-        return mb.build_inner(self.store, p.layout.group_prefix(generation, group), ranks.index(self.rank),
-                              len(ranks), self.timeout_s, self.host)
+        return mb.build_inner(self.store if store is None else store, p.layout.group_prefix(generation, group),
+                              ranks.index(self.rank), len(ranks), self.timeout_s, self.host)
 
     def init_world(self, generation: int, mode: p.MoverMode, connect: bool) -> mb.MoverBackend:
         """Install the mover-backed world group as the default group. ``connect`` false leaves it without an
@@ -116,11 +132,11 @@ class GroupManager:
             built: dict[str, object] = {}
             transfer = None
             try:
+                store = self.connect_store()  # its own: a peer lost mid-prepare blocks only this setup
                 for g in affected:
-                    built[g.name] = self._inner(generation, g.name, g.ranks)
+                    built[g.name] = self._inner(generation, g.name, g.ranks, store)
                 if role in (p.MigrationRole.LEAVER, p.MigrationRole.JOINER):
-                    transfer = mb.build_inner(self.store, transfer_prefix, 0 if leaver else 1, 2,
-                                              self.timeout_s, self.host)
+                    transfer = mb.build_inner(store, transfer_prefix, 0 if leaver else 1, 2, self.timeout_s, self.host)
                 with self._lock:
                     if pending.cancelled:
                         raise RuntimeError("migration aborted while its groups were being built")
@@ -201,9 +217,10 @@ class GroupManager:
                 return f"{g.name}: {why}"
         return None
 
-    def build_all(self, generation: int) -> dict[str, object]:
+    def build_all(self, generation: int, store=None) -> dict[str, object]:
         """Build generation ``generation`` of every group of this rank (blocking until each group's members
-        built theirs: a rendezvous). After a failure every group is rebuilt, not only those that held the lost
+        built theirs: a rendezvous) over ``store`` (default: the job's store; a recovery attempt passes its own
+        :meth:`connect_store`). After a failure every group is rebuilt, not only those that held the lost
         ranks: an aborted step can leave a group's members at different points of its op sequence, so its
         communicator cannot be trusted. Returns inner backends by group name for :meth:`install`; on error the
         ones already built are released and the error is raised."""
@@ -211,7 +228,7 @@ class GroupManager:
         try:
             for name in sorted(self.groups):
                 g = self.groups[name]
-                built[name] = self._inner(generation, name, g.ranks)
+                built[name] = self._inner(generation, name, g.ranks, store)
         except BaseException:
             for inner in built.values():
                 mb.release_in_background(inner)

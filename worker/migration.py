@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import threading
 import time
 from typing import Any, Callable, Iterator, Optional
 
@@ -33,7 +34,27 @@ from worker.reports import Reporter
 
 log = logging.getLogger("worker.migration")
 
+AGENT_THREAD = "tm-agent"  # worker.agent's thread name
 DECISION_TIMEOUT_S = 300.0  # a party waiting at the switch step for tmd's decision gives up (keeps old groups)
+
+
+def flush_sent(timeout_s: float = 2.0) -> None:
+    """Block until ZeroMQ has written out what the stopping agent sent (waits ``timeout_s`` seconds at most for
+    the agent thread to end, then at most its socket's linger, 2 s).
+
+    Closing a ZeroMQ socket only hands its queued messages to ZeroMQ's I/O thread; a process that then ends with
+    ``os._exit`` (worker.exit) loses whatever that thread had not written yet, e.g. a leaver's ``Done`` (tmd
+    journals ``rank_left`` from it). Terminating the context waits for them. Does nothing while the agent thread
+    still runs: a ZeroMQ socket must not be closed from another thread. Nothing may be sent afterwards."""
+    agent = next((t for t in threading.enumerate() if t.name == AGENT_THREAD), None)
+    if agent is not None:
+        agent.join(timeout_s)
+        if agent.is_alive():
+            log.warning("agent thread still running: its last messages may be lost at exit")
+            return
+    import zmq
+
+    zmq.Context.instance().destroy(linger=0)  # closes the idle inproc sockets; the closed DEALER keeps its linger
 
 
 class LeaverExit(SystemExit):
@@ -160,6 +181,7 @@ class Migration:
             control.enter(Stage.LEFT)
             self.reports.done(switch.step - 1, left=True)
             self.finish_agent()
+            flush_sent()  # the Done must be on the wire before os._exit: tmd journals rank_left from it
             print(f"[worker] rank {control.rank} handed over at step {switch.step}; leaving", flush=True)
             # The script's own finally blocks still run as LeaverExit unwinds; then skip the interpreter's
             # teardown (seconds of CPU for torch, stolen from co-located ranks that train on).

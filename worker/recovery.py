@@ -247,14 +247,17 @@ class Recovery:
                                "and is sent no state")
         result: dict[str, Any] = {}
         groups = self.control.groups
-        store, timeout_s, host = groups.store, groups.timeout_s, groups.host
+        timeout_s, host = groups.timeout_s, groups.host
         attempt = Attempt(self.control.halt, plan)
 
         def work() -> None:
             started = time.perf_counter()
             try:
-                # One thread, one order on every rank (transfer groups by receiver, then the groups): the job's
-                # TCPStore client serialises blocking waits, so two rendezvous in flight could deadlock.
+                # A store connection of this attempt's own: a TCPStore client runs one operation at a time, and
+                # an abandoned prepare or an earlier attempt may still be blocked in a rendezvous with a lost
+                # peer on another. One thread, one order on every rank (transfer groups by receiver, then the
+                # groups), so the rendezvous of this attempt never wait on one another.
+                store = groups.connect_store()
                 moved = 0  # bytes received here (senders do not count them twice)
                 for dst in send_to:
                     pg = mb.build_inner(store, p.layout.recovery_prefix(plan.generation, dst), 0, 2, timeout_s, host)
@@ -270,7 +273,7 @@ class Recovery:
                     pg = None
                     moved += n
                     result["received"] = (states, extra)
-                result.update(built=groups.build_all(plan.generation), moved=moved,
+                result.update(built=groups.build_all(plan.generation, store), moved=moved,
                               seconds=time.perf_counter() - started)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 result["error"] = e

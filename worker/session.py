@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, NoReturn, Optional
 import torch.distributed as dist
 
 from tmd import protocol as p
-from worker import misuse, sandbox
+from worker import backend, misuse, sandbox
 from worker.agent import Agent
 from worker.commands import Commands
 from worker.control import Control, Stage
@@ -114,9 +114,11 @@ class Session:
         self._control.start(a)
         self._install_excepthooks()
         self.world_size = a.world_size
+        # Store keys go below the job's secret namespace where groups are built (worker.backend.store_prefix),
+        # so every store connection (this one, a recovery's own, the one after a tmd restart) is covered.
         store = dist.TCPStore(a.store_host, a.store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
-        groups = self._groups = GroupManager(store, a.rank, a.world_size, os.environ.get("TM_GLOO_HOST"))
+        groups = self._groups = GroupManager(store, a.rank, a.world_size, backend.gloo_host(a.store_host))
         self._control.attach(groups)
         if a.role == p.WorkerRole.ACTIVE:
             groups.init_world(a.generation, p.MoverMode.RECORD if a.record_steps > 0 else p.MoverMode.LIVE,

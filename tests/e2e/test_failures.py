@@ -16,7 +16,7 @@ import sys
 import psutil
 import pytest
 
-from tests.support.job import final_hashes, tmd_command, wait_for_address
+from tests.support.job import final_hashes, tmd_command, wait_for_address, job_client
 from tmctl.client import Client
 from tmd import netns
 from tmd import protocol as p
@@ -44,7 +44,7 @@ class Job:
         cmd = tmd_command(self.run_dir, standbys, STEPS, True, True, BASE + script_args)
         at = cmd.index("--")
         self.proc = subprocess.Popen(cmd[:at] + list(tmd_args) + cmd[at:], stdout=subprocess.DEVNULL)
-        self.client = Client(wait_for_address(self.run_dir, self.proc), timeout_s=10.0)
+        self.client = job_client(self.run_dir, self.proc)
 
     def status(self) -> p.StatusReply:
         return self.client.request(p.StatusRequest())

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from tests.e2e.test_failures import BASE, Job
-from tests.support.job import final_hashes, tmd_command, wait_for_address
+from tests.support.job import final_hashes, tmd_command, wait_for_address, job_client
 from tmctl.client import Client
 from tests.support import events
 from tmd import protocol as p
@@ -34,7 +34,7 @@ class FidelityJob(Job):
         self.run_dir = str(tmp_path / "job")
         cmd = tmd_command(self.run_dir, standbys, STEPS, True, True, BASE + seed_args(mode) + script_args)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-        self.client = Client(wait_for_address(self.run_dir, self.proc), timeout_s=10.0)
+        self.client = job_client(self.run_dir, self.proc)
 
 
 _references: dict[str, dict[int, str]] = {}

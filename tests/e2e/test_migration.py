@@ -16,9 +16,10 @@ import sys
 import pytest
 import zmq
 
-from tests.support.job import final_hashes, tmd_command, wait_for_address
+from tests.support.job import final_hashes, tmd_command, wait_for_address, job_client
 from tmctl.client import Client
 from tmd import protocol as p
+from tmd.protocol.keys import JobKeys
 
 from tests.support import events, wait_until
 
@@ -43,7 +44,7 @@ def reference(tmp_path_factory) -> dict[int, str]:
 def job(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("job"))
     proc = subprocess.Popen(tmd_command(run_dir, 1, STEPS, True, True, ARGS), stdout=subprocess.DEVNULL)
-    client = Client(wait_for_address(run_dir, proc), timeout_s=10.0)
+    client = job_client(run_dir, proc)
     status = lambda: client.request(p.StatusRequest())  # noqa: E731
     wait_until(lambda: status().step > 5 and any(n["warm"] for n in status().nodes), 120, "training and a warm s1")
     yield {"proc": proc, "run_dir": run_dir, "client": client, "status": status}
@@ -71,28 +72,35 @@ def test_bad_migrate_requests_fail_with_one_line(job, args, message):
 def test_no_coordinator_reachable(tmp_path):
     (tmp_path / "tmd.json").write_text(json.dumps({"address": "tcp://127.0.0.1:9"}))
     r = run_tmctl(str(tmp_path), "status", "--timeout", "0.3")
-    assert r.returncode == 2 and r.stderr.startswith("error: no coordinator reachable at tcp://127.0.0.1:9"), r
+    assert r.returncode == 2 and r.stderr.startswith("error: connection refused at tcp://127.0.0.1:9"), r
 
 
 @pytest.mark.timeout(60)
 def test_malformed_and_unknown_messages_are_logged_and_ignored(job):
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(json.load(open(os.path.join(job["run_dir"], "tmd.json")))["address"])
-    for frame in [b"\x00garbage", b'{"v": 1, "type": "Reboot"}', b'{"v": 1, "type": "Switch", "migration_id": 1}',
-                  p.encode(p.Switch(migration_id=1, step=5)), p.encode(p.StepReport(rank=0, step=1, step_time_s=0.1, shadow=False))]:
-        sock.send(frame)
-    sock.send_multipart([b"two", b"frames"])
-    # One connection delivers in order: once tmd answers this request, it has handled every frame above.
-    sock.send(p.encode(p.StatusRequest()))
-    assert sock.poll(20_000), "tmd did not answer after the malformed frames"
-    assert isinstance(p.decode(sock.recv()), p.StatusReply)
-    sock.close()
+    """Each bad frame from its own authenticated client connection (refusals are journalled once per sender per
+    second: see tmd.bad_input), then a request on the same connection proves tmd handled it."""
+    keys = JobKeys.load(os.path.join(job["run_dir"], "keys"))
+    address = json.load(open(os.path.join(job["run_dir"], "tmd.json")))["address"]
+    for frames in [[b"\x00garbage"], [b'{"v": 1, "type": "Reboot"}'], [b'{"v": 1, "type": "Switch", "migration_id": 1}'],
+                   [p.encode(p.Switch(migration_id=1, step=5))],
+                   [p.encode(p.StepReport(rank=0, step=1, step_time_s=0.1, shadow=False))], [b"two", b"frames"]]:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        keys.connect_as(sock, p.Sender.CLIENT)
+        sock.connect(address)
+        sock.send_multipart(frames)
+        # One connection delivers in order: once tmd answers this request, it has handled the frame above.
+        sock.send(p.encode(p.StatusRequest()))
+        assert sock.poll(20_000), "tmd did not answer after a malformed frame"
+        assert isinstance(p.decode(sock.recv()), p.StatusReply)
+        sock.close()
     bad = [e for e in events(job["run_dir"]) if e["event"] == "bad_message"]
     assert len(bad) == 6, bad
     reasons = " | ".join(e["error"] for e in bad)
-    for needle in ["not JSON", "unknown message type 'Reboot'", "missing fields ['step']", "not a request tmd serves",
-                   "never registered", "expected 2 frames"]:
+    for needle in ["not JSON", "unknown message type 'Reboot'", "missing fields ['step']",
+                   "Switch is a coordinator message; this connection is authenticated as a client",
+                   "StepReport is a worker message; this connection is authenticated as a client",
+                   "expected 2 frames"]:
         assert needle in reasons
     st = job["status"]()  # tmd is still up and the job still healthy
     assert all(n["health"] == "healthy" for n in st.nodes if n["role"] == "active")
@@ -163,7 +171,7 @@ def test_sigterm_to_tmd_stops_the_local_job_and_all_its_processes(tmp_path):
 
     run_dir = str(tmp_path)
     proc = subprocess.Popen(tmd_command(run_dir, 1, 100_000, True, True), stdout=subprocess.DEVNULL)
-    client = Client(wait_for_address(run_dir, proc), timeout_s=10.0)
+    client = job_client(run_dir, proc)
     wait_until(lambda: client.request(p.StatusRequest()).step > 3, 90, "training to start")
     children = psutil.Process(proc.pid).children(recursive=True)
     assert len(children) == 6  # 2 nodes x 2 ranks + the standby's 2 processes

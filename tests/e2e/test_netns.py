@@ -4,6 +4,7 @@ Needs root and iproute2; skipped elsewhere. Children print readiness lines that 
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
 import socket
@@ -338,3 +339,92 @@ def test_setup_failure_is_a_clear_error():
             netns.NodeNamespace("dup2", 19)
         # the failed attempt must not have torn down the live one
         assert subprocess.run(["ip", "link", "show", "tmh19"], capture_output=True).returncode == 0
+
+
+# --- every process on its own address: a bridge (tmd local --netns-all) -----------------------------------------
+def test_bridge_gives_each_namespace_its_own_address_and_cut_still_isolates_one(children):
+    bridge = netns.Bridge()
+    try:
+        a, b = bridge.add("a"), bridge.add("b")
+        assert a.node_ip != b.node_ip and a.host_ip == b.host_ip == bridge.host_ip
+        assert a.node_ip.rsplit(".", 1)[0] == bridge.host_ip.rsplit(".", 1)[0]  # one subnet, as on one switch
+        # b and the host reach a server on a's address through the bridge
+        server = children(a.wrap([]), ECHO_SERVER, "0.0.0.0")
+        port = server.expect("port", 5.0).split()[1]
+        assert children(b.wrap([]), ECHO_CLIENT, a.node_ip, port).expect("got", 5.0) == "got ping"
+        server = children(a.wrap([]), ECHO_SERVER, a.node_ip)  # it serves one client: another for the host
+        port = server.expect("port", 5.0).split()[1]
+        with socket.create_connection((a.node_ip, int(port)), timeout=5.0) as s:
+            s.sendall(b"host")
+            assert s.recv(16) == b"host"
+        # 127.0.0.1 is each namespace's own: a's loopback is out of b's reach
+        server = children(a.wrap([]), ECHO_SERVER, "127.0.0.1")
+        port = server.expect("port", 5.0).split()[1]
+        refused = children(b.wrap([]), ECHO_CLIENT, "127.0.0.1", port)
+        refused.expect("ConnectionRefusedError", 5.0)
+        assert refused.wait(5.0) != 0
+        # a handle from tmd.json's spec cuts b off the bridge; heal() lets the hung connect through
+        handle = netns.NodeNamespace.from_spec("b", json.loads(json.dumps(b.spec())))
+        server = children(b.wrap([]), ECHO_SERVER, b.node_ip)
+        port = server.expect("port", 5.0).split()[1]
+        handle.cut()
+        cut_client = children(a.wrap([]), ECHO_CLIENT, b.node_ip, port)
+        with pytest.raises(AssertionError):
+            cut_client.expect("got", 1.0)
+        handle.heal()
+        assert cut_client.expect("got", 8.0) == "got ping"
+        handle.close()  # a handle leaves the namespace alone
+        assert b.name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    finally:
+        bridge.close()
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert a.name not in names and b.name not in names
+    assert subprocess.run(["ip", "link", "show", bridge.name], capture_output=True).returncode != 0
+
+
+ENTERED = """
+    import socket, subprocess, sys
+    from tmd import netns
+    bridge = netns.Bridge()
+    me = bridge.add("tmd")
+    netns.enter(me)
+    late = bridge.add("late")  # made from inside a namespace: the ip commands still run in the host's
+    srv = socket.socket(); srv.bind((me.node_ip, 0)); srv.listen()
+    print("serving", me.node_ip, srv.getsockname()[1], late.name, bridge.name, flush=True)
+    for _ in range(2):
+        conn, peer = srv.accept()
+        print("peer", peer[0], flush=True)
+        conn.close()
+    sys.stdin.readline()
+    bridge.close()
+    print("closed", flush=True)
+"""
+
+
+def test_enter_moves_the_process_into_its_namespace_and_it_still_adds_namespaces(children):
+    tmd = children([], ENTERED)
+    _, ip, port, late, bridge = tmd.expect("serving", 20.0).split()
+    with socket.create_connection((ip, int(port)), timeout=5.0):  # the host reaches it through the bridge
+        pass
+    host_ip = tmd.expect("peer", 5.0).split()[1]
+    assert host_ip.startswith(ip.rsplit(".", 1)[0] + ".")  # the host's address on the bridge, not 127.0.0.1
+    children(["ip", "netns", "exec", late], ECHO_CLIENT, ip, port)
+    assert tmd.expect("peer", 5.0).split()[1] not in (ip, host_ip)  # the late namespace's own address
+    tmd.send("")
+    tmd.expect("closed", 20.0)
+    assert tmd.wait(5.0) == 0
+    assert late not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert subprocess.run(["ip", "link", "show", bridge], capture_output=True).returncode != 0
+
+
+def test_stale_bridge_of_a_dead_process_is_removed():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"{netns.BRIDGE_PREFIX}250"
+    subprocess.run(["ip", "link", "add", stale, "type", "bridge"], check=True)
+    subprocess.run(["ip", "link", "set", stale, "alias", f"{netns.PREFIX}{dead.pid}"], check=True)
+    bridge = netns.Bridge()
+    try:
+        assert subprocess.run(["ip", "link", "show", stale], capture_output=True).returncode != 0
+    finally:
+        bridge.close()

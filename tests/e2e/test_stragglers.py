@@ -4,7 +4,7 @@ import subprocess
 import pytest
 
 from tests.support import events, wait_until
-from tests.support.job import tmd_command, wait_for_address
+from tests.support.job import tmd_command, wait_for_address, job_client
 from tmctl.client import Client
 from tmd import protocol as p
 
@@ -15,7 +15,7 @@ def test_a_slow_rank_in_a_real_job_shows_as_straggler(tmp_path):
     proc = subprocess.Popen(tmd_command(run_dir, 0, 100_000, True, True, ("--slow-rank", "3", "--slow-s", "0.05")),
                             stdout=subprocess.DEVNULL)
     try:
-        client = Client(wait_for_address(run_dir, proc), timeout_s=10.0)
+        client = job_client(run_dir, proc)
         detected = wait_until(lambda: [e for e in events(run_dir) if e["event"] == p.Event.STRAGGLER_DETECTED], 120,
                               "a straggler_detected event")
         assert [(e["rank"], e["node"]) for e in detected] == [(3, "n2")] and detected[0]["lateness"] > 0.2

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.support import events, wait_until
-from tests.support.job import wait_for_address
+from tests.support.job import wait_for_address, job_client
 from tmctl.client import Client
 from tmd import protocol as p
 from tmd.protocol.vocab import Event, ExitCode, FailureKind
@@ -110,7 +110,7 @@ def test_a_job_that_never_manages_its_model_is_warned_and_not_migrated(tmp_path)
     proc = subprocess.Popen(tmd_local(run_dir, 1, *script("--unmanaged", "--steps", "2000")),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     try:
-        client = Client(wait_for_address(run_dir, proc), timeout_s=10.0)
+        client = job_client(run_dir, proc)
         st = wait_until(lambda: (lambda s: s if s.warnings and s.step > 5 and
                                  any(n["name"] == "s1" and n["warm"] for n in s.nodes) else None)(
             client.request(p.StatusRequest())), 60, "a misuse warning, step 5 and a warm standby")

@@ -9,14 +9,16 @@ import subprocess
 import sys
 import time
 
-from tmctl.client import Client, CoordinatorUnreachable
+from tmctl.client import Client, CoordinatorUnreachable, find_keys
 from tmd import protocol as p
 
 
-def tmd_command(run_dir: str, standbys: int, steps: int, tiny: bool, quiet: bool, script_args: tuple = ()) -> list[str]:
-    """``tmd local`` for 2 nodes x 2 ranks running examples.train_gpt (``script_args`` are appended to it)."""
+def tmd_command(run_dir: str, standbys: int, steps: int, tiny: bool, quiet: bool, script_args: tuple = (),
+                tmd_args: tuple = ()) -> list[str]:
+    """``tmd local`` for 2 nodes x 2 ranks running examples.train_gpt (``script_args`` are appended to it,
+    ``tmd_args`` to tmd's own options)."""
     cmd = [sys.executable, "-m", "tmd.cli", "local", "--nodes", "2", "--ranks-per-node", "2",
-           "--standbys", str(standbys), "--run-dir", run_dir]
+           "--standbys", str(standbys), "--run-dir", run_dir, *tmd_args]
     if quiet:
         cmd.append("--quiet")
     cmd += ["--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps), *script_args]
@@ -43,6 +45,11 @@ def wait_for_address(run_dir: str, proc: subprocess.Popen, timeout_s: float = 60
                 return json.load(f)["address"]
         time.sleep(0.1)  # another process writes it: nothing to wait on
     raise TimeoutError(f"tmd did not write {path} within {timeout_s} s")
+
+
+def job_client(run_dir: str, proc: subprocess.Popen, timeout_s: float = 10.0) -> Client:
+    """A tmctl client of the job in ``run_dir`` (waits for its tmd.json), authenticated with the job's keys."""
+    return Client(wait_for_address(run_dir, proc), timeout_s=timeout_s, keys_dir=find_keys(run_dir, None))
 
 
 def migrate_when_ready(client: Client, proc: subprocess.Popen, at_step: int, source: str, target: str) -> dict:

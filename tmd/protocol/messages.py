@@ -3,9 +3,10 @@
 Wire format: one ZeroMQ frame per message, UTF-8 JSON ``{"v": PROTOCOL_VERSION, "type": NAME, ...fields}``.
 Messages are built by keyword only (``Assign(role=WorkerRole.ACTIVE, rank=0, ...)``); roles, phases and codes are
 the enums of :mod:`tmd.protocol.vocab`, sent as their string values and turned back into enums on decoding.
-Decoding is strict: an unknown version or type, a missing or extra field, or a field of the wrong type (an enum
-field with a value outside the enum included) raises
-:class:`ProtocolError`, and the receiver logs the message and drops it (it never crashes on bad input).
+Decoding is strict and total: whatever the bytes, :func:`decode` returns a message or raises :class:`ProtocolError`
+(an unknown version or type, a missing or extra field, a field of the wrong type, an enum value outside the enum,
+a frame over MAX_MESSAGE_BYTES, and the limits listed above :func:`decode`), and the receiver logs the message and
+drops it (it never crashes on bad input).
 
 Socket roles: tmd binds a ROUTER; every worker agent and every tmctl call connects a DEALER. A worker's ZeroMQ
 identity is ``"<node>/<local_rank>"``; tmctl uses a random one.
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 import enum
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 from tmd.protocol.vocab import (
     ErrorCode, FailureKind, HookKind, MigrationPhase, MigrationRole, RecoveryPhase, Sender, WarningCode, WorkerRole,
@@ -381,6 +383,58 @@ def encode(msg: Message) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Decoding: every frame from the network is untrusted. Limits (each breach raises ProtocolError):
+# --------------------------------------------------------------------------------------------------------------
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # one frame (bytes); ZMQ_MAXMSGSIZE on every control-plane socket (keys.py)
+MAX_DEPTH = 16  # nesting of JSON arrays/objects in one frame (a Heartbeat's counters.gpu.xids is 3)
+MAX_NAME_CHARS = 64  # a name field (NAME_FIELDS): node names, SLURM job ids, migrate targets
+MAX_HOST_CHARS = 255  # a host name (RFC 1035's limit on a full domain name)
+INT_RANGE = (-2 ** 63, 2 ** 63 - 1)  # every integer, anywhere in a frame (beyond: OverflowError in float math)
+NAME_FIELDS = frozenset({"node", "source", "target", "job_id"})
+HOST_FIELDS = frozenset({"host"})
+NON_NEGATIVE_FIELDS = frozenset({"step_time_s", "seconds", "bytes_moved"})
+MAX_COUNTER_KEYS = 64  # keys of Heartbeat.counters and of its ``gpu`` sample
+MAX_GROUPS = 4096  # PhaseDone.groups entries
+MAX_LABEL_CHARS = 256  # a counter's text value (mode), a GPU uuid or throttle reason, a group name
+
+
+def _reject_constant(name: str) -> Any:
+    raise ProtocolError(f"{name} is not a number this protocol carries")
+
+
+def _walk(body: Any) -> None:
+    """Check every value of a parsed frame: nesting at most MAX_DEPTH, integers within INT_RANGE, floats finite
+    (``1e999`` parses to inf), strings and keys encodable as UTF-8 (a lone surrogate such as ``"\ud800"`` is
+    valid JSON but no valid text). Iterative: no recursion whatever the input."""
+    lo, hi = INT_RANGE
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ProtocolError("a string is not valid Unicode (lone surrogate)") from None
+        elif isinstance(value, bool) or value is None:
+            pass
+        elif isinstance(value, int):
+            if not lo <= value <= hi:
+                raise ProtocolError("an integer is out of the 64-bit range")
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise ProtocolError("a number is not finite")
+        elif isinstance(value, (list, dict)):
+            if depth > MAX_DEPTH:
+                raise ProtocolError(f"nested deeper than {MAX_DEPTH} levels")
+            if isinstance(value, dict):
+                stack.extend((k, depth) for k in value)
+                stack.extend((v, depth + 1) for v in value.values())
+            else:
+                stack.extend((v, depth + 1) for v in value)
+
+
 def _type_ok(value: Any, annotation: Any) -> bool:
     origin = typing.get_origin(annotation)
     if origin is typing.Union:  # Optional[X]
@@ -396,24 +450,149 @@ def _type_ok(value: Any, annotation: Any) -> bool:
     return isinstance(value, annotation)
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# What the worker sends in Heartbeat.counters (worker.commands: the mover's counters() plus the GPU sample).
+_COUNTER_INTS = ("ops_issued", "ops_completed", "ops_failed", "pending", "ops_skipped")  # counts, >= 0
+_COUNTER_TIMES = ("last_op_start_s", "last_op_end_s", "busy_s", "blocked_s")  # seconds, >= 0
+_GPU_COUNTS = ("ecc_uncorrected",)
+
+
+def _check_scalar(where: str, value: Any) -> None:
+    if isinstance(value, str):
+        if len(value) > MAX_LABEL_CHARS:
+            raise ProtocolError(f"{where}: text longer than {MAX_LABEL_CHARS} characters")
+    elif not (value is None or isinstance(value, (bool, int, float))):
+        raise ProtocolError(f"{where}: {type(value).__name__} where a number, text or true/false is expected")
+
+
+def _check_counters(counters: dict) -> None:
+    """Heartbeat.counters: known keys with their types (counts are non-negative integers, times non-negative
+    numbers, ``mode`` text, ``failed`` a bool, ``gpu`` the GPU sample); other keys only scalars."""
+    if len(counters) > MAX_COUNTER_KEYS:
+        raise ProtocolError(f"Heartbeat.counters: more than {MAX_COUNTER_KEYS} keys")
+    for key, value in counters.items():
+        where = f"Heartbeat.counters.{key[:MAX_NAME_CHARS]}"
+        if key in _COUNTER_INTS:
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ProtocolError(f"{where}: not a non-negative integer")
+        elif key in _COUNTER_TIMES:
+            if not (_number(value) and value >= 0):
+                raise ProtocolError(f"{where}: not a non-negative number of seconds")
+        elif key == "generation":
+            if not (isinstance(value, int) and not isinstance(value, bool)):
+                raise ProtocolError(f"{where}: not an integer")
+        elif key == "failed":
+            if not isinstance(value, bool):
+                raise ProtocolError(f"{where}: not true/false")
+        elif key == "mode":
+            if not isinstance(value, str):
+                raise ProtocolError(f"{where}: not text")
+            _check_scalar(where, value)
+        elif key == "gpu":
+            if not isinstance(value, dict):
+                raise ProtocolError(f"{where}: not an object")
+            _check_gpu(value)
+        else:
+            _check_scalar(where, value)
+
+
+def _check_gpu(gpu: dict) -> None:
+    """The GPU sample (worker.gpu_health.GpuProbe.sample): every field may be None (NVML could not say)."""
+    if len(gpu) > MAX_COUNTER_KEYS:
+        raise ProtocolError(f"Heartbeat.counters.gpu: more than {MAX_COUNTER_KEYS} keys")
+    for key, value in gpu.items():
+        where = f"Heartbeat.counters.gpu.{key[:MAX_NAME_CHARS]}"
+        if value is None:
+            continue
+        if key in ("index", "xid") + _GPU_COUNTS:
+            if not (isinstance(value, int) and not isinstance(value, bool)) or (key in _GPU_COUNTS and value < 0):
+                raise ProtocolError(f"{where}: not an integer")
+        elif key == "temperature_c":
+            if not _number(value):
+                raise ProtocolError(f"{where}: not a number")
+        elif key in ("gpu_lost", "retired_pages_pending"):
+            if not isinstance(value, bool):
+                raise ProtocolError(f"{where}: not true/false")
+        elif key == "xids":
+            if not (isinstance(value, list) and len(value) <= MAX_COUNTER_KEYS
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in value)):
+                raise ProtocolError(f"{where}: not a short list of integers")
+        elif key == "throttle":
+            if not (isinstance(value, list) and len(value) <= MAX_COUNTER_KEYS
+                    and all(isinstance(x, str) and len(x) <= MAX_LABEL_CHARS for x in value)):
+                raise ProtocolError(f"{where}: not a short list of text")
+        else:
+            _check_scalar(where, value)
+
+
+def _check_groups(groups: list) -> None:
+    if len(groups) > MAX_GROUPS or not all(isinstance(g, str) and len(g) <= MAX_LABEL_CHARS for g in groups):
+        raise ProtocolError(f"PhaseDone.groups: not a list of at most {MAX_GROUPS} group names")
+
+
+# Content checks of containers whose contents tmd reads (tmd -> worker/client messages are checked by type only).
+_CONTENT_CHECKS: dict[tuple[str, str], Callable[[Any], None]] = {
+    ("Heartbeat", "counters"): _check_counters,
+    ("PhaseDone", "groups"): _check_groups,
+}
+
+
+def _check_field(name: str, field: str, value: Any) -> None:
+    if field in NAME_FIELDS and isinstance(value, str) and len(value) > MAX_NAME_CHARS:
+        raise ProtocolError(f"{name}.{field}: longer than {MAX_NAME_CHARS} characters")
+    if field in HOST_FIELDS and isinstance(value, str) and len(value) > MAX_HOST_CHARS:
+        raise ProtocolError(f"{name}.{field}: longer than {MAX_HOST_CHARS} characters")
+    if field in NON_NEGATIVE_FIELDS and _number(value) and value < 0:
+        raise ProtocolError(f"{name}.{field}: negative")
+    check = _CONTENT_CHECKS.get((name, field))
+    if check is not None:
+        check(value)
+
+
 _HINTS: dict[str, dict[str, Any]] = {}
 
 
+def _preview(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def decode(frame: bytes) -> Message:
-    """Parse one frame. Raises :class:`ProtocolError` on anything that is not an exact, current message."""
+    """Parse one frame. Raises :class:`ProtocolError` (and nothing else, whatever the bytes) on anything that is
+    not an exact, current message: a frame over MAX_MESSAGE_BYTES; not UTF-8 JSON; NaN or Infinity (refused
+    everywhere: no field carries them); nesting deeper than MAX_DEPTH; an integer outside INT_RANGE (or over
+    json's digit limit); a lone surrogate; an unknown version or type; a missing or extra field; a field of the
+    wrong type (an enum field with a value outside the enum included); a name field (NAME_FIELDS) longer than
+    MAX_NAME_CHARS or a host longer than MAX_HOST_CHARS; a negative time or byte count (NON_NEGATIVE_FIELDS);
+    Heartbeat counters or PhaseDone groups of the wrong shape (see _check_counters). Free text (errors,
+    tracebacks, reasons) is not cut here: the frame limit bounds it and the journal cuts what it writes."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"a frame is bytes, not {type(frame).__name__}")
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
     try:
-        body = json.loads(frame)
+        body = json.loads(bytes(frame), parse_constant=_reject_constant)
+    except ProtocolError:
+        raise
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"not JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError("not JSON this protocol carries: nested too deep") from None
+    except (ValueError, TypeError, OverflowError, MemoryError) as e:  # e.g. int over json's 4300-digit limit
+        raise ProtocolError(f"not JSON this protocol carries: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise ProtocolError("message is not a JSON object")
+    _walk(body)
     version = body.pop("v", None)
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version!r} is not {PROTOCOL_VERSION}")
+        raise ProtocolError(f"protocol version {_preview(version)} is not {PROTOCOL_VERSION}")
     name = body.pop("type", None)
     cls = _REGISTRY.get(name) if isinstance(name, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {name!r}")
+        raise ProtocolError(f"unknown message type {_preview(name)}")
     hints = _HINTS.get(name)
     if hints is None:
         hints = _HINTS[name] = typing.get_type_hints(cls)
@@ -422,10 +601,16 @@ def decode(frame: bytes) -> Message:
     missing = hints.keys() - body.keys()
     extra = body.keys() - hints.keys()
     if missing or extra:
-        raise ProtocolError(f"{name}: missing fields {sorted(missing)}, unexpected fields {sorted(extra)}")
+        raise ProtocolError(f"{name}: missing fields {sorted(missing)}, unexpected fields "
+                            f"{_preview(sorted(extra)[:8])}")
     for field, annotation in hints.items():
-        if not _type_ok(body[field], annotation):
-            raise ProtocolError(f"{name}.{field}: {body[field]!r} is not {getattr(annotation, '__name__', annotation)}")
+        value = body[field]
+        if not _type_ok(value, annotation):
+            raise ProtocolError(f"{name}.{field}: {_preview(value)} is not "
+                                f"{getattr(annotation, '__name__', annotation)}")
         if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-            body[field] = annotation(body[field])
+            body[field] = annotation(value)
+        elif annotation is float:
+            body[field] = float(value)  # an int within INT_RANGE: exact enough, and float math stays float
+        _check_field(name, field, value)
     return cls(**body)
