@@ -11,6 +11,10 @@
 visited in sorted key order. Each tensor contributes its key path, dtype, shape
 and raw bytes; each scalar its key path, type name and ``repr``. Two processes
 that hold bit-identical state get the same hex digest.
+
+A ``DTensor`` (FSDP2 or tensor-parallel shard) contributes its LOCAL shard only
+(``to_local()``: the local shape and bytes, no communication), so each rank
+hashes what it holds; plain tensors hash exactly as before.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import hashlib
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["final_state_hash", "state_hash", "tensor_bytes"]
 
@@ -39,8 +44,14 @@ def _sort_key(k: Any) -> tuple[str, Any]:
     return (type(k).__name__, k if isinstance(k, (int, float, str)) else repr(k))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (no communication), else ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _feed(h: "hashlib._Hash", path: str, obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
+        obj = _local(obj)
         h.update(f"T|{path}|{obj.dtype}|{tuple(obj.shape)}|".encode())
         h.update(tensor_bytes(obj))
     elif isinstance(obj, dict):

@@ -221,16 +221,27 @@ def _print_new_phases(m: dict, shown: set, t_start: float) -> None:
 RETRY_CODES = (ErrorCode.BUSY_STANDBY, ErrorCode.NOT_READY)  # refusals that time can cure
 
 
-def _request_migration(client: Client, source: str, target: str, wait_s: float) -> Message:
+def node_list(option: str, value: str) -> list[str]:
+    """``n1,n2`` -> ``["n1", "n2"]`` (spaces around names dropped). Raises _Fail (exit 2) for an empty name
+    (``n1,,n2``, a trailing comma); tmd judges the rest (unknown, repeated, or unpaired names)."""
+    names = [n.strip() for n in value.split(",")]
+    if not all(names):
+        raise _Fail(f"{option} {value!r}: a comma-separated list of node names, with no empty name")
+    return names
+
+
+def _request_migration(client: Client, sources: list[str], targets: list[str], wait_s: float) -> Message:
     """Send the MigrateRequest; while tmd answers a RETRY_CODES refusal, ask again for up to ``wait_s`` seconds.
     Raises _Fail (exit 1) with tmd's last reason when the wait runs out."""
     deadline = time.monotonic() + wait_s
     while True:
-        reply = client.request(MigrateRequest(source=source, target=target))
+        reply = client.request(MigrateRequest(sources=sources, targets=targets))
         if not (isinstance(reply, ErrorReply) and reply.code in RETRY_CODES and wait_s > 0):
             return reply
         if time.monotonic() >= deadline:
-            raise _Fail(f"timed out after {wait_s:g} s waiting for standby '{target}': {reply.message}", code=1)
+            what = "standby" if len(targets) == 1 else "standbys"
+            raise _Fail(f"timed out after {wait_s:g} s waiting for {what} '{','.join(targets)}': {reply.message}",
+                        code=1)
         time.sleep(POLL_INTERVAL_S * 2.5)  # tmd has no event to wait on for a standby to come up: ask again
 
 
@@ -238,8 +249,11 @@ def _request_migration(client: Client, source: str, target: str, wait_s: float) 
 @_guarded
 def migrate(
     ctx: typer.Context,
-    source: Annotated[str, typer.Option("--from", metavar="NODE", help="Node whose ranks move.")],
-    target: Annotated[str, typer.Option("--to", metavar="STANDBY", help="Standby node that takes them.")],
+    source: Annotated[str, typer.Option(
+        "--from", metavar="NODE[,NODE...]", help="Node whose ranks move; several, comma-separated, move at once.")],
+    target: Annotated[str, typer.Option(
+        "--to", metavar="STANDBY[,STANDBY...]",
+        help="Standby node that takes them; one per --from node, in the same order.")],
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the migration id and return at once.")] = False,
     wait_standby_s: Annotated[float, typer.Option(
         "--wait-standby-s", min=0.0, metavar="SECONDS",
@@ -253,13 +267,16 @@ def migrate(
 ) -> int:
     """Move every rank of node --from to standby node --to and follow the migration until it ends.
 
-    Exit 0 once committed; 1 if it aborted or is still running after --timeout-s, or the standby was not ready
-    within --wait-standby-s; 2 if tmd refused it. Under SLURM, --to may also be a standby job id or ``any``.
-    With --json, prints the final migration as one JSON object instead of the phase lines.
+    ``--from n1,n2 --to s1,s2`` moves several nodes in one migration (one prepare, one switch step): n1's ranks
+    to s1, n2's to s2. Exit 0 once committed; 1 if it aborted or is still running after --timeout-s, or a
+    standby was not ready within --wait-standby-s; 2 if tmd refused it (a node named twice, counts that differ,
+    an unknown node, a standby that is not warm, ...). Under SLURM, --to may also be a standby job id or
+    ``any``. With --json, prints the final migration as one JSON object instead of the phase lines.
     """
     t_start = time.time()
+    sources, targets = node_list("--from", source), node_list("--to", target)
     with _connect(ctx, coordinator, run_dir, job, timeout) as client:
-        m = _expect(_request_migration(client, source, target, wait_standby_s), MigrationReply).migration
+        m = _expect(_request_migration(client, sources, targets, wait_standby_s), MigrationReply).migration
         mid = m.get("id")
         if not isinstance(mid, int) or isinstance(mid, bool):
             raise _Fail(f"tmd accepted the migration but gave no usable id: {mid!r}")
@@ -267,7 +284,7 @@ def migrate(
             typer.echo(json.dumps(m) if json_ else str(mid))
             return 0
         if not json_:
-            typer.echo(f"migration {mid}: {source} -> {target}")
+            typer.echo(f"migration {mid}: {render.moves(m)}")
         deadline = time.monotonic() + timeout_s
         shown: set = set()
         try:

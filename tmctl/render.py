@@ -113,10 +113,19 @@ def downtime(m: dict) -> str:
     return _with_unit(m.get("downtime_s"))
 
 
+def moves(m: dict) -> str:
+    """A migration's pairs: ``n2 -> s1``, or ``n1 -> s1, n2 -> s2`` for several nodes at once (from its
+    ``sources`` and ``targets`` lists; ``source`` and ``target`` when it has no lists)."""
+    sources, targets = m.get("sources"), m.get("targets")
+    if isinstance(sources, list) and isinstance(targets, list) and sources and len(sources) == len(targets):
+        return ", ".join(f"{_dash(a)} -> {_dash(b)}" for a, b in zip(sources, targets))
+    return f"{_dash(m.get('source'))} -> {_dash(m.get('target'))}"
+
+
 def migration_line(m: dict) -> str:
-    """The migration in one plain line: id, source -> target, state, switch step, phases, downtime, bytes."""
-    parts = [f"migration {_dash(m.get('id'))}: {_dash(m.get('source'))} -> {_dash(m.get('target'))}",
-             _dash(m.get("state"))]
+    """The migration in one plain line: id, its pairs (source -> target), state, switch step, phases, downtime,
+    bytes."""
+    parts = [f"migration {_dash(m.get('id'))}: {moves(m)}", _dash(m.get("state"))]
     if m.get("state") == MigrationState.ABORTED and m.get("reason"):
         parts[-1] += f" ({m['reason']})"
     if m.get("switch_step") is not None:
@@ -136,7 +145,7 @@ def migration_panel(m: dict) -> Panel:
     state = _dash(m.get("state"))
     style = _STATE_STYLE.get(state, "yellow")
     grid.add_row("id", _cell(m.get("id")))
-    grid.add_row("move", f"{_cell(m.get('source'))} → {_cell(m.get('target'))}")
+    grid.add_row("move", escape(moves(m)).replace(" -> ", " → "))
     grid.add_row("state", f"[{style}]{escape(state)}[/]")
     if state == MigrationState.ABORTED:
         grid.add_row("reason", _cell(m.get("reason")))

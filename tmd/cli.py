@@ -34,6 +34,7 @@ def local(
     standbys: int = typer.Option(1, min=0, help="Standby nodes (s1, s2, ...), each with ranks-per-node processes."),
     run_dir: str = typer.Option("tmrun", envvar="TM_RUN_DIR", help="Events, logs, recordings and tmd.json."),
     record_steps: int = typer.Option(3, min=1, help="Steps recorded at job start; joiners replay them as shadow iterations."),
+    snapshot_every: int = typer.Option(10, min=0, help="Buddy snapshots every this many steps where a rank's state has no replica on another node (0: off)."),
     heartbeat_timeout_s: float = typer.Option(5.0, help="Seconds of silence before a node is marked unhealthy."),
     port: int = typer.Option(0, help="ZeroMQ port (0: any free port)."),
     job: Optional[str] = typer.Option(None, help="Job name (default: local-<pid>)."),
@@ -68,7 +69,8 @@ def local(
     def build(state):  # None: the job's first tmd; a tmd.resume.JobState: a crashed tmd resumed (tmd.supervise)
         d = Daemon(name, run_dir, active, ranks_per_node, spares,
                    port=port if state is None else int(state.address.rpartition(":")[2]),
-                   record_steps=record_steps, heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
+                   record_steps=record_steps, snapshot_every=snapshot_every,
+                   heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
                    bind_host=host or "127.0.0.1", store_host=host or "127.0.0.1", advertise_host=host,
                    migrate_stragglers=migrate_stragglers, netns=specs, command=command, resume=state,
                    auth=not no_auth)
@@ -128,6 +130,7 @@ def slurm(
     run_dir: Optional[str] = typer.Option(None, envvar="TM_RUN_DIR",
                                           help="Events, logs, recordings and tmd.json (default ./tmrun/<JOBID>)."),
     record_steps: int = typer.Option(3, min=1, help="Steps recorded at job start; joiners replay them as shadow iterations."),
+    snapshot_every: int = typer.Option(10, min=0, help="Buddy snapshots every this many steps where a rank's state has no replica on another node (0: off)."),
     heartbeat_timeout_s: float = typer.Option(5.0, help="Seconds of silence before a node is marked unhealthy."),
     poll_s: float = typer.Option(1.0, min=0.1, help="Seconds between polls of node states and standby jobs."),
     slurm_timeout_s: float = typer.Option(5.0, min=0.1, help="Timeout of every SLURM client call (seconds)."),
@@ -164,7 +167,8 @@ def slurm(
     host = host or socket.gethostbyname(socket.gethostname())  # this host's own address, never all interfaces
     daemon = Daemon(job_id, run_dir or os.path.join("tmrun", job_id), nodes, rpn, [],
                     bind_host=host, store_host=host, port=port, keys_dir=os.path.join(layout.job_dir(job_id), "keys"),
-                    record_steps=record_steps, heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet)
+                    record_steps=record_steps, snapshot_every=snapshot_every,
+                    heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet)
     launcher = SrunLauncher(command, daemon.run_dir, daemon.address, rpn, echo=not quiet)
     daemon.launcher = launcher
     cluster = SlurmCluster(daemon, launcher, job_id, nodes, os.environ.get("SLURMD_NODENAME", nodes[0]),

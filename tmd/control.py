@@ -10,7 +10,7 @@ Everything here runs in tmd's one thread: nothing blocks, nothing is locked.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 from tmd import protocol as p
 from tmd.journal import Journal
@@ -54,9 +54,11 @@ class JobControl(Protocol):
         tmd.faults.JobFailed when it must not (the crash-loop guard, misuse): the loop then ends the job."""
 
     # --- planned migrations ---------------------------------------------------------------------------------
-    def request_migration(self, source: str, target: str, *, require_healthy: bool = True) -> "Migration":
-        """Start moving node ``source``'s ranks to standby ``target``. Raises tmd.migration.MigrationError (its
-        ``code`` says why) and changes nothing when it cannot start."""
+    def request_migration(self, sources: Union[str, Sequence[str]], targets: Union[str, Sequence[str]], *,
+                          require_healthy: bool = True) -> "Migration":
+        """Start moving the ranks of node ``sources[i]`` to standby ``targets[i]`` for every i, in one migration
+        (one node's name stands for a list of one). Raises tmd.migration.MigrationError (its ``code`` says why)
+        and changes nothing when it cannot start."""
 
     def migration(self, migration_id: int) -> "Migration":
         """Migration ``migration_id`` (negative: the latest), to read. Raises MigrationError

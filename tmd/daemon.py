@@ -26,7 +26,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import zmq
 
@@ -42,7 +42,7 @@ from tmd.migration import Migration, MigrationError, Migrations
 from tmd.protocol.keys import KEYS_ENV, Authenticator, JobKeys, limit, role_of_frame
 from tmd.protocol.layout import RunDir
 from tmd.protocol.vocab import (
-    ErrorCode, Event, ExitCode, FailureSignal, Health, MigrationMark, MigrationPhase, MigrationState, NodeRole, Sender,
+    ErrorCode, Event, ExitCode, FailureSignal, Health, MigrationPhase, NodeRole, Sender,
     WorkerRole,
 )
 from tmd.recovery import Incident, Incidents, RecoveryError
@@ -72,7 +72,8 @@ class Daemon:
                  heartbeat_timeout_s: float = 5.0, echo: bool = True, suspect_after_s: float = 0.8,
                  blocked_after_s: float = 0.3, migrate_stragglers: bool = False, advertise_host: Optional[str] = None,
                  netns: Optional[dict] = None, command: Optional[list[str]] = None,
-                 resume: Optional[JobState] = None, keys_dir: Optional[str] = None, auth: bool = True) -> None:
+                 resume: Optional[JobState] = None, keys_dir: Optional[str] = None, auth: bool = True,
+                 snapshot_every: int = 10) -> None:
         """``record_steps``: steps whose collective outputs the active ranks record for joiners' replay (and
         the joiners' number of shadow iterations). ``heartbeat_timeout_s``: silence after which a node is
         failed whatever its peers do (seconds). ``suspect_after_s``: silence after which a node is failed if a
@@ -83,7 +84,8 @@ class Daemon:
         starting one. ``keys_dir``: where the job's CURVE keys and secret live (tmd.protocol.keys; default
         ``<run_dir>/keys``): created at start, reused by a resumed tmd (the workers pinned its public key).
         ``auth`` false serves plain ZeroMQ with no authentication (only to measure CURVE's cost: anyone on the
-        host can then command the job). Raises zmq.ZMQError when the address is taken, KeysUnavailable when a
+        host can then command the job). ``snapshot_every``: the ranks keep buddy snapshots every that many steps
+        when some rank's state has no replica on another node (0: off; worker.snapshot). Raises zmq.ZMQError when the address is taken, KeysUnavailable when a
         resumed job's keys cannot be read."""
         from tmd.store import host_store  # only tmd pays for torch: it hosts the job's store
 
@@ -93,13 +95,14 @@ class Daemon:
         self.run_dir = self.layout.path
         os.makedirs(self.layout.record_dir, exist_ok=True)
         self.record_steps = record_steps
+        self.snapshot_every = snapshot_every
         self.hostname = socket.gethostname()
         self.journal = Journal(self.layout.events, echo=echo, seq=resume.last_seq if resume else 0)
         self.registry = Registry(nodes, ranks_per_node, standbys)
         self.migrations = Migrations(self.registry, self.journal, self, record_steps=record_steps)
         if resume is not None:
             self.migrations.first_id = resume.last_migration_id + 1  # migration ids go on after a restart
-        self.incidents = Incidents(self.registry, self.journal, self, self.layout)
+        self.incidents = Incidents(self.registry, self.journal, self, self.layout, snapshot_every=snapshot_every)
         self.faults = Faults(self.registry, self.journal, self.layout, self.incidents)
         self.store = host_store(store_host)  # on the job's address only, never all interfaces
         self.store_host = store_host
@@ -149,7 +152,7 @@ class Daemon:
             Sender.WORKER: {p.Heartbeat: self._heartbeat, p.StepReport: self._step_report,
                             p.PhaseDone: self._phase_done, p.RecoveryReport: self.incidents.on_report,
                             p.Done: self._done, p.RankFailed: self._rank_failed,
-                            p.RankWarning: self._rank_warning},
+                            p.RankWarning: self._rank_warning, p.ReplicaReport: self._replicas},
             Sender.CLIENT: {p.StatusRequest: self.requests.status, p.MigrateRequest: self.requests.migrate,
                             p.MigrationRequest: self.requests.migration,
                             p.AddStandbyRequest: self.requests.add_standby, p.EventsRequest: self.requests.events},
@@ -161,7 +164,8 @@ class Daemon:
             self.resumed.start()
         else:
             self.journal.record(Event.TMD_STARTED, job=job, address=self.address, world_size=self.registry.world_size,
-                                nodes=nodes, standbys=standbys, store_port=self.store.port, record_steps=record_steps)
+                                nodes=nodes, standbys=standbys, store_port=self.store.port, record_steps=record_steps,
+                                snapshot_every=snapshot_every)
 
     # --- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -354,7 +358,8 @@ class Daemon:
                     incident_id: int = 0) -> p.Assign:
         return p.Assign(role=role, rank=rank, world_size=self.registry.world_size, store_host=self.store_host,
                         store_port=self.store.port, generation=generation, record_steps=self.record_steps,
-                        record_dir=self.layout.record_dir, migration_id=migration_id, incident_id=incident_id)
+                        snapshot_every=self.snapshot_every, record_dir=self.layout.record_dir,
+                        migration_id=migration_id, incident_id=incident_id)
 
     # --- worker messages --------------------------------------------------------------------------------------
     def _register(self, identity: bytes, msg: p.Register) -> None:
@@ -401,10 +406,11 @@ class Daemon:
 
     def _phase_done(self, w: Worker, msg: p.PhaseDone) -> None:
         m = self.migrations.current
-        if m is not None and not msg.ok and msg.phase == MigrationPhase.TRANSFERRED:
+        if m is not None and not msg.ok and msg.phase == MigrationPhase.TRANSFERRED and w.node in m.targets:
             # A joiner's transfer broke: if its leaver is dead, that is a node failure (the warm joiners are kept
             # and get their state from a replica), not merely an aborted migration.
-            failure = self.detector.broken_transfer(self.registry.nodes[m.source], m.leavers.values())
+            source, leavers = m.leaver_side(w)
+            failure = self.detector.broken_transfer(self.registry.nodes[source], leavers)
             if failure is not None:
                 self.fail_node(failure.node, failure.reason, failure.signal)
         self.migrations.on_phase(w, msg)
@@ -415,7 +421,19 @@ class Daemon:
                             rank=msg.rank, final_step=msg.final_step)
 
     def _rank_failed(self, w: Worker, msg: p.RankFailed) -> None:
+        if w.rank is not None and self.registry.rank_owner.get(w.rank) is not w and not w.fenced:
+            # a joiner (in its sandbox) that raised, e.g. a mesh created in another order: its standby is out of
+            # this migration or incident (its exit aborts it), never the job, which trains on untouched
+            self.journal.record(Event.JOINER_FAILED, rank=msg.rank, node=w.node, local_rank=w.local_rank,
+                                step=msg.step, kind=msg.kind, error=msg.error, traceback=msg.traceback)
+            return
         raise self.faults.rank_failed(w, msg)
+
+    def _replicas(self, w: Worker, msg: p.ReplicaReport) -> None:
+        try:
+            self.incidents.on_replicas(w, msg)
+        except ValueError as e:  # a class that does not fit the job: refused, the job untouched
+            self._refuse(w.identity, str(e))
 
     def _rank_warning(self, w: Worker, msg: p.RankWarning) -> None:
         self.faults.warned(w, msg)
@@ -475,7 +493,7 @@ class Daemon:
         latest = lambda episodes: episodes.all[-1] if episodes.all else None  # noqa: E731
         return status_reply(self.job, self.registry, latest(self.migrations), latest(self.incidents),
                             self.evacuation.flagged, self.cluster.decorate if self.cluster else None,
-                            failure=self.faults.failure, warnings=self.faults.warnings)
+                            failure=self.faults.failure, warnings=self.faults.warnings + self.incidents.unprotected)
 
     # --- JobControl (see tmd.control for what each does) ---------------------------------------------------
     @property
@@ -495,17 +513,9 @@ class Daemon:
         if node.role == NodeRole.JOINING and self._replacing(node.name):
             self.incidents.on_replacement_lost(node, reason)
             return
-        m = self.migrations.current
-        adopt = None
-        if m is not None:
-            if m.source == node.name and MigrationMark.PREPARE_STARTED in m.phases \
-                    and m.state != MigrationState.TRANSFERRED:
-                # The leaver died mid-migration: its joiners are warm for exactly these ranks; their state will
-                # come from a data-parallel replica instead.
-                self.migrations.abort(m, f"leaver {node.name} lost: {reason}", spare_joiners=True)
-                adopt = (m.target, dict(m.joiners))
-            else:
-                self.migrations.abort(m, f"node {node.name} lost during {m.state}: {reason}")
+        # A leaver that died mid-migration: its pair's joiners are warm for exactly these ranks; their state
+        # will come from a data-parallel replica instead (``adopt``).
+        adopt = self.migrations.on_node_failed(node.name, reason)
         self.incidents.on_node_failed(node.name, reason, adopt)
 
     def _stonith(self, n: Node) -> None:
@@ -522,12 +532,13 @@ class Daemon:
         inc = self.incidents.current
         return inc is not None and node_name in inc.standbys.values()
 
-    def request_migration(self, source: str, target: str, *, require_healthy: bool = True) -> Migration:
+    def request_migration(self, sources: Union[str, Sequence[str]], targets: Union[str, Sequence[str]], *,
+                          require_healthy: bool = True) -> Migration:
         unmanaged = self.faults.unmanaged()
         if unmanaged:
             raise MigrationError(ErrorCode.UNMANAGED_STATE, f"refused: the joiners would not get the job's state "
                                                             f"and the ranks would diverge ({unmanaged})")
-        return self.migrations.request(source, target, require_healthy=require_healthy)
+        return self.migrations.request(sources, targets, require_healthy=require_healthy)
 
     def migration(self, migration_id: int) -> Migration:
         return self.migrations.get(migration_id)

@@ -90,7 +90,7 @@ class Evacuation:
                              why="no warm standby" if standby is None else "a migration or recovery is running")
             return
         try:
-            m = c.request_migration(node.name, standby.name, require_healthy=False)
+            m = c.request_migration([node.name], [standby.name], require_healthy=False)
         except MigrationError as e:
             c.journal.record(Event.EVACUATION_SKIPPED, node=node.name, reason=reason, why=str(e))
             return

@@ -1,19 +1,24 @@
-"""The migration state machine: one planned move of a node's ranks (the leavers) to a standby node (the joiners).
+"""The migration state machine: one planned move of the ranks of one or more nodes (the leavers) to as many standby
+nodes (the joiners), all in one prepare and one switch step.
 
     requested -> warming -> prepared -> switching -> transferred -> committed
          \\___________\\__________\\___________\\____________\\-> aborted (reason)
 
-- requested:   validated; joiners are told their ranks (Assign role=joiner).
+- requested:   validated; joiners are told their ranks (Assign role=joiner): the i-th leaver node's ranks go to
+               the i-th standby's processes, in local-rank order.
 - warming:     joiners run shadow iterations, replaying the recorded collectives (no communication).
 - prepared:    phase 1 done: every party built the next generation of the groups that contain a leaver, in the
                background, while training went on. (Entered after every ``prepared`` ack.)
 - switching:   a switch step S was chosen and every party armed it; at the boundary before S the leaver sends
                its state peer to peer to its joiner, and the stayers wait for the decision.
-- transferred: every joiner received its state and verified the checksums.
+- transferred: every joiner (of every pair) received its state and verified the checksums.
 - committed:   phase 2: every party swapped in the new groups at S; the joiners run step S in the leavers' ranks.
 
-Any failure (a party exiting, a refused switch step, a checksum mismatch, a phase deadline) aborts: the parties
-drop what they staged and training goes on with the old groups. Each transition is journalled with its time.
+Any failure (a party exiting, a refused switch step, a checksum mismatch, a phase deadline) in any pair aborts
+the whole migration: every party drops what it staged, every standby comes back fresh, and training goes on with
+the old groups. A leaver node lost after phase 1 started hands its pair's warm joiners to failure recovery
+(:meth:`Migrations.on_node_failed`). Each transition is journalled with its time and the lists ``sources`` and
+``targets``.
 The flow follows TrainMover (arXiv 2412.12636), sections 4-5: two-phase delta-based group setup, sandboxed
 shadow iterations, and peer-to-peer state transfer.
 """
@@ -22,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from tmd import protocol as p
 from tmd.channel import WorkerChannel
@@ -67,8 +72,9 @@ class MigrationError(Exception):
 
 @dataclasses.dataclass(kw_only=True)
 class Migration(Episode):
-    """One planned move of node ``source``'s ranks to standby ``target`` under group generation ``generation``.
-    ``phases`` holds the states' and the :class:`~tmd.protocol.vocab.MigrationMark` instants (epoch seconds)."""
+    """One planned move of the ranks of nodes ``sources`` to standbys ``targets`` (``sources[i]`` to
+    ``targets[i]``: a pair) under one group generation ``generation``. ``phases`` holds the states' and the
+    :class:`~tmd.protocol.vocab.MigrationMark` instants (epoch seconds)."""
 
     SPANS = {
         "warm_up": (MigrationState.WARMING, MigrationMark.PREPARE_STARTED),  # shadow iterations
@@ -80,8 +86,8 @@ class Migration(Episode):
     }
 
     state: MigrationState = MigrationState.REQUESTED
-    source: str
-    target: str
+    sources: list[str]  # the leaver nodes
+    targets: list[str]  # the standby nodes, one per leaver node, in the same order
     generation: int
     leavers: dict[int, Worker]  # rank -> leaver process
     joiners: dict[int, Worker]  # rank -> joiner process (takes exactly the leaver's rank)
@@ -95,6 +101,34 @@ class Migration(Episode):
     downtime_s: Optional[float] = None
     median_step_s: Optional[float] = None
     pause_s: Optional[float] = None  # longest time a stayer stood at the switch step (seconds)
+
+    @property
+    def source(self) -> str:
+        """The leaver nodes joined by commas (one node's name for a single move): for display."""
+        return ",".join(self.sources)
+
+    @property
+    def target(self) -> str:
+        """The standby nodes joined by commas (one node's name for a single move): for display."""
+        return ",".join(self.targets)
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """(leaver node, standby node) of every pair, in request order."""
+        return list(zip(self.sources, self.targets))
+
+    def leavers_on(self, node: str) -> dict[int, Worker]:
+        """rank -> leaver process of leaver node ``node`` (empty for a node that is no source)."""
+        return {r: w for r, w in self.leavers.items() if w.node == node}
+
+    def joiners_on(self, node: str) -> dict[int, Worker]:
+        """rank -> joiner process of standby ``node`` (empty for a node that is no target)."""
+        return {r: w for r, w in self.joiners.items() if w.node == node}
+
+    def leaver_side(self, joiner: Worker) -> tuple[str, list[Worker]]:
+        """The leaver node paired with ``joiner``'s standby and that node's leaver processes. Raises ValueError
+        when ``joiner`` is on none of the targets."""
+        source = self.sources[self.targets.index(joiner.node)]
+        return source, list(self.leavers_on(source).values())
 
     def parties(self) -> list[Worker]:
         return [*self.stayers.values(), *self.leavers.values(), *self.joiners.values()]
@@ -115,6 +149,8 @@ class Migration(Episode):
 
     def details(self) -> dict:
         return {
+            "sources": list(self.sources),
+            "targets": list(self.targets),
             "source": self.source,
             "target": self.target,
             "generation": self.generation,
@@ -167,56 +203,104 @@ class Migrations(Episodes[Migration]):
         return m
 
     # ---------------------------------------------------------------------------------------------------------
-    def request(self, source: str, target: str, require_healthy: bool = True) -> Migration:
-        """Validate and start a migration of node ``source`` to standby ``target``. Raises MigrationError with
-        a one-line reason; nothing changes then. ``require_healthy`` false lets tmd evacuate a node that is
-        alive but flagged unhealthy (a bad GPU)."""
+    def request(self, sources: Union[str, Sequence[str]], targets: Union[str, Sequence[str]],
+                require_healthy: bool = True) -> Migration:
+        """Validate and start one migration of node ``sources[i]``'s ranks to standby ``targets[i]`` for every
+        i (a single node's name stands for a list of one). Raises MigrationError with a one-line reason, and
+        nothing changes then: ``bad_request`` for no node, lists of different lengths, a node or standby named
+        twice or a standby whose process count differs from its leaver node's rank count; ``unknown_node`` for
+        a source that is not an active node; ``unknown_standby`` for a target that is not a standby;
+        ``migration_running``; ``busy_standby`` for a standby that is not warm; ``not_ready`` while the job is
+        not training, still recording, finishing, or a leaver node is not live and healthy.
+        ``require_healthy`` false lets tmd evacuate a node that is alive but flagged unhealthy (a bad GPU)."""
         reg = self.registry
+        sources = [sources] if isinstance(sources, str) else list(sources)
+        targets = [targets] if isinstance(targets, str) else list(targets)
+        self._check_lists(sources, targets)
         actives = sorted(n.name for n in reg.nodes_in(NodeRole.ACTIVE))
         standbys = sorted(n.name for n in reg.nodes_in(NodeRole.STANDBY))
-        src = reg.nodes.get(source)
-        if src is None or src.role != NodeRole.ACTIVE:
-            what = f"{source} is not an active node (it is {src.role})" if src else \
-                f"unknown node '{source}': it is not part of this job"
-            raise MigrationError(ErrorCode.UNKNOWN_NODE, f"{what} (active nodes: {', '.join(actives) or 'none'})")
-        dst = reg.nodes.get(target)
-        if dst is None or dst.role not in (NodeRole.STANDBY, NodeRole.JOINING):
-            what = f"{target} is not a standby (it is {dst.role})" if dst else \
-                f"unknown standby '{target}': it is not a standby of this job"
-            raise MigrationError(ErrorCode.UNKNOWN_STANDBY, f"{what} (standbys: {', '.join(standbys) or 'none'})")
+        for source in sources:
+            src = reg.nodes.get(source)
+            if src is None or src.role != NodeRole.ACTIVE:
+                what = f"{source} is not an active node (it is {src.role})" if src else \
+                    f"unknown node '{source}': it is not part of this job"
+                raise MigrationError(ErrorCode.UNKNOWN_NODE,
+                                     f"{what} (active nodes: {', '.join(actives) or 'none'})")
+        for target in targets:
+            dst = reg.nodes.get(target)
+            if dst is None or dst.role not in (NodeRole.STANDBY, NodeRole.JOINING):
+                what = f"{target} is not a standby (it is {dst.role})" if dst else \
+                    f"unknown standby '{target}': it is not a standby of this job"
+                raise MigrationError(ErrorCode.UNKNOWN_STANDBY,
+                                     f"{what} (standbys: {', '.join(standbys) or 'none'})")
         running = self.current
         if running is not None:
             raise MigrationError(
                 ErrorCode.MIGRATION_RUNNING,
                 f"migration {running.id} ({running.source} -> {running.target}) is still {running.state}",
             )
-        if dst.role != NodeRole.STANDBY or not dst.warm:
-            state = "cold: not all its processes are up" if dst.role == NodeRole.STANDBY else dst.role
-            raise MigrationError(ErrorCode.BUSY_STANDBY, f"standby '{target}' is busy ({state})")
+        for target in targets:
+            dst = reg.nodes[target]
+            if dst.role != NodeRole.STANDBY or not dst.warm:
+                state = "cold: not all its processes are up" if dst.role == NodeRole.STANDBY else dst.role
+                raise MigrationError(ErrorCode.BUSY_STANDBY, f"standby '{target}' is busy ({state})")
+        for source, target in zip(sources, targets):
+            src, dst = reg.nodes[source], reg.nodes[target]
+            if dst.expected_workers != len(src.ranks):
+                raise MigrationError(ErrorCode.BAD_REQUEST,
+                                     f"standby '{target}' has {dst.expected_workers} processes but node '{source}' "
+                                     f"holds {len(src.ranks)} ranks: a standby takes one rank per process")
         if not reg.all_ranks_assigned() or reg.current_step() < 0:
             raise MigrationError(ErrorCode.NOT_READY, "the job has not started training yet")
         if reg.current_step() <= self.record_steps:
             raise MigrationError(ErrorCode.NOT_READY,
                                  f"the job is still recording its first {self.record_steps} steps for the joiners' "
                                  "shadow iterations; try again in a moment")
-        if (require_healthy and src.health != Health.HEALTHY) or len(src.workers) != len(src.ranks) or \
-                any(w.exited for w in src.workers.values()):
-            raise MigrationError(ErrorCode.NOT_READY,
-                                 f"node '{source}' is {src.health}; a planned migration needs a live leaver")
+        for source in sources:
+            src = reg.nodes[source]
+            if (require_healthy and src.health != Health.HEALTHY) or len(src.workers) != len(src.ranks) or \
+                    any(w.exited for w in src.workers.values()):
+                raise MigrationError(ErrorCode.NOT_READY,
+                                     f"node '{source}' is {src.health}; a planned migration needs a live leaver")
         if any(w.done for w in reg.rank_owner.values()):
             raise MigrationError(ErrorCode.NOT_READY, "the job is finishing")
 
-        leavers = {r: reg.rank_owner[r] for r in src.ranks}
-        joiners = {r: dst.workers[i] for i, r in enumerate(src.ranks)}
+        leavers: dict[int, Worker] = {}
+        joiners: dict[int, Worker] = {}
+        for source, target in zip(sources, targets):
+            src, dst = reg.nodes[source], reg.nodes[target]
+            leavers.update({r: reg.rank_owner[r] for r in src.ranks})
+            joiners.update({r: dst.workers[i] for i, r in enumerate(src.ranks)})
         stayers = {r: w for r, w in reg.rank_owner.items() if r not in leavers}
-        m = self.add(Migration(id=self.next_id(), source=source, target=target, generation=reg.generations.next(),
-                               leavers=leavers, joiners=joiners, stayers=stayers, request_step=reg.current_step()))
-        reg.promote(dst)
+        m = self.add(Migration(id=self.next_id(), sources=sources, targets=targets,
+                               generation=reg.generations.next(), leavers=dict(sorted(leavers.items())),
+                               joiners=dict(sorted(joiners.items())), stayers=stayers,
+                               request_step=reg.current_step()))
+        for target in targets:
+            reg.promote(reg.nodes[target])
         self._enter(m, MigrationState.REQUESTED, generation=m.generation)
-        for rank, joiner in joiners.items():
+        for rank, joiner in m.joiners.items():
             self.channel.assign(joiner, rank, migration_id=m.id)
         self._enter(m, MigrationState.WARMING)
         return m
+
+    @staticmethod
+    def _check_lists(sources: list[str], targets: list[str]) -> None:
+        """The request's shape: 1 to MAX_MIGRATE_NODES nodes, as many standbys, none named twice."""
+        if not sources or not targets:
+            raise MigrationError(ErrorCode.BAD_REQUEST, "name at least one node to move and one standby to take it")
+        if len(sources) > p.MAX_MIGRATE_NODES:
+            raise MigrationError(ErrorCode.BAD_REQUEST, f"{len(sources)} nodes to move: one migration moves at "
+                                                        f"most {p.MAX_MIGRATE_NODES}")
+        if len(sources) != len(targets):
+            raise MigrationError(ErrorCode.BAD_REQUEST,
+                                 f"{len(sources)} node(s) to move ({','.join(sources)}) but {len(targets)} "
+                                 f"standby(s) to take them ({','.join(targets)}): name one standby per node")
+        for names, what in ((sources, "node '{}' is named twice among the nodes to move"),
+                            (targets, "standby '{}' is named twice: one standby takes one node's ranks")):
+            twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+            if twice is not None:
+                raise MigrationError(ErrorCode.BAD_REQUEST, what.format(twice))
 
     # ---------------------------------------------------------------------------------------------------------
     def on_phase(self, w: Worker, msg: p.PhaseDone) -> None:
@@ -271,6 +355,22 @@ class Migrations(Episodes[Migration]):
             self.journal.record(Event.UNEXPECTED_PHASE_REPORT, migration_id=m.id, state=m.state, phase=msg.phase,
                                 rank=msg.rank)
 
+    def on_node_failed(self, node: str, reason: str) -> Optional[tuple[str, dict[int, Worker]]]:
+        """Node ``node`` was declared failed: abort the running migration, if any. When ``node`` is one of its
+        leaver nodes, phase 1 started and the commit was not decided yet, the joiners of its pair are warm for
+        exactly its ranks: they are spared and returned as (their standby, {rank: joiner}) for failure recovery
+        to adopt; every other pair's standby comes back fresh. Otherwise returns None."""
+        m = self.current
+        if m is None:
+            return None
+        if node in m.sources and MigrationMark.PREPARE_STARTED in m.phases \
+                and m.state != MigrationState.TRANSFERRED:
+            target = m.targets[m.sources.index(node)]
+            self.abort(m, f"leaver {node} lost: {reason}", spare=target)
+            return target, m.joiners_on(target)
+        self.abort(m, f"node {node} lost during {m.state}: {reason}")
+        return None
+
     def on_worker_lost(self, w: Worker, why: str) -> None:
         """A process exited or stopped heartbeating: abort the migration it takes part in, if any."""
         m = self.current
@@ -309,20 +409,22 @@ class Migrations(Episodes[Migration]):
                                 median_step_s=median, window_s=[round(t, 6) for t in window])
 
     # ---------------------------------------------------------------------------------------------------------
-    def abort(self, m: Migration, reason: str, spare_joiners: bool = False) -> None:
-        """Abort ``m``: stayers and leavers keep their groups. The joiners are told too (they exit and the
-        standby is restarted fresh) unless ``spare_joiners``: failure recovery then takes them over."""
+    def abort(self, m: Migration, reason: str, spare: Optional[str] = None) -> None:
+        """Abort ``m`` as a whole: stayers and leavers keep their groups. The joiners of every pair are told too
+        (they exit and each standby is restarted fresh), except those of standby ``spare``: failure recovery
+        then takes them over."""
         if m.finished:
             return
         m.reason = reason
         self._enter(m, MigrationState.ABORTED, reason=reason)
         decision = p.Decide(migration_id=m.id, commit=False, reason=reason)
         for w in m.parties():
-            if not w.exited and not (spare_joiners and m.role_of(w) == MigrationRole.JOINER):
+            if not w.exited and not (w.node == spare and m.role_of(w) == MigrationRole.JOINER):
                 self.channel.send(w, decision)
-        target = self.registry.nodes[m.target]
-        if target.role == NodeRole.JOINING and not spare_joiners:
-            self.registry.back_to_standby(target)  # its processes exit; the launcher brings fresh ones up
+        for name in m.targets:
+            target = self.registry.nodes[name]
+            if target.role == NodeRole.JOINING and name != spare:
+                self.registry.back_to_standby(target)  # its processes exit; the launcher brings fresh ones up
 
     @staticmethod
     def _mark_transfer_start(m: Migration, seconds: float) -> None:
@@ -355,8 +457,9 @@ class Migrations(Episodes[Migration]):
 
     def _commit(self, m: Migration) -> None:
         reg = self.registry
-        reg.hand_over(reg.nodes[m.source], reg.nodes[m.target], m.joiners,
-                      f"ranks handed over to {m.target} in migration {m.id}")
+        for source, target in m.pairs():
+            reg.hand_over(reg.nodes[source], reg.nodes[target], m.joiners_on(target),
+                          f"ranks handed over to {target} in migration {m.id}")
         self._enter(m, MigrationState.COMMITTED, switch_step=m.switch_step, bytes_moved=m.bytes_moved,
                     phases_s=m.phases_s())
 
@@ -366,7 +469,8 @@ class Migrations(Episodes[Migration]):
         m.mark(state)
         m.acks.pop(state, None)
         m.set_deadline(self.deadlines_s.get(state, math.inf))
-        self.journal.record(MIGRATION_EVENTS[state], migration_id=m.id, source=m.source, target=m.target, **fields)
+        self.journal.record(MIGRATION_EVENTS[state], migration_id=m.id, sources=m.sources, targets=m.targets,
+                            **fields)
 
     def _broadcast(self, m: Migration, msg: p.Message) -> None:
         for w in m.parties():

@@ -72,6 +72,8 @@ class Incident(Episode):
     resume_step: Optional[int] = None
     bytes_moved: int = 0
     waiting_standby: bool = False
+    snapshots: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # rank -> snapshot steps it holds
+    rollback_step: Optional[int] = None  # the snapshot step the job rolled back to (None: no rollback)
 
     def parties(self) -> list[Worker]:
         return [*self.survivors.values(), *self.replacements.values()]
@@ -85,7 +87,8 @@ class Incident(Episode):
     def details(self) -> dict:
         return {"lost_ranks": sorted(self.lost), "failed_nodes": sorted(set(self.lost.values())),
                 "standbys": dict(self.standbys), "waiting_standby": self.waiting_standby,
-                "resume_step": self.resume_step, "generation": self.generation, "bytes_moved": self.bytes_moved}
+                "resume_step": self.resume_step, "generation": self.generation, "bytes_moved": self.bytes_moved,
+                "rollback_step": self.rollback_step}
 
 
 class Incidents(Episodes[Incident]):
@@ -97,13 +100,19 @@ class Incidents(Episodes[Incident]):
     ``first_id``: tmd.episode.Episodes)."""
 
     def __init__(self, registry: Registry, journal: Journal, channel: WorkerChannel, run_dir: RunDir,
-                 regroup_after_s: float = 2.0) -> None:
+                 regroup_after_s: float = 2.0, snapshot_every: int = 0) -> None:
         super().__init__()
         self.registry = registry
         self.journal = journal
         self.channel = channel
         self.run_dir = run_dir
         self.lost: dict[int, str] = {}  # ranks whose node failed and that no one holds yet
+        # rank -> the ranks holding a bit-identical copy of its replicated state (its replica class, itself
+        # included), from the ranks' ReplicaReports; a rank missing here is taken to be replicated by every rank
+        self.replicas: dict[int, list[int]] = {}
+        self.unprotected: list[dict] = []  # the no_replica warnings: one per node whose loss takes a rank's copies
+        self.snapshot_every = snapshot_every  # the ranks' buddy snapshots (worker.snapshot); 0: off
+        self.keepers: dict[int, int] = {}  # rank -> the rank keeping its snapshot, once snapshots are on
         self.regroup_after_s = regroup_after_s
         self._unexplained: Optional[tuple[float, str]] = None  # (monotonic, what) of a collective failure
 
@@ -124,6 +133,45 @@ class Incidents(Episodes[Incident]):
         self.registry.fail_node(node, reason)
         self.start(f"replacement {node.name} lost: {reason}")
 
+    def on_replicas(self, w: Worker, msg: p.ReplicaReport) -> None:
+        """Rank ``msg.rank``'s replica class. Once every rank reported, journal ``no_replica`` for each node whose
+        loss would take every copy of some rank's state (kept for ``tmctl status``): a failure there cannot be
+        recovered."""
+        ranks = sorted(set(msg.replicas))
+        if msg.rank != w.rank:
+            raise ValueError(f"replica report for rank {msg.rank} from the process of rank {w.rank}")
+        if msg.rank not in ranks or ranks[-1] >= self.registry.world_size:
+            raise ValueError(f"replica report of rank {msg.rank} names {ranks} (world size "
+                             f"{self.registry.world_size})")
+        for r in ranks:
+            self.replicas[r] = ranks
+        if len(self.replicas) < self.registry.world_size or self.unprotected:
+            return
+        node_of = {r: w.node for r, w in self.registry.rank_owner.items()}
+        exposed = [r for r in range(self.registry.world_size)
+                   if len({node_of.get(x) for x in self.replicas[r]}) == 1 and r in node_of]
+        keepers = p.layout.snapshot_keepers(node_of) if len(node_of) == self.registry.world_size else {}
+        if exposed and self.snapshot_every > 0 and keepers:
+            self.keepers = keepers  # the ranks decide the same from the same map (worker.snapshot)
+        for r in exposed:
+            node = node_of[r]
+            if any(u["node"] == node for u in self.unprotected):
+                continue
+            consequence = (f"a failure of {node} rolls the job back to the last buddy snapshot (every "
+                           f"{self.snapshot_every} steps)") if self.keepers else \
+                f"a failure of {node} is not recoverable (no buddy snapshots)"
+            entry = {"rank": r, "node": node, "code": Event.NO_REPLICA.value,
+                     "message": f"rank {r}'s state has no replica outside {node}: {consequence}"}
+            self.unprotected.append(entry)
+            self.journal.record(Event.NO_REPLICA, **entry)
+
+    def sources_for(self, rank: int, candidates: list[int]) -> list[int]:
+        """The ranks of ``candidates`` that hold a bit-identical copy of ``rank``'s state (all of them when the
+        job reported no replica classes)."""
+        if rank not in self.replicas:
+            return list(candidates)
+        return [c for c in candidates if c in self.replicas[rank]]
+
     def start(self, reason: str, adopt: Optional[tuple[str, str, dict[int, Worker]]] = None) -> Incident:
         """Start an incident covering every rank in ``lost``, superseding the running one (whose replacements
         that are alive and still needed are kept). ``adopt``: (failed node, standby node, {rank: joiner}) of
@@ -138,6 +186,20 @@ class Incidents(Episodes[Incident]):
         survivors = dict(sorted(reg.rank_owner.items()))
         if not survivors:
             raise RecoveryError(f"every rank is lost ({reason}): no data-parallel replica to recover from")
+        orphans = [r for r in sorted(self.lost) if not self.sources_for(r, list(survivors))]
+        unkept = [r for r in orphans if self.keepers.get(r) not in survivors]
+        if unkept:
+            r = unkept[0]
+            kept = f"; rank {self.keepers[r]} kept its snapshot and is lost too" if r in self.keepers else \
+                " and buddy snapshots are off"
+            raise RecoveryError(f"the state of rank {r} has no surviving replica ({reason}): ranks "
+                                f"{self.replicas[r]} held its only copies{kept}")
+        # a rollback restores every lost rank from the snapshot its keeper holds, replicated or not
+        unkept = [r for r in sorted(self.lost) if orphans and self.keepers.get(r) not in survivors]
+        if unkept:
+            r = unkept[0]
+            raise RecoveryError(f"rank {orphans[0]}'s state has no surviving replica ({reason}): the job must roll "
+                                f"back, but rank {self.keepers[r]}, which kept rank {r}'s snapshot, is lost too")
         missing = [r for r in self.lost if not os.path.exists(self.run_dir.recording(r))]
         if missing:
             raise RecoveryError(f"ranks {missing} were lost before the job recorded its first steps; a "
@@ -189,6 +251,7 @@ class Incidents(Episodes[Incident]):
             self._maybe_plan(inc)
         elif msg.phase == RecoveryPhase.HALTED and msg.incident_id == inc.id and inc.survivors.get(msg.rank) is w:
             inc.halted[msg.rank] = msg.committed_step
+            inc.snapshots[msg.rank] = list(msg.snapshots)
             if len(inc.halted) == len(inc.survivors) and IncidentMark.HALTED not in inc.phases:
                 inc.mark(IncidentMark.HALTED)
                 self.journal.record(Event.RECOVERY_HALTED, incident_id=inc.id,
@@ -272,14 +335,33 @@ class Incidents(Episodes[Incident]):
             self._fail(inc, f"survivors disagree by more than one step: {dict(sorted(inc.halted.items()))}")
         sources = sorted(r for r, c in inc.halted.items() if c == committed)
         receivers = sorted(inc.replacements) + behind
-        sends = [[sources[i % len(sources)], dst] for i, dst in enumerate(receivers)]
+        resume = committed + 1
+        if any(not self.sources_for(r, list(inc.survivors)) for r in inc.lost):
+            # a lost rank's state has no surviving replica: roll the job back to the newest snapshot every
+            # survivor holds; each lost rank gets the copy its keeper holds
+            held = set.intersection(*(set(inc.snapshots.get(r, ())) for r in inc.survivors))
+            if not held:
+                self._fail(inc, f"ranks {sorted(inc.lost)} have no surviving replica and the survivors hold no "
+                                f"common buddy snapshot ({dict(sorted(inc.snapshots.items()))})")
+            inc.rollback_step = max(held)
+            resume = inc.rollback_step + 1
+            sends = [[self.keepers[dst], dst] for dst in sorted(inc.replacements)]
+        else:
+            sends = []
+            for i, dst in enumerate(receivers):  # spread over each receiver's replicas: transfers run in parallel
+                mine = self.sources_for(dst, sources)
+                if not mine:
+                    self._fail(inc, f"no survivor that committed step {committed} holds a replica of rank {dst}")
+                sends.append([mine[i % len(mine)], dst])
         inc.generation = self.registry.generations.next()
-        inc.resume_step = committed + 1
+        inc.resume_step = resume
         inc.state = IncidentState.RECOVERING
         inc.mark(IncidentMark.RECOVERING)
+        rollback = -1 if inc.rollback_step is None else inc.rollback_step
         self.journal.record(Event.RECOVERY_PLAN, incident_id=inc.id, resume_step=inc.resume_step,
-                            generation=inc.generation, sends=sends)
-        plan = p.Recover(incident_id=inc.id, generation=inc.generation, resume_step=inc.resume_step, sends=sends)
+                            generation=inc.generation, sends=sends, rollback_step=rollback)
+        plan = p.Recover(incident_id=inc.id, generation=inc.generation, resume_step=inc.resume_step, sends=sends,
+                         rollback_step=rollback)
         for w in inc.parties():
             self.channel.send(w, plan)
 

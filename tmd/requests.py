@@ -48,17 +48,20 @@ class Requests:
         self.control.reply(identity, self.status_reply())
 
     def migrate(self, identity: bytes, msg: p.MigrateRequest) -> None:
-        """Start a migration (refused while a failure recovery runs); journals ``migrate_refused`` with why."""
+        """Start one migration of every (``msg.sources[i]``, ``msg.targets[i]``) pair (refused while a failure
+        recovery runs); journals ``migrate_refused`` with the lists as asked and why. Under SLURM each target
+        may be a standby job id or ``any`` (tmd.slurm.SlurmCluster.resolve_target)."""
         c, cluster = self.control, self.cluster()
         try:
-            target = cluster.resolve_target(msg.target) if cluster is not None else msg.target
+            targets = [cluster.resolve_target(t) for t in msg.targets] if cluster is not None else list(msg.targets)
             inc = c.current_incident
             if inc is not None:
                 raise MigrationError(ErrorCode.RECOVERING, f"recovery {inc.id} from a failure is in progress "
                                                            f"({inc.state}); try again once it is done")
-            m = c.request_migration(msg.source, target)
+            m = c.request_migration(list(msg.sources), targets)
         except MigrationError as e:
-            c.journal.record(Event.MIGRATE_REFUSED, source=msg.source, target=msg.target, code=e.code, reason=str(e))
+            c.journal.record(Event.MIGRATE_REFUSED, sources=msg.sources, targets=msg.targets, code=e.code,
+                             reason=str(e))
             raise
         c.reply(identity, p.MigrationReply(migration=m.to_dict()))
 

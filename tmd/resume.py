@@ -22,9 +22,9 @@ A restarted tmd re-learns the job from two sources:
 
 Cases at the restart:
 
-- a migration that was cut by the crash is aborted (its stayers and leaver are told, its joiners exit and
-  the standby is started afresh), unless every joiner had received its state: the decision was then to
-  commit, and it is sent again;
+- a migration that was cut by the crash is aborted (its stayers and leavers are told, its joiners exit and
+  every standby of it is started afresh), unless every joiner had received its state: the decision was then to
+  commit, and it is sent again (every pair of it is handed over);
 - an active node whose processes did not re-register within ``rejoin_grace_s`` of the restart failed while
   tmd was down (or hangs): it is failed and recovered like any failure;
 - a standby node with no process left is started again;
@@ -74,7 +74,7 @@ class JobState:
     roles: dict[str, tuple[NodeRole, list[int]]]  # node -> (role, ranks) now
     generation: int  # the highest group generation used
     last_migration_id: int
-    cut_migration: Optional[dict]  # a migration the crash interrupted: id, source, target, commit
+    cut_migration: Optional[dict]  # a migration the crash interrupted: id, sources, targets (lists), commit
     open_incident: Optional[int]  # a recovery the crash interrupted (not resumed)
     last_seq: int
     last_ts: float
@@ -125,17 +125,20 @@ def load(run_dir: str) -> JobState:
         if ev == Event.MIGRATION_REQUESTED:
             consumed += 1
             last_mid = max(last_mid, e["migration_id"])
-            migration = {"id": e["migration_id"], "source": e["source"], "target": e["target"], "commit": False}
-            roles[e["target"]] = (NodeRole.JOINING, [])
+            migration = {"id": e["migration_id"], **_pairs(e), "commit": False}
+            for target in migration["targets"]:
+                roles[target] = (NodeRole.JOINING, [])
         elif ev == Event.MIGRATION_TRANSFERRED and migration and migration["id"] == e["migration_id"]:
             migration["commit"] = True  # tmd journals this, then tells every party to commit
         elif ev in (Event.MIGRATION_COMMITTED, Event.MIGRATION_ABORTED) and migration \
                 and migration["id"] == e["migration_id"]:
             if ev == Event.MIGRATION_COMMITTED:
                 _hand_over(roles, migration)
-            elif roles.get(migration["target"], (None,))[0] == NodeRole.JOINING \
-                    and not _adopted_by_recovery(events, e):
-                roles[migration["target"]] = (NodeRole.STANDBY, [])
+            else:
+                adopted = _adopted_by_recovery(events, e)
+                for target in migration["targets"]:
+                    if roles.get(target, (None,))[0] == NodeRole.JOINING and target not in adopted:
+                        roles[target] = (NodeRole.STANDBY, [])
             migration = None
         elif ev == Event.STANDBY_ADDED:  # tmctl standby add (local mode)
             roles[e["node"]] = (NodeRole.STANDBY, [])
@@ -176,16 +179,27 @@ def _is_tmd(pid: int) -> bool:
         return False
 
 
+def _pairs(e: dict) -> dict:
+    """The ``sources`` and ``targets`` lists of a migration event (a journal written before migrations moved
+    several nodes has ``source`` and ``target``: one node each)."""
+    if isinstance(e.get("sources"), list) and isinstance(e.get("targets"), list):
+        return {"sources": list(e["sources"]), "targets": list(e["targets"])}
+    return {"sources": [e["source"]], "targets": [e["target"]]}
+
+
 def _hand_over(roles: dict, migration: dict) -> None:
-    ranks = roles[migration["source"]][1]
-    roles[migration["target"]] = (NodeRole.ACTIVE, list(ranks))
-    roles[migration["source"]] = (NodeRole.LEFT, [])
+    for source, target in zip(migration["sources"], migration["targets"]):
+        ranks = roles[source][1]
+        roles[target] = (NodeRole.ACTIVE, list(ranks))
+        roles[source] = (NodeRole.LEFT, [])
 
 
-def _adopted_by_recovery(events: list[dict], aborted: dict) -> bool:
-    """A migration aborted because its leaver died hands its warm joiners to the recovery that follows."""
-    return any(e["event"] == Event.RECOVERY_STARTED and aborted["target"] in (e.get("adopted") or {}).values()
-               for e in events if e["seq"] > aborted["seq"])
+def _adopted_by_recovery(events: list[dict], aborted: dict) -> set[str]:
+    """The standbys of an aborted migration whose warm joiners the recovery that follows adopted (a leaver that
+    died hands its pair's joiners over)."""
+    targets = set(_pairs(aborted)["targets"])
+    return {s for e in events if e["seq"] > aborted["seq"] and e["event"] == Event.RECOVERY_STARTED
+            for s in (e.get("adopted") or {}).values() if s in targets}
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -230,13 +244,13 @@ class Resumed:
             if m["commit"]:
                 self.decision = p.Decide(migration_id=m["id"], commit=True,
                                          reason="every joiner had its state before tmd restarted")
-                c.journal.record(Event.MIGRATION_COMMITTED, migration_id=m["id"], source=m["source"],
-                                 target=m["target"], reason="decided before tmd restarted")
+                c.journal.record(Event.MIGRATION_COMMITTED, migration_id=m["id"], sources=m["sources"],
+                                 targets=m["targets"], reason="decided before tmd restarted")
             else:
                 self.decision = p.Decide(migration_id=m["id"], commit=False,
                                          reason="tmd restarted during the migration")
-                c.journal.record(Event.MIGRATION_ABORTED, migration_id=m["id"], source=m["source"],
-                                 target=m["target"], reason=self.decision.reason)
+                c.journal.record(Event.MIGRATION_ABORTED, migration_id=m["id"], sources=m["sources"],
+                                 targets=m["targets"], reason=self.decision.reason)
         if st.open_incident is not None:
             c.journal.record(Event.RECOVERY_NOT_RESUMED, incident_id=st.open_incident,
                              reason="tmd restarted during this recovery; it is not resumed")

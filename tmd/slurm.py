@@ -436,7 +436,7 @@ class SlurmCluster:
         if node is None or node.role in (NodeRole.FAILED, NodeRole.LEFT):
             return
         m = self.control.current_migration
-        if m is not None and m.target == name:
+        if m is not None and name in m.targets:
             self.control.abort_migration(m, f"{why} during {m.state}")
         if node.role == NodeRole.STANDBY:
             self.registry.fail_node(node, why)

@@ -14,7 +14,7 @@ import atexit
 import datetime
 import os
 import socket
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,14 +35,19 @@ EXIT_DRAIN_S = float(os.environ.get("TM_EXIT_DRAIN_S", "5"))
 
 wait_for_background = _C.wait_for_background
 
-__all__ = ["new_mover_group", "build_inner", "inner_kind", "store_prefix", "gloo_host", "BACKEND_NAME", "MoverBackend", "build_gloo", "init_mover_world", "mover_of", "release_in_background",
+__all__ = ["new_mover_group", "set_group_factory", "GroupFactory", "build_inner", "inner_kind", "store_prefix", "gloo_host", "BACKEND_NAME", "MoverBackend", "build_gloo", "init_mover_world", "mover_of", "release_in_background",
            "wait_for_background"]
 
-# init_process_group calls the registered creator with (store, rank, size, timeout) only, so the inner backend
-# and mode (a MoverMode's string value: the C++ backend parses it) for the next creator call travel through this
-# module-level slot (set and cleared by init_mover_world, which is not meant to be called concurrently).
+# The registered creator is called by torch (init_process_group, new_group, and so init_device_mesh) with the
+# group's rank, size, global ranks and torch group name, never with an inner backend. For the default group (and
+# new_mover_group) the inner backend and mode (a MoverMode's string value: the C++ backend parses it) travel
+# through this module-level slot, set and cleared around the call (not meant to be called concurrently). Every
+# other group is made by the group factory the rank's session installed (worker.groups.GroupManager.create_group).
 _pending_config: Optional[tuple[Optional[CBackend], str]] = None
 _registered = False
+# (torch group name, global ranks, group rank, group size) -> MoverBackend
+GroupFactory = Callable[[str, list[int], int, int], "MoverBackend"]
+_group_factory: Optional[GroupFactory] = None
 
 
 def store_prefix(prefix: str) -> str:
@@ -114,20 +119,33 @@ def build_inner(store: dist.Store, prefix: str, rank: int, size: int, timeout_s:
     return pg
 
 
-def _create_mover(store, rank: int, size: int, timeout) -> MoverBackend:
-    """Creator registered for ``tmover``: builds the mover with the inner/mode that init_mover_world left."""
-    if _pending_config is None:
-        raise RuntimeError("the tmover backend is created through worker.backend.init_mover_world()")
-    inner, mode = _pending_config
-    mover = MoverBackend(rank, size, inner)
-    mover.set_mode(mode)
-    return mover
+def set_group_factory(factory: Optional[GroupFactory]) -> None:
+    """Install (None: remove) what builds the mover of every group torch creates after the default group:
+    ``factory(torch_group_name, global_ranks, group_rank, group_size) -> MoverBackend``."""
+    global _group_factory
+    _group_factory = factory
+
+
+def _create_mover(opts, backend_options) -> MoverBackend:
+    """Creator registered for ``tmover`` (torch's extended API: ``opts`` is a ``_DistributedBackendOptions``).
+    The default group and new_mover_group get the inner/mode left in ``_pending_config``; every other group (a
+    ``dist.new_group``, ``new_subgroups``, a DeviceMesh dimension) is built by the group factory. Raises
+    RuntimeError when neither is set (no session: call ``worker.init()`` first)."""
+    if _pending_config is not None:
+        inner, mode = _pending_config
+        mover = MoverBackend(opts.group_rank, opts.group_size, inner)
+        mover.set_mode(mode)
+        return mover
+    if _group_factory is None:
+        raise RuntimeError("a tmover process group is created after worker.init() (or worker.backend."
+                           "init_mover_world); no session is running in this process")
+    return _group_factory(str(opts.group_id), list(opts.global_ranks_in_group), opts.group_rank, opts.group_size)
 
 
 def _register() -> None:
     global _registered
     if not _registered:
-        dist.Backend.register_backend(BACKEND_NAME, _create_mover, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(BACKEND_NAME, _create_mover, extended_api=True, devices=["cpu", "cuda"])
         _registered = True
 
 

@@ -1,9 +1,10 @@
 """Generations of the job's process groups, set up in two phases (TrainMover, arXiv 2412.12636, section 4).
 
-Every group (the world group, which is the default group, and subgroups made with ``Session.new_group``) is a
-mover Backend (csrc/) whose inner backend carries a generation number; generation ``g`` of group ``name`` lives
-under the store prefix ``tmd.protocol.layout.group_prefix(g, name)`` (``tm/g<g>/<name>``; a prefix is never
-reused).
+Every group (the world group, which is the default group, and every group the script creates after
+``worker.init()``: ``dist.new_group``, DeviceMesh dimensions) is a mover Backend (csrc/) whose inner backend
+carries a generation number. A script's group is first built under ``layout.created_group_prefix(name)``;
+generation ``g`` of group ``name`` lives under ``tmd.protocol.layout.group_prefix(g, name)`` (``tm/g<g>/<name>``; a
+prefix is never reused).
 
 - Phase 1, :meth:`GroupManager.prepare`, runs on a background thread while training goes on: it builds the next
   generation of only the groups that contain a leaver (delta-based: a group without a leaver is not touched) and
@@ -57,6 +58,7 @@ class GroupManager:
         self.host = host
         self.timeout_s = timeout_s
         self.world: Optional[mb.MoverBackend] = None
+        self.replay_dir: Optional[str] = None  # a joiner in its sandbox: where the groups' recordings are
         self.groups: dict[str, Group] = {}  # this rank's groups by name, the world group included
         self.generation = -1  # the highest generation this process built or installed a group of
         self._lock = threading.Lock()
@@ -96,21 +98,33 @@ class GroupManager:
         inner = self._inner(generation, world, ranks) if connect else None
         self.world = mb.init_mover_world(self.store, self.rank, self.world_size, inner, mode)
         self.groups[world] = Group(world, ranks, self.world)
+        mb.set_group_factory(self.create_group)
         return self.world
 
-    def new_group(self, name: str, ranks: list[int], generation: int, mode: p.MoverMode, connect: bool):
-        """A mover-backed subgroup over global ``ranks`` (every process calls this in the same order, as
-        with ``dist.new_group``). Returns the ProcessGroup on members, None elsewhere. Raises ValueError for
-        duplicate or out-of-range ranks."""
-        ranks = list(ranks)
-        if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
-            raise ValueError(f"bad ranks for group {name}: {ranks}")
-        member = self.rank in ranks
-        inner = self._inner(generation, name, ranks) if member and connect else None
-        pg = mb.new_mover_group(ranks, inner, mode)
-        if member:
-            self.groups[name] = Group(name, ranks, mb.mover_of(pg))
-        return pg
+    def create_group(self, torch_name: str, ranks: list[int], group_rank: int, size: int) -> "mb.MoverBackend":
+        """The mover of a group the training script creates (``dist.new_group``, ``new_subgroups``, a DeviceMesh
+        dimension: the tmover creator calls this through ``worker.backend.set_group_factory``). ``torch_name``
+        is torch's group name (the same on every process: torch numbers groups in creation order), ``ranks`` its
+        global ranks. An active rank connects it under ``layout.created_group_prefix`` in the world group's
+        current mode (recording while the world records); a joiner in its sandbox does not connect and replays
+        the group from its recording (:attr:`replay_dir`). Raises FileNotFoundError on a joiner when the group
+        has no recording (it was created after the job recorded its first steps)."""
+        from worker import sandbox
+
+        name = f"pg{torch_name}"
+        if name in self.groups:
+            raise ValueError(f"process group {name} exists already on rank {self.rank}")
+        if self.replay_dir is not None:
+            mover = mb.MoverBackend(group_rank, size, None)
+            sandbox.start_replay(mover, self.replay_dir, self.rank, name)
+        else:
+            inner = mb.build_inner(self.store, p.layout.created_group_prefix(name), group_rank, size,
+                                   self.timeout_s, self.host)
+            mover = mb.MoverBackend(group_rank, size, inner)
+            mover.set_mode(self.world.mode)
+            mover.tolerant = self.world.tolerant
+        self.groups[name] = Group(name, list(ranks), mover)
+        return mover
 
     # --- phase 1 -----------------------------------------------------------------------------------------------
     def prepare(self, migration_id: int, generation: int, role: p.MigrationRole, leaver_ranks: list[int],
@@ -251,8 +265,11 @@ class GroupManager:
                 mover.commit()
 
     def set_mode(self, mode: p.MoverMode) -> None:
-        """Set every group's mover to ``mode``. Raises ValueError for a string that is no MoverMode."""
+        """Set every group's mover to ``mode``; out of ``replay`` (a joiner taking its rank), groups created
+        from now on connect. Raises ValueError for a string that is no MoverMode."""
         value = p.MoverMode(mode).value  # the C++ backend takes the plain string
+        if value != p.MoverMode.REPLAY.value:
+            self.replay_dir = None
         for g in self.groups.values():
             g.mover.set_mode(value)
 

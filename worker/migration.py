@@ -117,6 +117,10 @@ class Migration:
         try:
             pg = groups.transfer_group(mid, DECISION_TIMEOUT_S)
             states, extra, moved, seconds = transfer.recv_state(pg, 0, self.prealloc)
+            # Load before the decision, off the critical path: on an abort this sandboxed process is thrown
+            # away. A state that does not fit (other keys, shards of another layout) is refused here: nothing
+            # is loaded, tmd aborts and training goes on.
+            transfer.load_state(self.objects, states)
         except Exception as e:  # noqa: BLE001 - reported; tmd aborts, or falls back to a replica
             self.reports.report(mid, p.MigrationPhase.TRANSFERRED, ok=False, error=e)
             control.wait_until(lambda: control.decision is not None or control.plan is not None, DECISION_TIMEOUT_S)
@@ -127,8 +131,6 @@ class Migration:
             exit_process(p.ExitCode.FAILED, f"joiner for rank {control.rank}: state transfer of migration {mid} "
                                             f"failed ({type(e).__name__}: {e}) and no recovery plan came")
         self.prealloc = None
-        # Load before the decision, off the critical path: on an abort this sandboxed process is thrown away.
-        transfer.load_state(self.objects, states)
         torch.set_rng_state(extra["rng"])
         self.reports.report(mid, p.MigrationPhase.TRANSFERRED, bytes_moved=moved, seconds=seconds)
         control.wait_until(lambda: control.decision is not None, DECISION_TIMEOUT_S)

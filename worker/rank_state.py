@@ -9,7 +9,10 @@ received bytes), so rank-local objects must have plain-data state_dicts.
 **Fingerprint** (:func:`fingerprint`): sha256 over every tensor of the replicated managed state (dtype, shape and a
 fixed strided sample of at most :data:`SAMPLE` elements), the non-tensor leaves (an optimizer's step count,
 hyper-parameters) and the parameters of the managed optimizers (so a model left unmanaged is still covered). Equal
-replicas give equal fingerprints; one flipped sampled element changes it. 32 bytes.
+replicas give equal fingerprints; one flipped sampled element changes it. 32 bytes. A DTensor (FSDP2, tensor
+parallel) enters as its local shard, tagged with its global shape, placements and mesh shape: the fingerprint issues
+no collective, and ranks holding the same shard of the same layout (replicas along a replicated mesh dimension) get
+equal fingerprints.
 
 **Exchange** (:func:`all_gather_bytes`): every rank's bytes to every rank, over a process group, as two small
 collectives: the sizes (``int64[1]`` each), then the payloads padded to the largest (``uint8``). Through the mover
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from worker.backend import inner_kind
+from worker.transfer import dtensor_layout, is_dtensor, local_shard
 
 SAMPLE = 64  # at most this many elements of each tensor enter the fingerprint
 FINGERPRINT_BYTES = 32
@@ -87,6 +91,10 @@ def fingerprint(replicated: dict[str, Any], optimizers: Iterable[torch.optim.Opt
     samples = []
     for path, value in leaves:
         if isinstance(value, torch.Tensor):
+            if is_dtensor(value):  # its local shard only: never a DTensor op (they may communicate)
+                shape, placements, mesh = dtensor_layout(value)
+                value = local_shard(value)
+                path = f"{path}:DT{shape}{placements}{mesh}"
             t = value.detach().reshape(-1)
             h.update(f"{path}:{t.dtype}:{tuple(value.shape)};".encode())
             if t.numel():

@@ -28,10 +28,15 @@ behind) gets, with the replicated state from its sender, *its own* rank state fr
 survivors that committed keep their own. During a joiner's shadow iterations the exchange is replayed like any
 collective.
 
-**Fingerprint check.** The same exchange carries a fingerprint of the replicated state (worker.rank_state).
-After a migration or recovery, at the first step after it, every rank compares all ranks' fingerprints (every rank
-is a data-parallel replica of the world group); a mismatch fails the job (``RankFailed(STATE_MISMATCH)``, exit
-``FAILED``). Only then is a fingerprint computed (~10 ms on the demo GPT); ``VERIFY_EVERY_STEP`` compares at every step.
+**Replica classes and the fingerprint check.** The same exchange carries a fingerprint of the replicated state
+(worker.rank_state; a DTensor's local shard). At the job's first step every rank sends one, and the ranks whose
+fingerprints are equal form a *replica class*: ranks holding bit-identical state (every rank under DDP; the same
+shard coordinate along HSDP's replicate dimension; a pipeline stage's data-parallel copies). Each rank reports its
+class to tmd (``ReplicaReport``), which recovers a lost rank only from a survivor of its class. A joiner learns the
+classes from its recording of that step. After a migration or recovery, at the first step after it, every rank
+compares its fingerprint with its class's; a mismatch fails the job (``RankFailed(STATE_MISMATCH)``, exit
+``FAILED``). Only then is a fingerprint computed (~10 ms on the demo GPT); ``VERIFY_EVERY_STEP`` compares at every
+step.
 
 The step ledger (which managed optimizers stepped, the last committed step, the RNG at the start of the
 attempt, the exchanged rank states) is the training thread's own; what the agent thread delivers (halt, plan) is read from
@@ -39,7 +44,10 @@ attempt, the exchanged rank states) is the training thread's own; what the agent
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import struct
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -49,6 +57,7 @@ import torch
 from tmd import protocol as p
 from worker import backend as mb
 from worker import rank_state, transfer
+from worker.snapshot import Snapshots, round_id
 from worker.control import Attempt, Control, Stage
 from worker.exit import exit_process
 from worker.reports import Reporter
@@ -60,6 +69,20 @@ RECOVERY_TIMEOUT_S = 600.0  # a halted rank that hears nothing from tmd this lon
 # a fingerprint costs ~10 ms on the demo GPT (~3 % of its step on this machine).
 VERIFY_EVERY_STEP = False
 NO_FINGERPRINT = bytes(32)  # sent in place of a fingerprint by a rank that does not verify this step
+
+
+def pack(fingerprint: bytes, meta: dict, state: bytes) -> bytes:
+    """One rank's part of the per-step exchange: its fingerprint (32 bytes), a small JSON ``meta`` (node, nonce,
+    snapshot agreement) prefixed by its length (4 bytes, big-endian), then its rank state."""
+    encoded = json.dumps(meta, separators=(",", ":")).encode()
+    return fingerprint + struct.pack(">I", len(encoded)) + encoded + state
+
+
+def unpack(blob: bytes) -> tuple[bytes, dict, bytes]:
+    """(fingerprint, meta, rank state) of a :func:`pack` blob."""
+    at = rank_state.FINGERPRINT_BYTES
+    (n,) = struct.unpack(">I", blob[at:at + 4])
+    return blob[:at], json.loads(blob[at + 4:at + 4 + n]), blob[at + 4 + n:]
 
 
 class StepAborted(RuntimeError):
@@ -86,6 +109,12 @@ class Recovery:
         self.exchanged: Optional[tuple[int, list[bytes]]] = None  # (step, every rank's state) of this attempt
         self.kept: Optional[tuple[int, list[bytes]]] = None  # the same, of the latest committed step
         self.verify_next = False  # compare the replicas' fingerprints at the next exchange
+        # rank -> the ranks whose replicated state is bit-identical to it (its replica class), learned at the first
+        # exchange where every rank sent a fingerprint (the job's first step); None until then
+        self.classes: Optional[dict[int, list[int]]] = None
+        self.node = ""  # this process's node name (published in the exchange: snapshot pairing)
+        self.snapshots: Optional[Snapshots] = None  # buddy snapshots (Session.attach_snapshots), off if None
+        self._snapshot_round: Optional[tuple[int, str]] = None  # (step, round id): taken as the next step starts
         self.optimizers: list[torch.optim.Optimizer] = []
         self.stepped: set[int] = set()  # ids of the managed optimizers that stepped in this attempt
         self.committed_step = -1  # last step whose optimizer update this process applied
@@ -127,37 +156,80 @@ class Recovery:
                 self.kept = self.exchanged
 
     def _exchange(self) -> None:
-        """All-gather every rank's fingerprint (32 bytes) + rank state; compare the fingerprints if due."""
+        """All-gather every rank's fingerprint (32 bytes), meta and rank state; learn the replica classes from the
+        first exchange with every fingerprint; compare the fingerprints within each class if due; agree on buddy
+        snapshots (worker.snapshot)."""
         step = self.control.step
         # Replayed in shadow iterations: the recorded fingerprints are the leaver's peers', nothing to compare.
-        verifying = (self.verify_next or VERIFY_EVERY_STEP) and self.control.stage != Stage.SHADOW \
-            and self.control.role == p.WorkerRole.ACTIVE
+        verifying = (self.verify_next or VERIFY_EVERY_STEP or self.classes is None) \
+            and self.control.stage != Stage.SHADOW and self.control.role == p.WorkerRole.ACTIVE
         fp = rank_state.fingerprint(self.replicated, self.optimizers) if verifying else NO_FINGERPRINT
-        gathered = rank_state.all_gather_bytes(fp + rank_state.serialize(self.local))
+        snaps = self.snapshots
+        meta = {"node": self.node, "nonce": os.urandom(8).hex(),
+                "held": snaps.held() if snaps else [], "want": bool(snaps and snaps.want)}
+        gathered = rank_state.all_gather_bytes(pack(fp, meta, rank_state.serialize(self.local)))
         if self.failure() is not None:
             return  # outputs untouched by a failed collective: keep nothing
         self.exchanged = (step, gathered)
+        parts = [unpack(g) for g in gathered]
+        prints = {r: part[0] for r, part in enumerate(parts)}
+        if self.classes is None and NO_FINGERPRINT not in prints.values():
+            self._learn_classes(prints, {r: part[1]["node"] for r, part in enumerate(parts)})
         if verifying:
             self.verify_next = False
-            prints = {r: g[:rank_state.FINGERPRINT_BYTES] for r, g in enumerate(gathered)}
-            prints = {r: f for r, f in prints.items() if f != NO_FINGERPRINT}  # ranks not verifying this step
-            mine = prints[self.control.rank]
-            if len(set(prints.values())) > 1:
-                agree = [r for r, f in prints.items() if f == mine]
-                other = [r for r, f in prints.items() if f != mine]
-                self.fail(p.FailureKind.STATE_MISMATCH,
-                          f"managed state differs between data-parallel replicas at step {step}: ranks "
-                          f"{agree} agree with rank {self.control.rank}, ranks {other} differ")
+            self._verify(step, {r: f for r, f in prints.items() if f != NO_FINGERPRINT})  # others: not due
+        self._snapshot_round = None
+        if snaps is not None and snaps.enabled and self.control.stage != Stage.SHADOW:
+            metas = [part[1] for part in parts]
+            snaps.prune([m["held"] for m in metas])
+            if snaps.due(step, [m["want"] for m in metas]):
+                self._snapshot_round = (step, round_id([m["nonce"] for m in metas]))
+
+    def _learn_classes(self, prints: dict[int, bytes], node_of: dict[int, str]) -> None:
+        """Replica classes from every rank's fingerprint (a joiner learns them from its recording), and whether
+        buddy snapshots are on (from the classes and every rank's node); an active rank reports its own class
+        to tmd (``ReplicaReport``)."""
+        by_print: dict[bytes, list[int]] = {}
+        for r, f in sorted(prints.items()):
+            by_print.setdefault(f, []).append(r)
+        self.classes = {r: by_print[f] for r, f in prints.items()}
+        if self.snapshots is not None:
+            self.snapshots.configure(node_of, self.classes)
+        if self.control.stage != Stage.SHADOW and self.control.role == p.WorkerRole.ACTIVE:
+            self.reports.replicas(self.classes[self.control.rank])
+
+    def _verify(self, step: int, prints: dict[int, bytes]) -> None:
+        """Fail the job (STATE_MISMATCH) when this rank's fingerprint differs from another verifying rank of its
+        replica class (every rank is one class while the classes are unknown)."""
+        rank = self.control.rank
+        mine = prints[rank]
+        peers = self.classes.get(rank, list(prints)) if self.classes else list(prints)
+        other = [r for r in peers if r in prints and prints[r] != mine]
+        if other:
+            agree = [r for r in peers if r in prints and prints[r] == mine]
+            self.fail(p.FailureKind.STATE_MISMATCH,
+                      f"managed state differs between data-parallel replicas at step {step}: ranks "
+                      f"{agree} agree with rank {rank}, ranks {other} differ")
+
+    def snapshot_states(self) -> dict[str, Any]:
+        """Host copies of the replicated state now (what a snapshot holds)."""
+        from worker.snapshot import copy_state
+        return {name: copy_state(obj.state_dict()) for name, obj in self.replicated.items()}
 
     def own_state(self, rank: int, step: int) -> Optional[bytes]:
         """Rank ``rank``'s state (worker.rank_state bytes) at the start of step ``step + 1``, from the copy kept
         at committed step ``step``; None when no such copy is kept (no managed optimizer, or another step)."""
         if self.kept is None or self.kept[0] != step or not 0 <= rank < len(self.kept[1]):
             return None
-        return self.kept[1][rank][rank_state.FINGERPRINT_BYTES:]
+        return unpack(self.kept[1][rank])[2]
 
     def begin_step(self) -> None:
-        """A step attempt starts: no optimizer stepped yet; remember the RNG to redo it with."""
+        """A step attempt starts: take the buddy snapshot due at the step just committed (here, not after the
+        optimizer: what steps after it, an LR scheduler, belongs to the state step + 1 starts from); no optimizer
+        stepped yet; remember the RNG to redo it with."""
+        due, self._snapshot_round = self._snapshot_round, None
+        if due is not None and due[0] == self.committed_step and self.kept is not None and self.kept[0] == due[0]:
+            self.snapshots.take(due[0], self.replicated, self.own_state(self.control.rank, due[0]), due[1])
         self.stepped.clear()
         self.exchanged = None
         self.rng_snapshot = torch.get_rng_state()
@@ -181,7 +253,8 @@ class Recovery:
         while True:
             self._wait(lambda: self.control.halt is not None, "a halt")
             halt = self.control.halt
-            self.reports.report(halt.incident_id, p.RecoveryPhase.HALTED, step=committed)
+            self.reports.report(halt.incident_id, p.RecoveryPhase.HALTED, step=committed,
+                                snapshots=self.snapshots.held() if self.snapshots else ())
             self._wait(lambda: self.control.halt is not halt or (
                 self.control.plan is not None and self.control.plan.incident_id == halt.incident_id),
                 "a recovery plan")
@@ -240,15 +313,30 @@ class Recovery:
         nothing it received is loaded. Returns the step to resume at. Raises _Superseded or the helper's error."""
         rank = self.control.rank
         incident = plan.incident_id
+        rollback = plan.rollback_step >= 0
         receive_from = next((s for s, d in plan.sends if d == rank), None)
         send_to = sorted(d for s, d in plan.sends if s == rank)
-        if receive_from is None and committed != plan.resume_step - 1:
+        if rollback and committed is not None and receive_from is None:
+            if self.snapshots is None or plan.rollback_step not in self.snapshots.held():
+                raise RuntimeError(f"plan rolls back to step {plan.rollback_step}, but this rank holds no "
+                                   "complete snapshot of it")
+        elif receive_from is None and committed != plan.resume_step - 1:
             raise RuntimeError(f"plan resumes at step {plan.resume_step}, but this rank committed {committed} "
                                "and is sent no state")
         result: dict[str, Any] = {}
         groups = self.control.groups
         timeout_s, host = groups.timeout_s, groups.host
         attempt = Attempt(self.control.halt, plan)
+
+        def payload(dst: int) -> tuple[dict[str, Any], dict]:
+            """What this rank sends ``dst``: its live replicated state and the copy it kept of ``dst``'s rank
+            state, or (rolling back) the snapshot it keeps of ``dst``."""
+            if rollback:
+                snap = self.snapshots.kept_copy(plan.rollback_step)  # KeyError: not held (tmd checked it is)
+                return self.snapshots.frozen(snap), {"step": plan.resume_step, "rng": None,
+                                                     "rank_state": snap.rank_state}
+            return self.replicated, {"step": plan.resume_step, "rng": rng_next,
+                                     "rank_state": self.own_state(dst, plan.resume_step - 1)}
 
         def work() -> None:
             started = time.perf_counter()
@@ -261,9 +349,8 @@ class Recovery:
                 moved = 0  # bytes received here (senders do not count them twice)
                 for dst in send_to:
                     pg = mb.build_inner(store, p.layout.recovery_prefix(plan.generation, dst), 0, 2, timeout_s, host)
-                    transfer.send_state(pg, self.replicated, {
-                        "step": plan.resume_step, "rng": rng_next,
-                        "rank_state": self.own_state(dst, plan.resume_step - 1)})
+                    objects, extra = payload(dst)
+                    transfer.send_state(pg, objects, extra)
                     mb.release_in_background(pg)
                     pg = None
                 if receive_from is not None:
@@ -299,12 +386,25 @@ class Recovery:
             if extra.get("rank_state") is not None:
                 rank_state.restore(rank_state.deserialize(extra["rank_state"]), self.local)
                 rng_next = None
+            if rollback and self.snapshots is not None:  # hold what came as this rank's snapshot of that step
+                from worker.snapshot import Snapshot
+                self.snapshots.adopt(Snapshot(plan.rollback_step, self.snapshot_states(), extra["rank_state"]))
+        elif rollback:
+            own = self.snapshots.own_copy(plan.rollback_step)
+            transfer.load_state(self.replicated, own.states)
+            rank_state.restore(rank_state.deserialize(own.rank_state), self.local)
+            rng_next = None
+        if rollback:
+            self.kept = self.exchanged = None  # rank-state copies of steps that are redone
+        self._snapshot_round = None  # a round of the interrupted step: the ranks resume with a fresh one (want)
         groups.install(result["built"])
         if rng_next is not None:
             torch.set_rng_state(rng_next)
         self.control.recovered(attempt)
         self.committed_step = plan.resume_step - 1
         self.verify_next = True
+        if self.snapshots is not None:
+            self.snapshots.want = True  # a fresh round once the job trains again (the lost node's copies are gone)
         self.reports.report(incident, p.RecoveryPhase.RECOVERED, step=plan.resume_step - 1,
                             bytes_moved=result["moved"], seconds=result["seconds"])
         print(f"[worker] rank {rank} recovered from incident {incident}: resuming at step "

@@ -32,14 +32,15 @@ class Reporter:
 
     def report(self, episode_id: int, phase: Phase, *, ok: bool = True, error: Union[str, BaseException] = "",
                step: int = -1, bytes_moved: int = 0, seconds: float = 0.0,
-               groups: Optional[Sequence[str]] = None) -> None:
+               groups: Optional[Sequence[str]] = None, snapshots: Sequence[int] = ()) -> None:
         """Report ``phase`` of migration or incident ``episode_id`` (0: no incident known yet).
 
         ``ok`` false: the phase failed and ``error`` (a string or the exception) says why. ``step``: for a
         migration phase, the step the rank is on (``armed``) or the switch step (``committed``); for a recovery
         phase, the last step whose update this rank committed (-1: none or unknown). ``bytes_moved`` (bytes) and
         ``seconds`` measure a transfer or a wait; ``groups`` (migration ``prepared`` only) names the groups this
-        rank rebuilt. Raises TypeError for a phase of neither kind and ValueError for ``groups`` on a recovery
+        rank rebuilt; ``snapshots`` (recovery ``halted`` only) the steps of the complete snapshots this rank
+        holds (worker.snapshot). Raises TypeError for a phase of neither kind and ValueError for ``groups`` on a recovery
         phase."""
         if isinstance(phase, p.MigrationPhase):
             self.send(p.PhaseDone(migration_id=episode_id, rank=self.rank(), phase=phase, ok=ok,
@@ -50,7 +51,7 @@ class Reporter:
                 raise ValueError("a recovery report carries no groups")
             self.send(p.RecoveryReport(incident_id=episode_id, rank=self.rank(), phase=phase, ok=ok,
                                        error=describe_error(error), committed_step=step, bytes_moved=bytes_moved,
-                                       seconds=seconds))
+                                       seconds=seconds, snapshots=list(snapshots)))
         else:
             raise TypeError(f"not a migration or recovery phase: {phase!r}")
 
@@ -70,6 +71,10 @@ class Reporter:
     def warning(self, code: p.WarningCode, message: str) -> None:
         """Misuse found at start (``RankWarning``)."""
         self.send(p.RankWarning(rank=self.rank(), code=code, message=message))
+
+    def replicas(self, ranks: list[int]) -> None:
+        """Tell tmd which ranks hold a bit-identical copy of this rank's replicated state (its class)."""
+        self.send(p.ReplicaReport(rank=self.rank(), replicas=list(ranks)))
 
     def done(self, final_step: int, left: bool) -> None:
         """The training loop ended after ``final_step`` (``left``: as a leaver that handed over)."""

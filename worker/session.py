@@ -43,6 +43,7 @@ from worker.groups import GroupManager
 from worker.migration import DECISION_TIMEOUT_S, LeaverExit, Migration
 from worker.recovery import RECOVERY_TIMEOUT_S, Recovery, StepAborted
 from worker.reports import Reporter
+from worker.snapshot import Snapshots
 
 __all__ = ["init", "Session", "StepAborted", "LeaverExit", "DECISION_TIMEOUT_S", "RECOVERY_TIMEOUT_S"]
 
@@ -78,7 +79,6 @@ class Session:
         self._assign: Optional[p.Assign] = None
         self._groups: Optional[GroupManager] = None
         self._record_writer: Optional[threading.Thread] = None
-        self._group_names: list[str] = []
         self._recovery = Recovery(control, reports, self._fail)
         self._failure_reported = False
         self._misuse_checked = False
@@ -120,6 +120,8 @@ class Session:
                               timeout=datetime.timedelta(seconds=timeout_s))
         groups = self._groups = GroupManager(store, a.rank, a.world_size, backend.gloo_host(a.store_host))
         self._control.attach(groups)
+        self._recovery.node = self.node
+        self._recovery.snapshots = Snapshots(a.snapshot_every, a.rank, groups)
         if a.role == p.WorkerRole.ACTIVE:
             groups.init_world(a.generation, p.MoverMode.RECORD if a.record_steps > 0 else p.MoverMode.LIVE,
                               connect=True)
@@ -127,26 +129,23 @@ class Session:
         else:
             groups.init_world(a.generation, p.MoverMode.REPLAY, connect=False)
             sandbox.start_replay(groups.world, a.record_dir, a.rank, p.layout.WORLD_GROUP)
+            groups.replay_dir = a.record_dir  # the script's own groups replay too (GroupManager.create_group)
             self._migration.migration_id = a.migration_id
 
     def new_group(self, ranks: list[int]) -> Optional[dist.ProcessGroup]:
-        """A subgroup over global ``ranks`` (e.g. a node's tensor-parallel ranks), backed by a mover like the
-        world group, so migrations rebuild it when it contains a leaver and leave it alone otherwise. Every
-        process must call this in the same order before the training loop (as with ``dist.new_group``).
-        Returns the ProcessGroup on members and None elsewhere. Raises ValueError for duplicate or out-of-range
-        ranks; on a joiner, FileNotFoundError when the group's recording does not appear within 60 s."""
-        a = self._assign
-        groups = self._groups
-        name = f"group{len(self._group_names)}"
-        self._group_names.append(name)
-        joiner = self.role == p.WorkerRole.JOINER
-        mode = p.MoverMode.REPLAY if joiner else p.MoverMode(groups.world.mode)  # record while the world records
-        pg = groups.new_group(name, ranks, a.generation, mode, connect=not joiner)
-        if joiner and pg is not None:
-            sandbox.start_replay(groups.groups[name].mover, a.record_dir, self.rank, name)
-        elif pg is not None:
-            groups.groups[name].mover.tolerant = True
-        return pg
+        """``dist.new_group(ranks)``, returning None on non-members. Every group the script creates after
+        :func:`init` (``dist.new_group``, ``new_subgroups``, ``init_device_mesh``, and so FSDP2, tensor parallel,
+        pipelining) is backed by a mover like the world group: migrations rebuild it when it contains a
+        leaver and leave it alone otherwise, recoveries rebuild it, and a joiner replays its collectives (point
+        to point receives included) in the sandbox. Every process creates groups in the same order (torch's own
+        rule), before the job has recorded its first ``record_steps`` steps (a joiner replays a group from
+        that recording). Raises ValueError for duplicate or out-of-range ranks; on a joiner,
+        FileNotFoundError when the group's recording does not appear within 60 s."""
+        ranks = list(ranks)
+        if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise ValueError(f"bad ranks for a process group: {ranks} (world size {self.world_size})")
+        pg = dist.new_group(ranks)
+        return pg if self.rank in ranks else None
 
     def manage(self, rank_local: bool = False, **objects: Any) -> None:
         """Hand over the state that moves with this rank: objects with ``state_dict()``/``load_state_dict()``
@@ -262,6 +261,7 @@ class Session:
             if a.incident_id == 0:
                 joined = self._migration.join()
                 step = joined if joined is not None else recovery.replace(0)  # None: its leaver died
+                recovery.snapshots.want = True  # the leaver's snapshots left with it: a fresh round
             else:
                 self._migration.drop_buffers()
                 step = recovery.replace(a.incident_id)

@@ -8,6 +8,16 @@ Wire layout over a 2-rank process group (sender = rank 0, receiver = rank 1; glo
    "dtype", "device", "numel", "crc32", "shapes"}]}``;
 3. one flat buffer per (object, dtype, device): the tensors of that object and dtype, concatenated.
 
+**Sharded state.** A DTensor (FSDP2 and tensor-parallel parameters, their optimizer state) travels as its local
+shard only: the sender takes ``to_local()`` (no collective) and its skeleton entry is ``{"s": {"r": [buffer,
+index], "shape": global shape, "placements": ["S(0)", "R", ...] (``str`` of each placement), "mesh": mesh
+shape}}``; the receiver hands it back as a :class:`ReceivedShard`. :func:`load_state` wraps each received shard
+into a DTensor on the joiner's own mesh and placements (those of the DTensor the joiner holds at the same key, or
+for optimizer state not created yet, those of the parameter it belongs to) with ``DTensor.from_local``, after
+checking that global shape, placements, mesh shape and local shape all match. Nothing in send, receive or load
+issues a collective: the 2-rank transfer group is the only thing that talks, so the leaver and joiner move state
+while the other ranks wait at their switch step.
+
 A value is encoded by :func:`encode` (a small tagged encoding that round-trips exactly what state_dicts and the
 callers' ``extra`` hold: None, bool, int, float with inf/nan, str, bytes, dict / OrderedDict with any such keys,
 list, tuple, tensors) and nothing else. A tensor of a managed object is a reference into a flat buffer; a tensor
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -42,6 +53,11 @@ import torch
 
 from tmd.protocol.keys import JobKeys
 from worker import job_keys
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed support: no DTensors exist
+    DTensor = None
 
 FORMAT = 1  # the header's format version
 MAC_BYTES = 32  # HMAC-SHA256
@@ -58,6 +74,8 @@ DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in _DTYPE_
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,4})?")
 _BUFFER_FIELDS = {"key", "dtype", "device", "numel", "crc32", "shapes"}
 _HEADER_FIELDS = {"format", "skeleton", "extra", "buffers"}
+_SHARD_FIELDS = {"r", "shape", "placements", "mesh"}
+MAX_PLACEMENT_CHARS = 64  # bound of one placement's name in a shard entry (``_S(0, 2)`` is 8)
 
 
 class TransferRefused(RuntimeError):
@@ -67,6 +85,42 @@ class TransferRefused(RuntimeError):
 
 class ChecksumError(TransferRefused):
     """A received buffer's CRC32 differs from the sender's: the state is refused."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceivedShard:
+    """The local shard of a DTensor as received: ``local`` (a plain tensor of the sender's local shape), the
+    DTensor's global ``shape``, its ``placements`` (``str`` of each: ``S(0)``, ``R``, ``P(sum)``, ``_S(0, 2)``)
+    and its ``mesh`` shape. :func:`load_state` turns it back into a DTensor on the joiner's own mesh."""
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    placements: tuple[str, ...]
+    mesh: tuple[int, ...]
+
+    def describe(self) -> str:
+        """``global [16, 8] as ['S(0)'] on mesh [4], local [4, 8]``"""
+        return _describe(self.shape, self.placements, self.mesh, self.local.shape)
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (``torch.distributed.tensor.DTensor``)."""
+    return DTensor is not None and isinstance(value, DTensor)
+
+
+def dtensor_layout(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]:
+    """A DTensor's (global shape, placements as ``str`` each, mesh shape): what its local shard alone does not
+    say. Issues no collective."""
+    return tuple(t.shape), tuple(str(p) for p in t.placements), tuple(t.device_mesh.shape)
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, detached (``to_local()``: no collective, whatever the placements)."""
+    with torch.no_grad():
+        return t.to_local().detach()
+
+
+def _describe(shape, placements, mesh, local_shape) -> str:
+    return f"global {list(shape)} as {list(placements)} on mesh {list(mesh)}, local {list(local_shape)}"
 
 
 def crc32(t: torch.Tensor) -> int:
@@ -106,7 +160,7 @@ def encode(value: Any, tensor: Callable[[torch.Tensor], Any], depth: int = 0) ->
         return value
     if kind is float:
         return value if math.isfinite(value) else {"f": struct.pack(">d", value).hex()}
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) or kind is ReceivedShard:  # a received shard is sent on as it came
         return tensor(value)
     if kind is bytes:
         return {"b": base64.b64encode(value).decode("ascii")}
@@ -182,7 +236,10 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def _inline(t: torch.Tensor) -> dict:
-    """A tensor of ``extra`` (the RNG state: a few kB) carried inside the header."""
+    """A tensor of ``extra`` (the RNG state: a few kB) carried inside the header. Raises TypeError for a DTensor
+    (sharded state belongs in a managed object)."""
+    if is_dtensor(t):
+        raise TypeError("a DTensor cannot be sent in a transfer's extra values (manage its object instead)")
     data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return {"T": {"dtype": dtype_name(t.dtype), "device": _device_name(t.device), "shape": list(t.shape),
                   "data": base64.b64encode(data).decode("ascii")}}
@@ -230,14 +287,22 @@ def _check_shape(shape: Any) -> list[int]:
 
 # --- layout -----------------------------------------------------------------------------------------------------
 def _layout(objects: dict[str, Any]) -> tuple[dict, list[tuple[str, str, str]], list[list[torch.Tensor]]]:
-    """The encoded skeleton of ``objects``' state_dicts (tensors as ``{"r": [buffer, index]}``), the flat buffers'
-    (object name, dtype name, device) in order, and each buffer's tensors."""
+    """The encoded skeleton of ``objects``' state_dicts (tensors as ``{"r": [buffer, index]}``, DTensors as their
+    local shard's reference with their layout, ``{"s": {"r", "shape", "placements", "mesh"}}``), the flat
+    buffers' (object name, dtype name, device) in order, and each buffer's tensors (local shards for DTensors)."""
     groups: dict[tuple[str, str, str], int] = {}
     order: list[tuple[str, str, str]] = []
     tensors: list[list[torch.Tensor]] = []
     skeleton = {}
     for name, obj in objects.items():
         def ref(t: torch.Tensor, name: str = name) -> dict:
+            layout = None
+            if is_dtensor(t):
+                layout = dtensor_layout(t)
+                t = local_shard(t)
+            elif isinstance(t, ReceivedShard):  # a buddy snapshot's shard, kept as received (worker.snapshot)
+                layout = (t.shape, t.placements, t.mesh)
+                t = t.local
             gkey = (name, dtype_name(t.dtype), _device_name(t.device))
             if gkey not in groups:
                 groups[gkey] = len(order)
@@ -245,7 +310,11 @@ def _layout(objects: dict[str, Any]) -> tuple[dict, list[tuple[str, str, str]], 
                 tensors.append([])
             g = groups[gkey]
             tensors[g].append(t.detach())
-            return {"r": [g, len(tensors[g]) - 1]}
+            r = [g, len(tensors[g]) - 1]
+            if layout is None:
+                return {"r": r}
+            shape, placements, mesh = layout
+            return {"s": {"r": r, "shape": list(shape), "placements": list(placements), "mesh": list(mesh)}}
 
         skeleton[name] = encode(obj.state_dict(), ref)
     return skeleton, order, tensors
@@ -357,9 +426,11 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
                keys: Optional[JobKeys] = None) -> tuple[dict, dict, int, float]:
     """Receive what :func:`send_state` sent. ``buffers``: pre-touched receive buffers (used where dtype and size
     match). ``keys``: the job's keys (default: env ``TM_KEYS``, see worker.job_keys). Returns (states by object
-    name, extra, bytes_moved, seconds). Raises TransferRefused for a header that is not authenticated, malformed
-    or out of bounds, ChecksumError (a TransferRefused) on a corrupt buffer, KeysUnavailable when ``TM_KEYS``
-    cannot be read, RuntimeError if the peer dies mid-transfer; nothing is loaded anywhere in any case."""
+    name, extra, bytes_moved, seconds); a sender's DTensor is a :class:`ReceivedShard` in the states (load them
+    with :func:`load_state`, which makes DTensors of them again). Raises TransferRefused for a header that is not
+    authenticated, malformed or out of bounds, ChecksumError (a TransferRefused) on a corrupt buffer,
+    KeysUnavailable when ``TM_KEYS`` cannot be read, RuntimeError if the peer dies mid-transfer; nothing is loaded
+    anywhere in any case."""
     keys = _mac_key(keys)
     wire = _wire_device(pg)
     length = torch.zeros(1, dtype=torch.int64, device=wire)
@@ -383,10 +454,10 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
     for i, b in enumerate(header["buffers"]):
         # the sender's cuda:<i> is this process's own CUDA device; CPU state stays on the CPU
         device = torch.device("cpu") if b["device"] == "cpu" else wire
-        flat = next((t for t in pool if t.dtype == b["dtype"] and t.numel() == b["numel"]
-                     and t.device == device), None)
-        if flat is not None:
-            pool.remove(flat)
+        at = next((j for j, t in enumerate(pool) if t.dtype == b["dtype"] and t.numel() == b["numel"]
+                   and t.device == device), None)
+        if at is not None:
+            flat = pool.pop(at)  # by position: list.remove would compare tensors elementwise
         else:
             flat = torch.empty(b["numel"], dtype=b["dtype"], device=device)
         pg.recv([flat], src, 2 + i).wait()
@@ -406,17 +477,35 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
             offset += count
         views.append(parts)
 
-    def ref(tag: str, payload: Any) -> torch.Tensor:
+    def ref(tag: str, payload: Any) -> Any:
         buffer, index = _reference(tag, payload, shapes)
-        return views[buffer][index]
+        if tag == "r":
+            return views[buffer][index]
+        return ReceivedShard(views[buffer][index], tuple(payload["shape"]), tuple(payload["placements"]),
+                             tuple(payload["mesh"]))
 
     states = {name: decode(node, ref) for name, node in header["skeleton"].items()}
     return states, extra, moved, time.perf_counter() - start
 
 
 def _reference(tag: str, payload: Any, shapes: list[list]) -> tuple[int, int]:
-    """The (buffer, index) a skeleton's tensor reference ``{"r": [buffer, index]}`` names, checked against the
-    header's ``shapes`` (per buffer). Raises TransferRefused."""
+    """The (buffer, index) a skeleton's tensor reference names, checked against the header's ``shapes`` (per
+    buffer): ``{"r": [buffer, index]}``, or a shard's ``{"s": {"r": [buffer, index], "shape", "placements",
+    "mesh"}}`` (its global shape of the local shape's rank, never smaller than the local one). Raises
+    TransferRefused."""
+    if tag == "s":
+        if type(payload) is not dict or set(payload) != _SHARD_FIELDS:
+            raise TransferRefused(f"bad shard reference {_short({tag: payload})} in state header")
+        buffer, index = _reference("r", payload["r"], shapes)
+        shape, mesh = _check_shape(payload["shape"]), _check_shape(payload["mesh"])
+        placements = payload["placements"]
+        if type(placements) is not list or len(placements) != len(mesh) \
+                or not all(type(p) is str and 0 < len(p) <= MAX_PLACEMENT_CHARS for p in placements):
+            raise TransferRefused(f"bad shard placements {_short(placements)} in state header")
+        local = shapes[buffer][index]
+        if len(local) != len(shape) or any(n > g for n, g in zip(local, shape)):
+            raise TransferRefused(f"shard of local shape {local} does not fit its global shape {shape}")
+        return buffer, index
     if tag != "r" or type(payload) is not list or len(payload) != 2 \
             or not all(type(i) is int and i >= 0 for i in payload) \
             or payload[0] >= len(shapes) or payload[1] >= len(shapes[payload[0]]):
@@ -425,8 +514,102 @@ def _reference(tag: str, payload: Any, shapes: list[list]) -> tuple[int, int]:
 
 
 def load_state(objects: dict[str, Any], states: dict[str, Any]) -> None:
-    """Load received states into the managed objects. Raises KeyError if the sets of objects differ."""
+    """Load received states (:func:`recv_state`) into the managed objects: every :class:`ReceivedShard` becomes a
+    DTensor on this rank's own mesh and placements first (see :func:`place_shards`), then each object's
+    ``load_state_dict``. Everything is checked before the first object is loaded: raises KeyError if the sets of
+    objects differ or a module's state_dict keys differ, TransferRefused (naming the object and key) where a
+    shard does not match this rank's DTensor or an optimizer's parameter groups differ; nothing is loaded then.
+    Issues no collective."""
     if set(objects) != set(states):
         raise KeyError(f"managed objects differ: local {sorted(objects)}, received {sorted(states)}")
+    placed = {name: place_shards(name, obj, states[name]) for name, obj in objects.items()}
     for name, obj in objects.items():
-        obj.load_state_dict(states[name])
+        obj.load_state_dict(placed[name])
+
+
+def place_shards(name: str, obj: Any, state: Any) -> Any:
+    """``state`` (received for the managed object ``name``) with every :class:`ReceivedShard` wrapped into a DTensor
+    like the one ``obj`` holds at the same key (``DTensor.from_local`` with this rank's mesh, placements, global
+    shape and stride; the local shard is moved to that DTensor's device if it arrived elsewhere). An optimizer's
+    state not created yet on this rank takes the layout of the parameter it belongs to. Also checks a module's
+    state_dict keys and an optimizer's parameter groups against ``obj``'s own. Raises KeyError / TransferRefused
+    (see :func:`load_state`); issues no collective and changes nothing in ``obj``."""
+    own = obj.state_dict()
+    params: list = []
+    if isinstance(obj, torch.nn.Module) and isinstance(state, dict):
+        missing, unexpected = set(own) - set(state), set(state) - set(own)
+        if missing or unexpected:
+            raise KeyError(f"{name}: state_dict keys differ between leaver and joiner: only the leaver's has "
+                           f"{_keys(unexpected)}, only the joiner's has {_keys(missing)}")
+    if isinstance(obj, torch.optim.Optimizer) and isinstance(state, dict):
+        groups = state.get("param_groups")
+        sizes = [len(g["params"]) for g in obj.param_groups]
+        theirs = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups] \
+            if isinstance(groups, list) else None
+        if theirs != sizes:
+            raise TransferRefused(f"{name}: optimizer parameter groups differ between leaver (sizes {theirs}) and "
+                                  f"joiner (sizes {sizes})")
+        params = [p for g in obj.param_groups for p in g["params"]]
+    return _place(state, own, (), name, params)
+
+
+def _keys(keys: set) -> str:
+    shown = sorted(map(str, keys))
+    return "[" + ", ".join(shown[:5]) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "") + "]"
+
+
+def _place(node: Any, own: Any, path: tuple, name: str, params: list) -> Any:
+    if isinstance(node, ReceivedShard):
+        return _wrap(node, _template(own, path, params), path, name)
+    if is_dtensor(node):  # a DTensor of this rank's own (its snapshot, worker.snapshot): checked like a shard
+        shape, placements, mesh = dtensor_layout(node)
+        return _wrap(ReceivedShard(local_shard(node), shape, placements, mesh), _template(own, path, params),
+                     path, name)
+    if isinstance(node, torch.Tensor):
+        if is_dtensor(own):
+            mine = _describe(*dtensor_layout(own), local_shard(own).shape)
+            raise TransferRefused(f"{name}: {_path(path)} arrived as a plain tensor of shape {list(node.shape)}, "
+                                  f"this rank holds a DTensor ({mine}); state refused")
+        return node
+    if isinstance(node, dict):
+        out = type(node)() if type(node) in (dict, collections.OrderedDict) else {}
+        for k, v in node.items():
+            out[k] = _place(v, own.get(k) if isinstance(own, dict) else None, path + (k,), name, params)
+        metadata = getattr(node, "_metadata", None)
+        if metadata is not None:
+            out._metadata = metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(node, (list, tuple)):
+        items = [_place(v, own[i] if isinstance(own, (list, tuple)) and i < len(own) else None, path + (i,), name,
+                        params) for i, v in enumerate(node)]
+        return items if isinstance(node, list) else tuple(items)
+    return node
+
+
+def _template(own: Any, path: tuple, params: list) -> Any:
+    """The DTensor whose mesh and placements a received shard at ``path`` takes: this rank's own value there, or
+    for an optimizer's ``state/<index>/<key>`` the parameter ``index``; None when there is none."""
+    if is_dtensor(own):
+        return own
+    if params and len(path) == 3 and path[0] == "state" and type(path[1]) is int and 0 <= path[1] < len(params) \
+            and is_dtensor(params[path[1]]):
+        return params[path[1]]
+    return None
+
+
+def _wrap(shard: ReceivedShard, template: Any, path: tuple, name: str) -> torch.Tensor:
+    if template is None:
+        raise TransferRefused(f"{name}: {_path(path)} arrived as a DTensor shard ({shard.describe()}) but this rank "
+                              "holds no DTensor there to take its mesh and placements from")
+    mine = local_shard(template)
+    layout = dtensor_layout(template)
+    if (shard.shape, shard.placements, shard.mesh, tuple(shard.local.shape)) != layout + (tuple(mine.shape),):
+        raise TransferRefused(f"{name}: {_path(path)} differs between leaver ({shard.describe()}) and joiner "
+                              f"({_describe(*layout, mine.shape)}); state refused")
+    local = shard.local if shard.local.device == mine.device else shard.local.to(mine.device)
+    return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
+                              shape=template.shape, stride=template.stride())
+
+
+def _path(path: tuple) -> str:
+    return "/".join(map(str, path)) or "its state"

@@ -96,7 +96,7 @@ def test_joiner_with_a_fresh_model_fails_the_job_on_the_replica_check(tmp_path):
     # job instead of training on diverged.
     job = FidelityJob(tmp_path, 1, "shared", "--unmanaged-model")
     job.wait_training(min_step=4)
-    reply = job.client.request(p.MigrateRequest(source="n2", target="s1"))
+    reply = job.client.request(p.MigrateRequest(sources=["n2"], targets=["s1"]))
     assert not isinstance(reply, p.ErrorReply), reply
     rc = job.finish()
     assert rc != 0

@@ -45,7 +45,7 @@ def _message_bodies() -> list[dict]:
                          bytes_moved=0, seconds=0.0),
         p.Done(rank=0, final_step=1, left=False),
         p.RankWarning(rank=0, code=list(p.WarningCode)[0], message="m"),
-        p.StatusRequest(), p.MigrateRequest(source="n1", target="s1"), p.MigrationRequest(migration_id=-1),
+        p.StatusRequest(), p.MigrateRequest(sources=["n1"], targets=["s1"]), p.MigrationRequest(migration_id=-1),
         p.AddStandbyRequest(node="s9"), p.EventsRequest(after=0, limit=5),
         p.NodeNotice(node="n1", job_id="1", hook=p.HookKind.EPILOG, detail=""),
         p.Halt(incident_id=1, reason="r", failed_ranks=[1]), p.Release(reason="r", exit_code=0),

@@ -112,11 +112,11 @@ def test_malformed_and_unknown_messages_are_logged_and_ignored(job):
 @pytest.mark.timeout(120)
 def test_joiner_killed_during_warm_up_aborts_and_training_goes_on(job):
     client = job["client"]
-    reply = client.request(p.MigrateRequest(source="n2", target="s1"))
+    reply = client.request(p.MigrateRequest(sources=["n2"], targets=["s1"]))
     assert isinstance(reply, p.MigrationReply) and reply.migration["state"] == "warming"
     mid = reply.migration["id"]
     # while it warms up: a second request is refused, and the job is not harmed
-    again = client.request(p.MigrateRequest(source="n1", target="s1"))
+    again = client.request(p.MigrateRequest(sources=["n1"], targets=["s1"]))
     assert isinstance(again, p.ErrorReply) and again.code == "migration_running"
     joiner_pid = next(e["pid"] for e in reversed(events(job["run_dir"]))
                       if e["event"] == "worker_registered" and e["node"] == "s1" and e["local_rank"] == 0)
@@ -149,7 +149,7 @@ def test_cold_standby_is_busy_then_a_second_migration_commits(job):
     # delta-based setup: stayers rebuilt only the world group (n1's node group has no leaver); n2's node group
     # [2, 3] was rebuilt by the joiners alone; the leavers built no group
     assert m["rebuilt"] == {"n1/0": ["world"], "n1/1": ["world"], "n2/0": [], "n2/1": [],
-                            "s1/0": ["world", "group1"], "s1/1": ["world", "group1"]}
+                            "s1/0": ["world", "pg2"], "s1/1": ["world", "pg2"]}
     st = job["status"]()
     roles = {n["name"]: (n["role"], n["ranks"]) for n in st.nodes}
     assert roles["s1"] == ("active", [2, 3]) and roles["n2"][0] == "left"

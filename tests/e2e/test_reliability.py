@@ -64,7 +64,7 @@ class Job:
         """Request a migration (in process: no tmctl start-up delay) once the job trains and ``target`` is warm;
         returns its id."""
         def request():
-            reply = self.client.request(p.MigrateRequest(source=source, target=target))
+            reply = self.client.request(p.MigrateRequest(sources=[source], targets=[target]))
             if isinstance(reply, p.ErrorReply) and reply.code in (p.ErrorCode.NOT_READY, p.ErrorCode.BUSY_STANDBY):
                 return None  # not training yet, or the standby is still starting
             assert isinstance(reply, p.MigrationReply), reply

@@ -50,7 +50,7 @@ def dealer(address: str, identity: bytes | None = None, keys: JobKeys | None = N
 
 
 FORGED = [
-    p.MigrateRequest(source="n2", target="s1"),
+    p.MigrateRequest(sources=["n2"], targets=["s1"]),
     p.AddStandbyRequest(node="s9"),
     p.EventsRequest(after=0, limit=10),
     p.Done(rank=2, final_step=5, left=False),

@@ -172,7 +172,7 @@ def test_replay_of_a_migration_cut_by_the_crash(tmp_path):
     requested = {"event": "migration_requested", "migration_id": 4, "source": "n1", "target": "s2"}  # no generation
     st = load(_write_job(tmp_path, requested))
     assert st.roles["s2"] == ("standby", []) and st.roles["n1"] == ("active", [0, 1])
-    assert st.cut_migration == {"id": 4, "source": "n1", "target": "s2", "commit": False}
+    assert st.cut_migration == {"id": 4, "sources": ["n1"], "targets": ["s2"], "commit": False}
     assert st.generation == 1  # counted: every migration takes a generation
     # once every joiner had its state the decision was to commit: the restart completes it
     st = load(_write_job(tmp_path, requested, {"event": "migration_transferred", "migration_id": 4}))

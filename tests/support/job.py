@@ -14,14 +14,15 @@ from tmd import protocol as p
 
 
 def tmd_command(run_dir: str, standbys: int, steps: int, tiny: bool, quiet: bool, script_args: tuple = (),
-                tmd_args: tuple = ()) -> list[str]:
-    """``tmd local`` for 2 nodes x 2 ranks running examples.train_gpt (``script_args`` are appended to it,
-    ``tmd_args`` to tmd's own options)."""
-    cmd = [sys.executable, "-m", "tmd.cli", "local", "--nodes", "2", "--ranks-per-node", "2",
+                tmd_args: tuple = (), nodes: int = 2, ranks_per_node: int = 2,
+                script: str = "examples.train_gpt") -> list[str]:
+    """``tmd local`` for ``nodes`` nodes x ``ranks_per_node`` ranks (2 x 2 by default) running ``script``
+    (examples.train_gpt by default; ``script_args`` are appended to it, ``tmd_args`` to tmd's own options)."""
+    cmd = [sys.executable, "-m", "tmd.cli", "local", "--nodes", str(nodes), "--ranks-per-node", str(ranks_per_node),
            "--standbys", str(standbys), "--run-dir", run_dir, *tmd_args]
     if quiet:
         cmd.append("--quiet")
-    cmd += ["--", sys.executable, "-m", "examples.train_gpt", "--steps", str(steps), *script_args]
+    cmd += ["--", sys.executable, "-m", script, "--steps", str(steps), *script_args]
     return cmd + (["--tiny"] if tiny else [])
 
 
@@ -52,21 +53,25 @@ def job_client(run_dir: str, proc: subprocess.Popen, timeout_s: float = 10.0) ->
     return Client(wait_for_address(run_dir, proc), timeout_s=timeout_s, keys_dir=find_keys(run_dir, None))
 
 
-def migrate_when_ready(client: Client, proc: subprocess.Popen, at_step: int, source: str, target: str) -> dict:
-    """Wait until training reaches ``at_step`` and the standby is warm, request the migration, follow it."""
+def migrate_when_ready(client: Client, proc: subprocess.Popen, at_step: int, source: str | list[str],
+                       target: str | list[str]) -> dict:
+    """Wait until training reaches ``at_step`` and every standby is warm, request the migration, follow it.
+    ``source`` and ``target`` are a node each, or lists of as many nodes (moved in one migration)."""
+    sources = [source] if isinstance(source, str) else list(source)
+    targets = [target] if isinstance(target, str) else list(target)
     while True:
         if proc.poll() is not None:
             raise RuntimeError("the job ended before the migration was requested")
         st = client.request(p.StatusRequest())
-        warm = any(n["name"] == target and n["warm"] for n in st.nodes)
-        if st.step >= at_step and warm:
+        warm = {n["name"] for n in st.nodes if n["warm"]}
+        if st.step >= at_step and warm >= set(targets):
             break
         time.sleep(0.2)
-    reply = client.request(p.MigrateRequest(source=source, target=target))
+    reply = client.request(p.MigrateRequest(sources=sources, targets=targets))
     if isinstance(reply, p.ErrorReply):
         raise RuntimeError(f"migration refused: {reply.message}")
     mid = reply.migration["id"]
-    print(f"[job] migration {mid}: {source} -> {target} requested at step {st.step}", flush=True)
+    print(f"[job] migration {mid}: {','.join(sources)} -> {','.join(targets)} requested at step {st.step}", flush=True)
     seen = set()
     while True:
         m = client.request(p.MigrationRequest(migration_id=mid)).migration

@@ -44,7 +44,7 @@ def test_a_registered_worker_sending_a_client_request_is_refused(daemon):
     n2 = register(daemon, "n2")
     register(daemon, "s1")
     daemon.sent.clear()
-    daemon.on_frames([n2, p.encode(p.MigrateRequest(source="n2", target="s1"))])
+    daemon.on_frames([n2, p.encode(p.MigrateRequest(sources=["n2"], targets=["s1"]))])
     daemon.on_frames([n2, p.encode(p.NodeNotice(node="n2", job_id="7", hook=p.HookKind.EPILOG, detail=""))])
     daemon.on_frames([n2, p.encode(p.StatusRequest())])
     assert daemon.sent == [] and daemon.migrations.all == []
@@ -71,7 +71,7 @@ def test_each_role_is_served_from_its_own_senders(daemon):
     assert daemon.registry.by_identity[n1].counters == {"busy_s": 0.5}
     daemon.on_frames([b"tmctl-1", p.encode(p.StatusRequest())])
     assert daemon.sent[-1][0] == b"tmctl-1" and isinstance(daemon.sent[-1][1], p.StatusReply)
-    daemon.on_frames([b"tmctl-1", p.encode(p.MigrateRequest(source="n9", target="s1"))])
+    daemon.on_frames([b"tmctl-1", p.encode(p.MigrateRequest(sources=["n9"], targets=["s1"]))])
     assert daemon.sent[-1] == (b"tmctl-1", p.ErrorReply(code=p.ErrorCode.UNKNOWN_NODE, message=(
         "unknown node 'n9': it is not part of this job (active nodes: n1, n2)")))
     daemon.on_frames([b"epilog", p.encode(p.NodeNotice(node="s1", job_id="7", hook=p.HookKind.EPILOG, detail="x"))])
@@ -124,8 +124,8 @@ def test_each_authenticated_role_may_send_only_its_own_messages(daemon):
     S = p.Sender
     cases = [(b"tmctl-1", S.CLIENT, p.Register(node="n1", local_rank=0, pid=1, host="h", standby=False)),
              (b"tmctl-2", S.CLIENT, p.Done(rank=0, final_step=1, left=False)),
-             (b"epilog-1", S.HOOK, p.MigrateRequest(source="n2", target="s1")),
-             (b"n9/0/x", S.WORKER, p.MigrateRequest(source="n2", target="s1")),
+             (b"epilog-1", S.HOOK, p.MigrateRequest(sources=["n2"], targets=["s1"])),
+             (b"n9/0/x", S.WORKER, p.MigrateRequest(sources=["n2"], targets=["s1"])),
              (b"n9/1/x", S.WORKER, p.NodeNotice(node="n2", job_id="7", hook=p.HookKind.EPILOG, detail=""))]
     for identity, role, msg in cases:
         daemon.on_frames([identity, p.encode(msg)], role)
@@ -149,9 +149,50 @@ def test_a_worker_registers_only_under_its_own_identity(daemon):
 
 def test_an_authenticated_client_gets_told_why_its_frame_was_refused(daemon):
     """tmctl waits for an answer: a frame it sent that does not decode is answered with bad_request at once."""
-    daemon.on_frames([b"tmctl-1", b'{"v": 1, "type": "MigrateRequest", "source": "n\\udcff", "target": "s1"}'],
+    daemon.on_frames([b"tmctl-1", b'{"v": 1, "type": "MigrateRequest", "sources": ["n\\udcff"], "targets": ["s1"]}'],
                      p.Sender.CLIENT)
     ((identity, reply),) = daemon.sent
     assert identity == b"tmctl-1" and reply.code == p.ErrorCode.BAD_REQUEST and "surrogate" in reply.message
     daemon.on_frames([b"n1/0/x", b"garbage"], p.Sender.WORKER)  # a worker gets no answer: it does not wait
     assert len(daemon.sent) == 1 and daemon.migrations.all == []
+
+
+def test_a_replica_report_that_does_not_fit_the_job_is_refused_not_an_internal_error(daemon):
+    n1, n2, s1 = register(daemon, "n1"), register(daemon, "n2"), register(daemon, "s1")  # ranks 0, 1; a standby
+    cases = [(n1, p.ReplicaReport(rank=0, replicas=[1]), "replica report of rank 0 names [1] (world size 2)"),
+             (n1, p.ReplicaReport(rank=0, replicas=[0, 2]), "replica report of rank 0 names [0, 2] (world size 2)"),
+             (n1, p.ReplicaReport(rank=1, replicas=[1]), "replica report for rank 1 from the process of rank 0"),
+             (s1, p.ReplicaReport(rank=0, replicas=[0]), "replica report for rank 0 from the process of rank None")]
+    for identity, msg, _ in cases:
+        daemon.on_frames([identity, p.encode(msg)], p.Sender.WORKER)
+    daemon.on_frames([n2, b'{"v": 1, "type": "ReplicaReport", "rank": 1, "replicas": [true]}'], p.Sender.WORKER)
+    assert [e["error"] for e in refusals(daemon)][:4] == [why for _, _, why in cases]
+    assert "ReplicaReport.replicas" in refusals(daemon)[4]["error"] and len(refusals(daemon)) == 5
+    events = [e["event"] for e in daemon.journal.since(0, 1000)]
+    assert Event.INTERNAL_ERROR not in events and daemon.internal_errors == 0
+    assert daemon.incidents.replicas == {} and Event.NO_REPLICA not in events
+
+
+def test_replica_reports_of_unreplicated_ranks_are_shown_in_status(daemon):
+    n1, n2 = register(daemon, "n1"), register(daemon, "n2")
+    daemon.on_frames([n1, p.encode(p.ReplicaReport(rank=0, replicas=[0]))], p.Sender.WORKER)
+    assert daemon.status().warnings == []  # rank 1 has not reported yet
+    daemon.on_frames([n2, p.encode(p.ReplicaReport(rank=1, replicas=[1]))], p.Sender.WORKER)
+    warnings = daemon.status().warnings
+    assert [(w["rank"], w["node"], w["code"]) for w in warnings] == [(0, "n1", Event.NO_REPLICA), (1, "n2", Event.NO_REPLICA)]
+    assert "rolls the job back to the last buddy snapshot" in warnings[0]["message"]  # snapshots on by default
+    assert refusals(daemon) == [] and daemon.incidents.keepers == {0: 1, 1: 0}
+
+
+def test_a_joiner_that_raises_is_journalled_and_the_job_trains_on(daemon):
+    register(daemon, "n1")
+    register(daemon, "n2")
+    s1 = register(daemon, "s1")
+    joiner = daemon.registry.by_identity[s1]
+    joiner.rank = 1  # given rank 1 by a migration, not its owner yet (n2's process is)
+    daemon.on_frames([s1, p.encode(p.RankFailed(rank=1, step=2, kind=p.FailureKind.SCRIPT_ERROR,
+                                                error="RuntimeError: mesh created in another order",
+                                                traceback="tb"))], p.Sender.WORKER)
+    (failed,) = [e for e in daemon.journal.since(0, 1000) if e["event"] == Event.JOINER_FAILED]
+    assert failed["rank"] == 1 and failed["node"] == "s1" and failed["error"].endswith("another order")
+    assert daemon.status().failure is None and daemon.exit_code is None

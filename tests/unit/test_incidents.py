@@ -29,7 +29,7 @@ def add_node_workers(reg, node):
 
 
 class World:
-    def __init__(self, tmp_path, standbys=("s1", "s2"), recorded=range(6)):
+    def __init__(self, tmp_path, standbys=("s1", "s2"), recorded=range(6), snapshot_every=0):
         self.reg = Registry(NODES, 2, list(standbys))
         for node in NODES + list(standbys):
             add_node_workers(self.reg, node)
@@ -45,21 +45,29 @@ class World:
         self.sent: list[tuple[str, p.Message]] = []
         self.journal = Journal(None)
         self.channel = RecordingChannel(self.sent, world_size=6, generation=0)
-        self.incidents = Incidents(self.reg, self.journal, self.channel, self.run_dir)
+        self.incidents = Incidents(self.reg, self.journal, self.channel, self.run_dir, snapshot_every=snapshot_every)
 
     def w(self, ident):
         return self.reg.by_identity[ident.encode()]
 
-    def report(self, ident, phase, incident_id=1, committed_step=-1, ok=True, error="", bytes_moved=0):
+    def report(self, ident, phase, incident_id=1, committed_step=-1, ok=True, error="", bytes_moved=0,
+               snapshots=()):
         w = self.w(ident)
         self.incidents.on_report(w, p.RecoveryReport(
             incident_id=incident_id, rank=w.rank if w.rank is not None else -1, phase=phase, ok=ok, error=error,
-            committed_step=committed_step, bytes_moved=bytes_moved, seconds=0.0))
+            committed_step=committed_step, bytes_moved=bytes_moved, seconds=0.0, snapshots=list(snapshots)))
 
-    def halt_all(self, committed, incident_id=1):
-        """``committed``: identity -> the step it committed."""
+    def halt_all(self, committed, incident_id=1, snapshots=None):
+        """``committed``: identity -> the step it committed; ``snapshots``: identity -> the snapshot steps it
+        holds."""
         for ident, step in committed.items():
-            self.report(ident, RecoveryPhase.HALTED, incident_id, committed_step=step)
+            self.report(ident, RecoveryPhase.HALTED, incident_id, committed_step=step,
+                        snapshots=(snapshots or {}).get(ident, ()))
+
+    def replicas(self, classes):
+        """Every rank reports its replica class (``classes``: rank -> its class), as at the job's first step."""
+        for rank, ranks in sorted(classes.items()):
+            self.incidents.on_replicas(self.reg.rank_owner[rank], p.ReplicaReport(rank=rank, replicas=ranks))
 
     def sent_of(self, kind):
         return [(ident, msg) for ident, msg in self.sent if isinstance(msg, kind)]
@@ -117,7 +125,7 @@ def test_halting_recovering_recovered_with_sends_spread_over_replicas(world):
     assert set(done["phases_s"]) == {"halt", "warm_up", "plan", "transfer_and_regroup", "total"}
     d = inc.to_dict()
     assert set(d) == {"id", "state", "reason", "lost_ranks", "failed_nodes", "standbys", "waiting_standby",
-                      "resume_step", "generation", "bytes_moved", "phases_s"}
+                      "resume_step", "generation", "bytes_moved", "phases_s", "rollback_step"}
     assert d["state"] == IncidentState.RECOVERED and d["lost_ranks"] == [2, 3] and d["failed_nodes"] == ["n2"]
     assert d["reason"] == "n2: exited with code -9" and world.incidents.get(-1) is inc
 
@@ -270,8 +278,7 @@ def test_the_warm_joiners_of_a_migration_whose_leaver_died_are_adopted(world):
     world.sent.clear()
     # what the daemon does when a leaver's node dies after phase 1 started
     world.w("n2/0").exited = world.w("n2/1").exited = True
-    migs.abort(m, "leaver n2 lost: exited", spare_joiners=True)
-    world.incidents.on_node_failed("n2", "exited", adopt=(m.target, dict(m.joiners)))
+    world.incidents.on_node_failed("n2", "exited", adopt=migs.on_node_failed("n2", "exited"))
     assert m.state == MigrationState.ABORTED
     assert {ident for ident, _ in world.sent_of(p.Decide)} == set(SURVIVORS)  # not the dead leavers, not the joiners
     inc = world.incidents.current
@@ -295,3 +302,130 @@ def test_an_unexplained_collective_failure_regroups_every_rank(world):
     assert inc.reason == "rank 0 saw a collective fail: connection reset; no node failed, regrouping"
     world.halt_all({f"{n}/{lr}": 9 for n in NODES for lr in range(2)})
     assert inc.state == IncidentState.RECOVERING and world.sent_of(p.Recover)[0][1].sends == []
+
+
+# --- replica classes and buddy snapshots ------------------------------------------------------------------------------
+ACROSS = {0: [0, 2, 4], 2: [0, 2, 4], 4: [0, 2, 4], 1: [1, 3, 5], 3: [1, 3, 5], 5: [1, 3, 5]}  # HSDP: replicas across nodes
+IN_NODE = {r: [r - r % 2, r - r % 2 + 1] for r in range(6)}  # e.g. a pipeline stage per node, replicated in the node
+ALONE = {r: [r] for r in range(6)}  # pure FSDP: no rank has a replica
+
+
+def test_replica_reports_give_each_rank_its_class_and_sources_come_from_it_only(world):
+    world.incidents.on_replicas(world.w("n1/0"), p.ReplicaReport(rank=0, replicas=[4, 2, 0, 2]))
+    assert world.incidents.replicas == {0: [0, 2, 4], 2: [0, 2, 4], 4: [0, 2, 4]}
+    assert world.incidents.sources_for(2, [0, 1, 4, 5]) == [0, 4]
+    assert world.incidents.sources_for(3, [0, 1, 4, 5]) == [0, 1, 4, 5]  # no class known: every rank
+    world.replicas(ACROSS)
+    assert world.incidents.sources_for(3, [0, 1, 4, 5]) == [1, 5]
+    assert not world.events(Event.NO_REPLICA) and world.incidents.keepers == {}
+
+    world.incidents.on_node_failed("n2", "exited")
+    world.report("s1/0", RecoveryPhase.WARMED)
+    world.report("s1/1", RecoveryPhase.WARMED)
+    world.halt_all({"n1/0": 9, "n1/1": 9, "n3/0": 9, "n3/1": 8})
+    plan = world.sent_of(p.Recover)[0][1]
+    # each receiver (the replacements, then rank 5, behind) gets its state from a survivor of its class
+    assert plan.sends == [[0, 2], [1, 3], [1, 5]] and plan.rollback_step == -1 and plan.resume_step == 10
+    assert all(src in ACROSS[dst] for src, dst in plan.sends)
+
+
+def test_a_receiver_whose_class_has_no_survivor_that_committed_fails_the_incident(world):
+    world.replicas(ACROSS)
+    world.incidents.on_node_failed("n2", "exited")
+    world.report("s1/0", RecoveryPhase.WARMED)
+    world.report("s1/1", RecoveryPhase.WARMED)
+    with pytest.raises(RecoveryError, match=r"no survivor that committed step 9 holds a replica of rank 3"):
+        world.halt_all({"n1/0": 9, "n1/1": 8, "n3/0": 9, "n3/1": 8})  # ranks 1 and 5 (3's class) behind
+
+
+@pytest.mark.parametrize("every, consequence", [
+    (0, "a failure of {node} is not recoverable (no buddy snapshots)"),
+    (5, "a failure of {node} rolls the job back to the last buddy snapshot (every 5 steps)"),
+])
+def test_a_rank_with_no_replica_off_its_node_is_journalled_once_per_node(tmp_path, every, consequence):
+    world = World(tmp_path, snapshot_every=every)
+    world.replicas({r: ranks for r, ranks in ALONE.items() if r < 5})
+    assert not world.events(Event.NO_REPLICA)  # not every rank reported yet
+    world.replicas(ALONE)
+    world.replicas(ALONE)  # (a rank that reports again changes nothing)
+    entries = world.events(Event.NO_REPLICA)
+    assert [(e["rank"], e["node"]) for e in entries] == [(0, "n1"), (2, "n2"), (4, "n3")]
+    assert entries[1]["message"] == "rank 2's state has no replica outside n2: " + consequence.format(node="n2")
+    assert entries[1]["code"] == Event.NO_REPLICA
+    assert [{k: e[k] for k in ("rank", "node", "code", "message")} for e in entries] == world.incidents.unprotected
+    assert world.incidents.keepers == ({0: 2, 1: 3, 2: 4, 3: 5, 4: 0, 5: 1} if every else {})
+
+
+def test_a_lost_rank_with_no_surviving_replica_and_no_snapshots_fails_at_start(tmp_path):
+    world = World(tmp_path)
+    world.replicas(IN_NODE)
+    with pytest.raises(RecoveryError) as e:
+        world.incidents.on_node_failed("n2", "exited with code -9")
+    assert str(e.value) == ("the state of rank 2 has no surviving replica (n2: exited with code -9): ranks [2, 3] "
+                            "held its only copies and buddy snapshots are off")
+    assert world.incidents.current is None and not world.sent_of(p.Halt) and not world.sent_of(p.Assign)
+
+
+def rolled_back_world(tmp_path, classes=ALONE):
+    world = World(tmp_path, snapshot_every=5)
+    world.replicas(classes)
+    world.incidents.on_node_failed("n2", "exited")
+    world.report("s1/0", RecoveryPhase.WARMED)
+    world.report("s1/1", RecoveryPhase.WARMED)
+    return world
+
+
+@pytest.mark.parametrize("classes", [ALONE, IN_NODE])
+def test_with_snapshots_a_lost_rank_with_no_replica_rolls_the_job_back(tmp_path, classes):
+    world = rolled_back_world(tmp_path, classes)
+    inc = world.incidents.current
+    assert inc.state == IncidentState.HALTING and sorted(inc.replacements) == [2, 3]
+    # rank 5's round 9 has not completed (and rank 0 holds an older one too): 4 is the newest step all hold
+    held = {"n1/0": [0, 4, 9], "n1/1": [4, 9], "n3/0": [4, 9], "n3/1": [4]}
+    world.halt_all({"n1/0": 11, "n1/1": 11, "n3/0": 11, "n3/1": 10}, snapshots=held)
+    assert inc.snapshots == {0: [0, 4, 9], 1: [4, 9], 4: [4, 9], 5: [4]}
+    assert inc.state == IncidentState.RECOVERING and inc.rollback_step == 4 and inc.resume_step == 5
+    plans = world.sent_of(p.Recover)
+    assert sorted(ident for ident, _ in plans) == sorted(SURVIVORS + ["s1/0", "s1/1"])
+    plan = plans[0][1]
+    # each lost rank gets the copy its keeper (same position on the next node, n3) holds; survivors restore theirs
+    assert plan.sends == [[4, 2], [5, 3]] and plan.rollback_step == 4 and plan.resume_step == 5
+    assert world.events(Event.RECOVERY_PLAN)[0]["rollback_step"] == 4
+    for ident in SURVIVORS + ["s1/0", "s1/1"]:
+        world.report(ident, RecoveryPhase.RECOVERED, committed_step=4)
+    assert inc.state == IncidentState.RECOVERED and inc.to_dict()["rollback_step"] == 4
+
+
+def test_survivors_with_no_common_snapshot_fail_the_incident_with_the_reason(tmp_path):
+    world = rolled_back_world(tmp_path)
+    inc = world.incidents.current
+    with pytest.raises(RecoveryError) as e:
+        world.halt_all({ident: 11 for ident in SURVIVORS},
+                       snapshots={"n1/0": [9], "n1/1": [9], "n3/0": [9], "n3/1": []})
+    assert str(e.value) == ("ranks [2, 3] have no surviving replica and the survivors hold no common buddy snapshot "
+                            "({0: [9], 1: [9], 4: [9], 5: []})")
+    assert inc.state == IncidentState.FAILED and not world.sent_of(p.Recover)
+    assert world.events(Event.RECOVERY_FAILED)[0]["reason"] == str(e.value)
+
+
+def test_a_rollback_is_refused_at_start_when_a_keeper_is_lost_too(tmp_path):
+    world = World(tmp_path, standbys=("s1", "s2", "s3"), snapshot_every=5)
+    world.replicas(ALONE)
+    world.incidents.on_node_failed("n2", "exited")  # ranks 2, 3: kept on n3
+    with pytest.raises(RecoveryError) as e:
+        world.incidents.on_node_failed("n3", "exited")  # and with it the copies of 2 and 3
+    assert str(e.value) == ("the state of rank 2 has no surviving replica (n3: exited): ranks [2] held its only "
+                            "copies; rank 4 kept its snapshot and is lost too")
+
+
+def test_a_rollback_is_refused_at_start_when_a_replicated_rank_s_keeper_is_lost(tmp_path):
+    """Rank 0 has a surviving replica (rank 4), but a rollback restores every lost rank from its keeper (rank 4
+    holds its own state of the step, not a snapshot kept for rank 0): with that keeper lost too, no plan could."""
+    world = World(tmp_path, standbys=("s1", "s2", "s3"), snapshot_every=5)
+    world.replicas({0: [0, 4], 4: [0, 4], 1: [1, 5], 5: [1, 5], 2: [2], 3: [3]})  # keepers: 0 -> 2, 2 -> 4
+    world.incidents.on_node_failed("n1", "exited")  # ranks 0, 1 have replicas on n3: no rollback
+    assert world.incidents.current.state == IncidentState.HALTING
+    with pytest.raises(RecoveryError) as e:
+        world.incidents.on_node_failed("n2", "exited")  # rank 2 has none: a rollback, but 0's keeper is gone
+    assert str(e.value) == ("rank 2's state has no surviving replica (n2: exited): the job must roll back, but rank "
+                            "2, which kept rank 0's snapshot, is lost too")

@@ -10,7 +10,7 @@ from tmd.protocol.vocab import (
     ErrorCode, Event, Health, MigrationPhase, MigrationRole, MigrationState, NodeRole,
 )
 from tests.support import RecordingChannel
-from tmd.registry import Registry, Worker
+from tmd.registry import Node, Registry, Worker
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -162,14 +162,17 @@ def test_episode_shape_ids_events_and_durations(world):
         migs.get(3)
     assert e.value.code == ErrorCode.UNKNOWN_MIGRATION
     assert m.generation == reg.generations.current == 1  # the registry's one counter
-    states = [e["event"] for e in journal.since(0, 100) if e.get("migration_id") == 4 and "source" in e]
+    states = [e["event"] for e in journal.since(0, 100) if e.get("migration_id") == 4 and "sources" in e]
     assert states == [Event.MIGRATION_REQUESTED, Event.MIGRATION_WARMING, Event.MIGRATION_PREPARED,
                       Event.MIGRATION_SWITCHING, Event.MIGRATION_TRANSFERRED, Event.MIGRATION_COMMITTED]
     d = m.to_dict()
-    assert set(d) == {"id", "source", "target", "generation", "state", "reason", "switch_step", "ranks", "phases",
+    assert set(d) == {"id", "sources", "targets", "source", "target", "generation", "state", "reason",
+                      "switch_step", "ranks", "phases",
                       "downtime_after_step",
                       "phases_s", "downtime_s", "median_step_s", "pause_s", "bytes_moved", "transfer_s", "rebuilt"}
     assert d["state"] == MigrationState.COMMITTED and d["ranks"] == [2, 3] and d["id"] == 4
+    assert (d["sources"], d["targets"], d["source"], d["target"]) == (["n2"], ["s1"], "n2", "s1")
+    assert all(e["sources"] == ["n2"] and e["targets"] == ["s1"] for e in journal.since(0, 100) if "sources" in e)
     assert set(d["phases_s"]) == {"warm_up", "prepare", "switch_wait", "transfer", "commit", "total"}
     assert d["phases_s"]["total"] == round(m.phases[MigrationState.COMMITTED] - m.phases[MigrationState.REQUESTED], 6)
 
@@ -224,3 +227,164 @@ def test_downtime_is_never_negative_and_each_migration_gets_its_own(world):
     assert m2.downtime_s == pytest.approx(5 * 0.05 + 0.5 - 0.6)
     assert [e["migration_id"] for e in journal.since(0, 100) if e["event"] == Event.MIGRATION_DOWNTIME] == \
         [m1.id, m2.id]
+
+
+# --- several nodes in one migration ------------------------------------------------------------------------------
+@pytest.fixture
+def world4():
+    """4 nodes x 2 ranks (n1: ranks 0-1 ... n4: ranks 6-7) and warm standbys s1, s2, s3 (s3 has 3 processes)."""
+    reg = Registry(["n1", "n2", "n3", "n4"], 2, ["s1", "s2"])
+    reg.nodes["s3"] = Node("s3", NodeRole.STANDBY, [], 3)
+    for name, node in reg.nodes.items():
+        for lr in range(node.expected_workers):
+            reg.add_worker(Worker(f"{name}/{lr}".encode(), name, lr, 100, "h"))
+    for rank, w in reg.rank_owner.items():
+        w.step = 10
+        for s in range(1, 10):
+            reg.record_step(rank, s, 0.1)
+    sent: list[tuple[str, p.Message]] = []
+    journal = Journal(None)
+    migs = Migrations(reg, journal, RecordingChannel(sent, world_size=8, generation=1), record_steps=3)
+    return reg, migs, sent, journal
+
+
+ALL4 = [f"{n}/{lr}" for n in ("n1", "n2", "n3", "n4", "s1", "s2") for lr in range(2)]
+JOINERS2 = ["s1/0", "s1/1", "s2/0", "s2/1"]
+
+
+def test_two_nodes_move_in_one_prepare_and_one_switch_and_commit_together(world4):
+    reg, migs, sent, journal = world4
+    m = migs.request(["n2", "n4"], ["s2", "s1"])  # n2's ranks to s2, n4's to s1
+    assert m.state == MigrationState.WARMING and m.generation == reg.generations.current == 1
+    assert sorted(m.leavers) == [2, 3, 6, 7] and sorted(m.stayers) == [0, 1, 4, 5]
+    assert [(w, msg.rank, msg.migration_id) for w, msg in sent] == [
+        ("s2/0", 2, 1), ("s2/1", 3, 1), ("s1/0", 6, 1), ("s1/1", 7, 1)]
+    assert reg.nodes["s1"].role == reg.nodes["s2"].role == NodeRole.JOINING
+    sent.clear()
+    ack(migs, reg, JOINERS2[:3], MigrationPhase.WARMED)
+    assert not sent  # phase 1 waits for every joiner of every pair
+    ack(migs, reg, ["s2/1"], MigrationPhase.WARMED)
+    prepares = {w: msg for w, msg in sent}
+    assert set(prepares) == set(ALL4) and all(isinstance(msg, p.Prepare) for msg in prepares.values())
+    assert all(msg.leaver_ranks == [2, 3, 6, 7] and msg.generation == 1 for msg in prepares.values())
+    assert {w for w, msg in prepares.items() if msg.role == MigrationRole.LEAVER} == {"n2/0", "n2/1", "n4/0", "n4/1"}
+    assert prepares["n4/1"].transfer_prefix == prepares["s1/1"].transfer_prefix == p.layout.transfer_prefix(1, 7)
+    assert prepares["n2/0"].transfer_prefix == prepares["s2/0"].transfer_prefix == p.layout.transfer_prefix(1, 2)
+    sent.clear()
+    ack(migs, reg, ALL4, MigrationPhase.PREPARED)
+    ack(migs, reg, ALL4, MigrationPhase.ARMED, step=11)
+    switches = [(w, msg.step) for w, msg in sent if isinstance(msg, p.Switch)]
+    assert len(switches) == len(ALL4) and len({step for _, step in switches}) == 1  # one switch step for all
+    assert m.state == MigrationState.SWITCHING
+    ack(migs, reg, ["s1/0", "s1/1", "s2/0"], MigrationPhase.TRANSFERRED)
+    assert m.state == MigrationState.SWITCHING  # one pair still transferring
+    ack(migs, reg, ["s2/1"], MigrationPhase.TRANSFERRED)
+    assert m.state == MigrationState.TRANSFERRED and m.bytes_moved == 40
+    ack(migs, reg, JOINERS2, MigrationPhase.COMMITTED)
+    assert m.state == MigrationState.COMMITTED
+    roles = {n.name: (n.role, n.ranks) for n in reg.nodes.values()}
+    assert roles["s2"] == (NodeRole.ACTIVE, [2, 3]) and roles["s1"] == (NodeRole.ACTIVE, [6, 7])
+    assert roles["n2"] == roles["n4"] == (NodeRole.LEFT, []) and roles["n1"] == (NodeRole.ACTIVE, [0, 1])
+    assert [reg.rank_owner[r].identity for r in (2, 3, 6, 7)] == [b"s2/0", b"s2/1", b"s1/0", b"s1/1"]
+    d = m.to_dict()
+    assert (d["sources"], d["targets"], d["source"], d["target"], d["ranks"]) == (
+        ["n2", "n4"], ["s2", "s1"], "n2,n4", "s2,s1", [2, 3, 6, 7])
+    events = [e for e in journal.since(0, 100) if e.get("migration_id") == 1]
+    assert [e["event"] for e in events].count(Event.MIGRATION_COMMITTED) == 1
+    assert all(e["sources"] == ["n2", "n4"] and e["targets"] == ["s2", "s1"] for e in events if "sources" in e)
+
+
+@pytest.mark.parametrize("phase, who", [(MigrationPhase.PREPARED, "n3/0"), (MigrationPhase.TRANSFERRED, "s1/1")])
+def test_one_pair_failing_aborts_the_whole_migration(world4, phase, who):
+    reg, migs, sent, _ = world4
+    m = migs.request(["n2", "n4"], ["s2", "s1"])
+    ack(migs, reg, JOINERS2, MigrationPhase.WARMED)
+    if phase == MigrationPhase.TRANSFERRED:
+        ack(migs, reg, ALL4, MigrationPhase.PREPARED)
+        ack(migs, reg, ALL4, MigrationPhase.ARMED, step=11)
+        ack(migs, reg, ["s2/0", "s2/1", "s1/0"], MigrationPhase.TRANSFERRED)  # n2 -> s2 went through
+    sent.clear()
+    ack(migs, reg, [who], phase, ok=False, error="ChecksumError: state refused")
+    assert m.state == MigrationState.ABORTED and "ChecksumError" in m.reason
+    # every party of every pair drops what it staged; both standbys come back fresh; nothing changed hands
+    assert {w for w, msg in sent if isinstance(msg, p.Decide) and not msg.commit} == set(ALL4)
+    assert reg.nodes["s1"].role == reg.nodes["s2"].role == NodeRole.STANDBY
+    assert reg.nodes["n2"].role == reg.nodes["n4"].role == NodeRole.ACTIVE
+    assert [reg.rank_owner[r].identity for r in (2, 6)] == [b"n2/0", b"n4/0"]
+
+
+def test_a_leaver_node_lost_mid_migration_hands_only_its_pairs_joiners_to_recovery(world4):
+    reg, migs, sent, _ = world4
+    m = migs.request(["n2", "n4"], ["s2", "s1"])
+    assert migs.on_node_failed("n3", "exited") is None  # a stayer's node: the migration aborts, nothing adopted
+    assert m.state == MigrationState.ABORTED and m.reason == "node n3 lost during warming: exited"
+    for node in ("s1", "s2"):
+        reg.nodes[node].health = Health.HEALTHY  # the fresh standbys came back
+    m = migs.request(["n2", "n4"], ["s2", "s1"])
+    ack(migs, reg, JOINERS2, MigrationPhase.WARMED, mid=m.id)  # phase 1 started
+    sent.clear()
+    adopt = migs.on_node_failed("n4", "exited")
+    assert m.state == MigrationState.ABORTED and m.reason == "leaver n4 lost: exited"
+    assert adopt == ("s1", {6: reg.by_identity[b"s1/0"], 7: reg.by_identity[b"s1/1"]})
+    told = {w for w, msg in sent if isinstance(msg, p.Decide) and not msg.commit}
+    assert told == set(ALL4) - {"s1/0", "s1/1"}  # s1's joiners are spared for the recovery
+    assert reg.nodes["s1"].role == NodeRole.JOINING and reg.nodes["s2"].role == NodeRole.STANDBY
+    assert migs.on_node_failed("n2", "exited") is None  # nothing runs any more
+
+
+def test_leaver_side_names_the_pair_of_a_joiner(world4):
+    reg, migs, _, _ = world4
+    m = migs.request(["n2", "n4"], ["s2", "s1"])
+    source, leavers = m.leaver_side(reg.by_identity[b"s1/0"])
+    assert source == "n4" and [w.identity for w in leavers] == [b"n4/0", b"n4/1"]
+    assert m.pairs() == [("n2", "s2"), ("n4", "s1")]
+    with pytest.raises(ValueError):
+        m.leaver_side(reg.by_identity[b"n1/0"])
+
+
+@pytest.mark.parametrize("sources, targets, code, words", [
+    (["n1", "n1"], ["s1", "s2"], ErrorCode.BAD_REQUEST, "node 'n1' is named twice among the nodes to move"),
+    (["n1", "n2"], ["s1", "s1"], ErrorCode.BAD_REQUEST, "standby 's1' is named twice: one standby takes one node's "
+                                                        "ranks"),
+    (["n1", "n2"], ["s1"], ErrorCode.BAD_REQUEST, "2 node(s) to move (n1,n2) but 1 standby(s) to take them (s1): "
+                                                  "name one standby per node"),
+    ([], [], ErrorCode.BAD_REQUEST, "name at least one node to move"),
+    (["n1", "n9"], ["s1", "s2"], ErrorCode.UNKNOWN_NODE, "unknown node 'n9': it is not part of this job"),
+    (["n1", "s2"], ["s1", "s2"], ErrorCode.UNKNOWN_NODE, "s2 is not an active node (it is standby)"),
+    (["n1", "n2"], ["s1", "n3"], ErrorCode.UNKNOWN_STANDBY, "n3 is not a standby (it is active)"),
+    (["n1", "n2"], ["s1", "s9"], ErrorCode.UNKNOWN_STANDBY, "unknown standby 's9'"),
+    (["n1", "n2"], ["s1", "s3"], ErrorCode.BAD_REQUEST, "standby 's3' has 3 processes but node 'n2' holds 2 ranks"),
+])
+def test_bad_multi_node_requests_are_refused_with_one_line_and_change_nothing(world4, sources, targets, code, words):
+    reg, migs, sent, journal = world4
+    with pytest.raises(MigrationError) as e:
+        migs.request(sources, targets)
+    assert e.value.code == code and str(e.value).startswith(words), str(e.value)
+    assert "\n" not in str(e.value)
+    assert not migs.all and not sent and not journal.since(0, 100) and reg.generations.current == 0
+    assert all(reg.nodes[n].role == NodeRole.STANDBY for n in ("s1", "s2", "s3"))
+
+
+def test_a_cold_standby_or_a_node_that_is_not_active_refuses_the_whole_request(world4):
+    reg, migs, sent, _ = world4
+    reg.nodes["s2"].workers[1].exited = True
+    with pytest.raises(MigrationError, match="standby 's2' is busy") as e:
+        migs.request(["n1", "n2"], ["s1", "s2"])
+    assert e.value.code == ErrorCode.BUSY_STANDBY and reg.nodes["s1"].role == NodeRole.STANDBY
+    reg.nodes["s2"].workers[1].exited = False
+    reg.fail_node(reg.nodes["n3"], "lost")
+    with pytest.raises(MigrationError, match="n3 is not an active node \\(it is failed\\)") as e:
+        migs.request(["n1", "n3"], ["s1", "s2"])
+    assert e.value.code == ErrorCode.UNKNOWN_NODE and not migs.all and not sent
+
+
+def test_migrate_requests_decode_strictly():
+    ok = p.MigrateRequest(sources=["n1", "n2"], targets=["s1", "s2"])
+    assert p.decode(p.encode(ok)) == ok
+    frame = lambda **f: p.encode(p.MigrateRequest(**{"sources": ["n1"], "targets": ["s1"], **f}))  # noqa: E731
+    for bad in [frame(sources=[]), frame(targets=[""]), frame(sources=["n" * 65]), frame(sources=[1]),
+                frame(sources="n1"), frame(targets=[f"s{i}" for i in range(p.MAX_MIGRATE_NODES + 1)]),
+                frame(sources=[["n1"]]), frame(targets=None)]:
+        with pytest.raises(p.ProtocolError):
+            p.decode(bad)
+    assert p.decode(frame(sources=["n" * 64])).sources == ["n" * 64]

@@ -26,7 +26,7 @@ def test_every_message_round_trips():
         p.Rejoin(node="n1", local_rank=1, pid=123, host="host", rank=1, role="active", step=57, generation=2),
         p.StatusReply(job="job", world_size=4, generation=1, step=10, nodes=[{"name": "n1"}], migration=None, recovery=None,
                       failure=None, warnings=[]),
-        p.MigrateRequest(source="n2", target="s1"),
+        p.MigrateRequest(sources=["n2"], targets=["s1"]),
         p.ErrorReply(code="unknown_node", message="unknown node 'n9'"),
     ]
     for msg in samples:
@@ -47,3 +47,56 @@ def test_every_message_round_trips():
 def test_malformed_frames_raise_protocol_error(frame, why):
     with pytest.raises(p.ProtocolError, match=why.replace("[", r"\[").replace("]", r"\]")):
         p.decode(frame)
+
+
+def frame(type_, **fields):
+    return json.dumps({"v": 1, "type": type_, **fields}).encode()
+
+
+def recovery_report(**overrides):
+    fields = dict(incident_id=1, rank=0, phase="halted", ok=True, error="", committed_step=9, bytes_moved=0,
+                  seconds=0.0, snapshots=[4, 9])
+    fields.update(overrides)
+    return frame("RecoveryReport", **fields)
+
+
+def test_replica_and_snapshot_fields_round_trip_and_default_in_constructors():
+    assert p.RecoveryReport(incident_id=1, rank=0, phase="halted", ok=True, error="", committed_step=9,
+                            bytes_moved=0, seconds=0.0).snapshots == []
+    assert p.Recover(incident_id=1, generation=2, resume_step=5, sends=[]).rollback_step == -1
+    assert p.Assign(role="active", rank=0, world_size=2, store_host="h", store_port=1, generation=0, record_steps=3,
+                    record_dir="/r", migration_id=0, incident_id=0).snapshot_every == 0
+    for msg in (p.ReplicaReport(rank=3, replicas=[1, 3]),
+                p.RecoveryReport(incident_id=1, rank=0, phase="halted", ok=True, error="", committed_step=9,
+                                 bytes_moved=0, seconds=0.0, snapshots=[4, 9]),
+                p.Recover(incident_id=1, generation=2, resume_step=5, sends=[[4, 2]], rollback_step=4),
+                p.Assign(role="active", rank=0, world_size=2, store_host="h", store_port=1, generation=0,
+                         record_steps=3, record_dir="/r", migration_id=0, incident_id=0, snapshot_every=10)):
+        assert p.decode(p.encode(msg)) == msg
+    assert p.decode(recovery_report(snapshots=[])).snapshots == []
+    assert p.decode(recovery_report(snapshots=list(range(p.MAX_SNAPSHOTS)))).snapshots == list(range(p.MAX_SNAPSHOTS))
+
+
+def test_a_field_with_a_default_is_still_required_on_the_wire():
+    fields = json.loads(recovery_report())
+    del fields["snapshots"]
+    with pytest.raises(p.ProtocolError, match=r"missing fields \['snapshots'\]"):
+        p.decode(json.dumps(fields).encode())
+
+
+@pytest.mark.parametrize("snapshots", [[True], [-1], [4, -2], [1.5], ["4"], [[4]], list(range(p.MAX_SNAPSHOTS + 1))])
+def test_recovery_report_snapshots_out_of_bounds_are_refused(snapshots):
+    with pytest.raises(p.ProtocolError, match="RecoveryReport.snapshots"):
+        p.decode(recovery_report(snapshots=snapshots))
+
+
+@pytest.mark.parametrize("replicas", [[], [True], [False, 1], [-1], [p.MAX_RANKS], [0.0], ["1"], [None]])
+def test_replica_report_ranks_out_of_bounds_are_refused(replicas):
+    with pytest.raises(p.ProtocolError, match="ReplicaReport.replicas"):
+        p.decode(frame("ReplicaReport", rank=0, replicas=replicas))
+
+
+def test_replica_report_of_valid_ranks_decodes():
+    assert p.decode(frame("ReplicaReport", rank=2, replicas=[0, 2, p.MAX_RANKS - 1])).replicas == [0, 2, p.MAX_RANKS - 1]
+    with pytest.raises(p.ProtocolError, match="ReplicaReport.rank"):
+        p.decode(frame("ReplicaReport", rank=True, replicas=[0]))

@@ -33,7 +33,10 @@ def write_job(tmp_path, *events: dict, cut: bool = True) -> str:
 
 
 def migration(event: Event, mid: int = 1, source: str = "n2", target: str = "s1", **fields) -> dict:
-    return {"event": event, "migration_id": mid, "source": source, "target": target, **fields}
+    """A migration event as tmd journals it: the lists ``sources`` and ``targets`` (``source``/``target``: one
+    node, or several joined by commas)."""
+    return {"event": event, "migration_id": mid, "sources": source.split(","), "targets": target.split(","),
+            **fields}
 
 
 def test_a_committed_migration_hands_the_ranks_over(tmp_path):
@@ -46,7 +49,7 @@ def test_a_committed_migration_hands_the_ranks_over(tmp_path):
 
 def test_a_migration_cut_before_its_commit_decision_is_aborted(tmp_path):
     st = load(write_job(tmp_path, migration(Event.MIGRATION_REQUESTED, mid=4, source="n1", target="s2")))
-    assert st.cut_migration == {"id": 4, "source": "n1", "target": "s2", "commit": False}
+    assert st.cut_migration == {"id": 4, "sources": ["n1"], "targets": ["s2"], "commit": False}
     assert st.roles["n1"] == (ACTIVE, [0, 1]) and st.roles["s2"] == (STANDBY, [])  # the joiners go
     assert st.generation == 1 and st.last_migration_id == 4  # its generation is used even if none was journalled
 
@@ -55,13 +58,52 @@ def test_a_migration_cut_after_its_commit_decision_is_committed(tmp_path):
     st = load(write_job(tmp_path, migration(Event.MIGRATION_REQUESTED, mid=2, source="n1", target="s2"),
                         migration(Event.MIGRATION_SWITCHING, mid=2, source="n1", target="s2"),
                         migration(Event.MIGRATION_TRANSFERRED, mid=2, source="n1", target="s2")))
-    assert st.cut_migration == {"id": 2, "source": "n1", "target": "s2", "commit": True}
+    assert st.cut_migration == {"id": 2, "sources": ["n1"], "targets": ["s2"], "commit": True}
     assert st.roles["s2"] == (ACTIVE, [0, 1]) and st.roles["n1"] == (LEFT, [])
 
 
 def test_an_aborted_migration_returns_its_target_to_the_standbys(tmp_path):
     st = load(write_job(tmp_path, migration(Event.MIGRATION_REQUESTED), migration(Event.MIGRATION_ABORTED)))
     assert st.roles["s1"] == (STANDBY, []) and st.roles["n2"] == (ACTIVE, [2, 3]) and st.cut_migration is None
+
+
+def test_a_journal_of_single_node_migrations_with_source_and_target_fields_still_reads(tmp_path):
+    old = [{"event": ev, "migration_id": 1, "source": "n2", "target": "s1"}
+           for ev in (Event.MIGRATION_REQUESTED, Event.MIGRATION_TRANSFERRED, Event.MIGRATION_COMMITTED)]
+    st = load(write_job(tmp_path, *old))
+    assert st.roles == {"n1": (ACTIVE, [0, 1]), "n2": (LEFT, []), "s1": (ACTIVE, [2, 3]), "s2": (STANDBY, [])}
+    st = load(write_job(tmp_path, old[0]))
+    assert st.cut_migration == {"id": 1, "sources": ["n2"], "targets": ["s1"], "commit": False}
+
+
+def test_a_committed_migration_of_two_nodes_hands_over_every_pair(tmp_path):
+    pairs = {"source": "n1,n2", "target": "s2,s1"}
+    st = load(write_job(tmp_path, migration(Event.MIGRATION_REQUESTED, generation=1, **pairs),
+                        migration(Event.MIGRATION_TRANSFERRED, **pairs), migration(Event.MIGRATION_COMMITTED, **pairs)))
+    assert st.roles == {"n1": (LEFT, []), "n2": (LEFT, []), "s1": (ACTIVE, [2, 3]), "s2": (ACTIVE, [0, 1])}
+    assert (st.generation, st.last_migration_id, st.cut_migration) == (1, 1, None)
+
+
+def test_a_cut_migration_of_two_nodes_is_aborted_or_committed_as_a_whole(tmp_path):
+    pairs = {"mid": 5, "source": "n1,n2", "target": "s1,s2"}
+    st = load(write_job(tmp_path, migration(Event.MIGRATION_REQUESTED, **pairs)))
+    assert st.cut_migration == {"id": 5, "sources": ["n1", "n2"], "targets": ["s1", "s2"], "commit": False}
+    assert st.roles == {"n1": (ACTIVE, [0, 1]), "n2": (ACTIVE, [2, 3]), "s1": (STANDBY, []), "s2": (STANDBY, [])}
+    st = load(write_job(tmp_path, migration(Event.MIGRATION_REQUESTED, **pairs),
+                        migration(Event.MIGRATION_TRANSFERRED, **pairs)))
+    assert st.cut_migration["commit"]
+    assert st.roles == {"n1": (LEFT, []), "n2": (LEFT, []), "s1": (ACTIVE, [0, 1]), "s2": (ACTIVE, [2, 3])}
+
+
+def test_an_aborted_two_node_migration_whose_leaver_died_keeps_only_its_pairs_standby_promoted(tmp_path):
+    pairs = {"source": "n1,n2", "target": "s1,s2"}
+    st = load(write_job(tmp_path, migration(Event.MIGRATION_REQUESTED, generation=1, **pairs),
+                        migration(Event.MIGRATION_ABORTED, reason="leaver n2 lost", **pairs),
+                        {"event": Event.NODE_FAILED, "node": "n2", "ranks": [2, 3]},
+                        {"event": Event.RECOVERY_STARTED, "incident_id": 1, "adopted": {"n2": "s2"}},
+                        {"event": Event.RECOVERY_PLAN, "incident_id": 1, "generation": 2, "sends": []},
+                        {"event": Event.RECOVERY_DONE, "incident_id": 1, "standbys": {"n2": "s2"}}))
+    assert st.roles == {"n1": (ACTIVE, [0, 1]), "n2": (FAILED, []), "s1": (STANDBY, []), "s2": (ACTIVE, [2, 3])}
 
 
 def test_a_finished_recovery_and_an_open_one(tmp_path):

@@ -35,10 +35,10 @@ def frame(**body) -> bytes:
 BAD_FRAMES = {
     "int digit limit": b"1" * 5000,
     "deep nesting": b"[" * 100_000,
-    "lone surrogate": b'{"v":1,"type":"MigrateRequest","source":"\\ud800","target":"s1"}',
+    "lone surrogate": b'{"v":1,"type":"MigrateRequest","sources":["\\ud800"],"targets":["s1"]}',
     "long standby name": frame(type="AddStandbyRequest", node="a" * 300),
     "gpu temperature as text": frame(type="Heartbeat", step=1, counters={"gpu": {"temperature_c": "hot"}}),
-    "non-UTF-8": b'{"v":1,"type":"MigrateRequest","source":"n\xff","target":"s1"}',
+    "non-UTF-8": b'{"v":1,"type":"MigrateRequest","sources":["n\xff"],"targets":["s1"]}',
     "NaN": b'{"v":1,"type":"StepReport","rank":0,"step":1,"step_time_s":NaN,"shadow":false}',
     "Infinity as 1e999": b'{"v":1,"type":"StepReport","rank":0,"step":1,"step_time_s":1e999,"shadow":false}',
     "int over 64 bits": frame(type="StepReport", rank=0, step=10 ** 30, step_time_s=1.0, shadow=False),
@@ -71,7 +71,7 @@ def test_decode_raises_only_protocol_error_on_mutated_frames():
     good = [p.encode(m) for m in (
         p.Heartbeat(step=3, counters={"ops_issued": 5, "pending": 1, "last_op_start_s": 1.5, "mode": "live",
                                       "gpu": {"xids": [48], "temperature_c": 50, "throttle": ["hw_slowdown"]}}),
-        p.MigrateRequest(source="n1", target="s1"), p.EventsRequest(after=0, limit=10),
+        p.MigrateRequest(sources=["n1"], targets=["s1"]), p.EventsRequest(after=0, limit=10),
         p.PhaseDone(migration_id=1, rank=0, phase=p.MigrationPhase.PREPARED, ok=True, error="", step=0,
                     bytes_moved=0, seconds=0.0, groups=["world"]))]
     junk = [b"\x00", b"\xff", b"\\ud800", b"[", b"{", b'"', b"1e999", b"NaN", b"9" * 40, b"-", b"\xed\xa0\x80"]
@@ -101,7 +101,7 @@ def test_valid_messages_still_decode_and_ints_become_floats_where_a_float_is_exp
                                         "gpu": {"index": 0, "uuid": None, "temperature_c": None, "xids": []}})
     assert p.decode(p.encode(hb)) == hb
     name = "n" * MAX_NAME_CHARS
-    assert p.decode(p.encode(p.MigrateRequest(source=name, target="s1"))).source == name
+    assert p.decode(p.encode(p.MigrateRequest(sources=[name], targets=["s1"]))).sources == [name]
 
 
 # --- a real Daemon, in process --------------------------------------------------------------------------------
@@ -168,8 +168,8 @@ def test_every_bad_frame_is_refused_by_a_live_daemon_which_then_still_answers(da
 
 def test_weird_names_in_requests_get_clean_error_replies(daemon):
     d = daemon
-    on_frames(d, b"tmctl-1", p.encode(p.MigrateRequest(source="n\xff", target="s1")))
-    on_frames(d, b"tmctl-1", p.encode(p.MigrateRequest(source="", target="\u202e")))
+    on_frames(d, b"tmctl-1", p.encode(p.MigrateRequest(sources=["n\xff"], targets=["s1"])))
+    on_frames(d, b"tmctl-1", p.encode(p.MigrateRequest(sources=["\u202e"], targets=["s1"])))
     on_frames(d, b"tmctl-1", p.encode(p.AddStandbyRequest(node="../etc")))
     on_frames(d, b"tmctl-1", p.encode(p.AddStandbyRequest(node="-dash")))  # NODE_NAME starts with a letter or digit
     codes = [m.code for _, m in d.sent]

@@ -164,7 +164,8 @@ def scripted_migration(states, final_extra=None):
 
     def handler(req):
         if isinstance(req, MigrateRequest):
-            return MigrationReply(migration=migration("requested", source=req.source, target=req.target))
+            return MigrationReply(migration=migration("requested", sources=req.sources, targets=req.targets,
+                                                      source=",".join(req.sources), target=",".join(req.targets)))
         if isinstance(req, MigrationRequest):
             state = script.pop(0) if len(script) > 1 else script[0]
             extra = final_extra if state in ("committed", "aborted") else {}
@@ -189,8 +190,47 @@ def test_migrate_success_prints_phases(fake):
     assert phase_lines[1] == "[   0.50 s] warming"
     assert "committed" in out[-1] and "downtime 0.31 s" in out[-1] and "3.0 MiB" in out[-1]
     assert r.stderr == ""
-    assert f.requests[0] == MigrateRequest(source="node1", target="spare0")
+    assert f.requests[0] == MigrateRequest(sources=["node1"], targets=["spare0"])
     assert all(req == MigrationRequest(migration_id=7) for req in f.requests[1:])
+
+
+@pytest.mark.timeout(10)
+def test_migrate_several_nodes_at_once_sends_the_lists_in_one_request(fake):
+    done = {"sources": ["node0", "node1"], "targets": ["spare0", "spare1"], "downtime_s": 0.2}
+    f = fake(scripted_migration(["warming", "committed"], done))
+    r = run("migrate", "--from", "node0, node1", "--to", "spare0,spare1", "--coordinator", f.address)
+    assert r.exit_code == 0, r.output
+    assert f.requests[0] == MigrateRequest(sources=["node0", "node1"], targets=["spare0", "spare1"])
+    out = lines(r.stdout)
+    assert out[0] == "migration 7: node0 -> spare0, node1 -> spare1"
+    assert out[-1].startswith("migration 7: node0 -> spare0, node1 -> spare1; committed")
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("option, value", [("--from", "node0,,node1"), ("--from", "node0,"), ("--to", ","),
+                                           ("--to", " ")])
+def test_migrate_refuses_an_empty_name_in_a_list_without_asking_tmd(fake, option, value):
+    f = fake(scripted_migration(["committed"]))
+    args = {"--from": "node0,node1", "--to": "spare0,spare1", option: value}
+    r = run("migrate", "--from", args["--from"], "--to", args["--to"], "--coordinator", f.address)
+    assert r.exit_code == 2 and f.requests == []
+    assert lines(r.stderr) == [f"error: {option} {value!r}: a comma-separated list of node names, with no empty name"]
+
+
+def test_node_lists_split_on_commas_and_drop_spaces():
+    assert cli.node_list("--from", "n1") == ["n1"]
+    assert cli.node_list("--from", "n1, n2 ,n3") == ["n1", "n2", "n3"]
+    assert cli.node_list("--to", "n1,n1") == ["n1", "n1"]  # tmd refuses repeated names, with its reason
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("message", ["node 'node1' is named twice among the nodes to move",
+                                     "2 node(s) to move (node0,node1) but 1 standby(s) to take them (spare0): "
+                                     "name one standby per node"])
+def test_migrate_several_nodes_refused_by_tmd_exits_2_with_its_line(fake, message):
+    f = fake(lambda req: ErrorReply(code="bad_request", message=message))
+    r = run("migrate", "--from", "node1,node1", "--to", "spare0,spare1", "--coordinator", f.address)
+    assert r.exit_code == 2 and lines(r.stderr) == [f"error: {message}"] and r.stdout == ""
 
 
 @pytest.mark.timeout(10)
@@ -450,6 +490,20 @@ def test_downtime_pending_until_its_window_passed():
          "downtime_s": None, "downtime_after_step": 25}
     assert "downtime pending (known after step 25" in render.migration_line(m)
     assert "downtime 0.12 s" in render.migration_line({**m, "downtime_s": 0.12})
+
+
+def test_a_migration_of_several_nodes_renders_its_pairs():
+    from rich.console import Console
+
+    from tmctl import render
+
+    m = {"id": 3, "sources": ["n1", "n2"], "targets": ["s1", "s2"], "source": "n1,n2", "target": "s1,s2",
+         "state": "committed", "switch_step": 20, "downtime_s": 0.1}
+    assert render.migration_line(m).startswith("migration 3: n1 -> s1, n2 -> s2; committed; switch step 20")
+    assert render.moves({"source": "n2", "target": "s1"}) == "n2 -> s1"  # a reply without the lists
+    console = Console(width=120, record=True)
+    console.print(render.migration_panel(m))
+    assert "n1 → s1, n2 → s2" in console.export_text()
 
 
 @pytest.mark.timeout(10)

@@ -1,5 +1,5 @@
 """worker.rank_state: the rank-state round trip (weights_only loading) and the replicated-state fingerprint;
-worker.misuse on a process without DDP modules."""
+worker.misuse on a process without DDP modules; both on DTensor (sharded) state, issuing no collective."""
 from __future__ import annotations
 
 import pickle
@@ -7,8 +7,12 @@ import pickle
 import pytest
 import torch
 
+from tests.unit import test_transfer
+from tests.unit.test_transfer import sharded
 from tmd import protocol as p
 from worker import misuse, rank_state
+
+mesh = test_transfer.mesh  # the fixture: rank 1 of a fake 4-rank world and its 1-D mesh
 
 
 class Sampler:
@@ -83,4 +87,40 @@ def test_misuse_unmanaged_parameters_of_a_data_parallel_module(monkeypatch):
     monkeypatch.setattr(misuse, "data_parallel_modules", lambda: [model])
     assert misuse.check({"model": model, "optimizer": opt}) is None
     code, message = misuse.check({"optimizer": opt})  # the optimizer's state_dict does not carry the parameters
+    assert code == p.WarningCode.UNMANAGED_PARAMETERS and "weight" in message
+
+
+def _fingerprint(objs) -> bytes:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as comm:
+        fp = rank_state.fingerprint(objs, [objs["optimizer"]])
+    assert comm.get_total_counts() == 0  # a DTensor op on a sharded tensor could communicate: none may
+    return fp
+
+
+def test_fingerprint_of_sharded_state_hashes_local_shards_without_collectives(mesh):
+    from torch.distributed.tensor import Replicate
+
+    fp = _fingerprint(sharded(mesh, 1))
+    assert fp == _fingerprint(sharded(mesh, 1))
+    changed = sharded(mesh, 1)
+    with torch.no_grad():
+        changed["model"].weight.to_local().view(-1)[0] += 1.0
+    assert fp != _fingerprint(changed)
+    changed = sharded(mesh, 1)
+    with torch.no_grad():
+        changed["optimizer"].state[changed["model"].weight]["exp_avg"].to_local().view(-1)[0] += 1.0
+    assert fp != _fingerprint(changed)
+    # the same local bytes under another layout: the layout is part of the fingerprint
+    replicated = sharded(mesh, 1, step=False, placements=[Replicate()])
+    plain = sharded(mesh, 1, step=False)
+    assert _fingerprint(replicated) != _fingerprint(plain)
+
+
+def test_misuse_finds_sharded_parameters_by_their_local_shard(mesh, monkeypatch):
+    objs = sharded(mesh, 1)
+    monkeypatch.setattr(misuse, "data_parallel_modules", lambda: [objs["model"]])
+    assert misuse.check(objs) is None
+    code, message = misuse.check({"optimizer": objs["optimizer"]})
     assert code == p.WarningCode.UNMANAGED_PARAMETERS and "weight" in message

@@ -23,6 +23,32 @@ def group_prefix(generation: int, group: str) -> str:
     return f"{STORE_ROOT}/g{generation}/{group}"
 
 
+def created_group_prefix(group: str) -> str:
+    """Store prefix of process group ``group`` as the training script creates it (``tm/new/pg3``). Each group
+    is created once per job by the ranks then active (a joiner creates its groups replaying, without the
+    network); every later generation is ``group_prefix``."""
+    return f"{STORE_ROOT}/new/{group}"
+
+
+def snapshot_prefix(round_id: str, src: int, dst: int) -> str:
+    """Store prefix of the 2-rank group over which rank ``src`` (0) sends its snapshot to its keeper ``dst`` (1)
+    in snapshot round ``round_id`` (unique: derived from every rank's nonce of that step, worker.snapshot)."""
+    return f"{STORE_ROOT}/snap/{round_id}/{src}-{dst}"
+
+
+def snapshot_keepers(node_of: dict[int, str]) -> dict[int, int]:
+    """Who keeps whose buddy snapshot: ``{rank: keeper rank}``, the rank at the same position on the next node
+    (nodes ordered by their lowest rank, a ring). Empty (no snapshots) with fewer than two nodes or nodes of
+    different sizes. tmd and every rank compute it from the same rank -> node map (the job's start)."""
+    nodes: dict[str, list[int]] = {}
+    for rank in sorted(node_of):
+        nodes.setdefault(node_of[rank], []).append(rank)
+    order = list(nodes.values())  # dicts keep insertion order: by lowest rank
+    if len(order) < 2 or len({len(ranks) for ranks in order}) != 1:
+        return {}
+    return {rank: order[(i + 1) % len(order)][j] for i, ranks in enumerate(order) for j, rank in enumerate(ranks)}
+
+
 def transfer_prefix(generation: int, rank: int) -> str:
     """Store prefix of a planned migration's 2-rank transfer group for ``rank`` (leaver 0, joiner 1)."""
     return f"{STORE_ROOT}/g{generation}/transfer/r{rank}"

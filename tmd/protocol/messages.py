@@ -115,7 +115,9 @@ class RecoveryReport(Message, sender=Sender.WORKER):
     a detection signal; ``error`` says what failed), ``halted`` (a survivor stopped at a step boundary;
     ``committed_step`` is the last step whose optimizer update it applied, -1 for none), ``warmed`` (a
     replacement finished its shadow iterations), ``recovered`` (state received or kept, new groups committed;
-    ``committed_step`` is the step it resumes at minus one). ``ok`` false: the phase failed (``error``)."""
+    ``committed_step`` is the step it resumes at minus one). ``ok`` false: the phase failed (``error``).
+    ``snapshots`` (``halted``): the steps S for which this rank holds its own snapshot and its peer's copy
+    (worker.snapshot), so tmd can roll the job back to S when a lost rank has no replica."""
 
     incident_id: int
     rank: int
@@ -125,6 +127,18 @@ class RecoveryReport(Message, sender=Sender.WORKER):
     committed_step: int
     bytes_moved: int
     seconds: float
+    snapshots: list = dataclasses.field(default_factory=list)  # halted: steps of the complete snapshots held
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReplicaReport(Message, sender=Sender.WORKER):
+    """The ranks that hold a bit-identical copy of rank ``rank``'s replicated state (its replica class, ``rank``
+    included), found from every rank's state fingerprint at the job's first step (worker.recovery). Sent once
+    per process. tmd recovers a lost rank from a survivor of its class, and journals at start every node whose
+    loss would take all copies of a rank's state (``no_replica``). ``replicas`` holds 1 to MAX_RANKS ranks."""
+
+    rank: int
+    replicas: list
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -187,7 +201,10 @@ class Assign(Message, sender=Sender.COORDINATOR):
     tmd). Active ranks record their first ``record_steps`` steps' collective outputs to ``record_dir``;
     joiners replay ``record_dir``'s file for their rank during that many shadow iterations. A joiner that
     replaces a failed rank has ``incident_id`` > 0 (and ``migration_id`` 0): after its shadow iterations it
-    reports ``warmed`` and waits for :class:`Recover`."""
+    reports ``warmed`` and waits for :class:`Recover`. ``snapshot_every`` > 0: if some rank's state has no
+    replica on another node, every rank keeps a host-memory snapshot of its state and of a peer node's rank's
+    every that many steps (worker.snapshot). Fields with a default may be left out by a constructor, never on
+    the wire."""
 
     role: WorkerRole
     rank: int
@@ -199,6 +216,7 @@ class Assign(Message, sender=Sender.COORDINATOR):
     record_dir: str
     migration_id: int
     incident_id: int
+    snapshot_every: int = 0  # buddy snapshots every that many steps where a rank's state has no replica (0: off)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -250,12 +268,16 @@ class Recover(Message, sender=Sender.COORDINATOR):
     and all replacements warmed. Every party builds generation ``generation`` of all its groups and resumes
     at ``resume_step``. ``sends`` lists ``[src_rank, dst_rank]`` pairs: ``src`` (a data-parallel replica that
     committed ``resume_step - 1``) sends its replicated state to ``dst`` (a replacement, or a survivor one
-    step behind) over a 2-rank group under store prefix ``tm/g<generation>/recover/r<dst>``."""
+    step behind) over a 2-rank group under store prefix ``tm/g<generation>/recover/r<dst>``. A lost rank whose
+    state has no surviving replica is recovered by rolling the whole job back (``rollback_step`` >= 0): every
+    survivor restores its own snapshot of that step, and each ``src`` sends the snapshot copy it keeps of
+    ``dst``; ``resume_step`` is then ``rollback_step + 1``."""
 
     incident_id: int
     generation: int
     resume_step: int
     sends: list
+    rollback_step: int = -1  # >= 0: every party restores its snapshot of this step (resume_step is one after)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -306,11 +328,13 @@ class StatusReply(Message, sender=Sender.COORDINATOR):
 
 @dataclasses.dataclass(kw_only=True)
 class MigrateRequest(Message, sender=Sender.CLIENT):
-    """Move every rank of node ``source`` to standby node ``target``. Answered by MigrationReply (the new
-    migration) or ErrorReply."""
+    """Move every rank of node ``sources[i]`` to standby node ``targets[i]``, all in one migration (one
+    generation, one prepare, one switch step). Each list holds 1 to MAX_MIGRATE_NODES node names of 1 to
+    MAX_NAME_CHARS characters (decode refuses anything else); tmd refuses lists of different lengths or naming a
+    node twice. Answered by MigrationReply (the new migration) or ErrorReply."""
 
-    source: str
-    target: str
+    sources: list
+    targets: list
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -322,8 +346,9 @@ class MigrationRequest(Message, sender=Sender.CLIENT):
 
 @dataclasses.dataclass(kw_only=True)
 class MigrationReply(Message, sender=Sender.COORDINATOR):
-    """``migration``: id, source, target, state, reason, switch_step, phases (state -> epoch s), phases_s,
-    downtime_s (None until known), bytes_moved."""
+    """``migration``: id, sources and targets (lists of node names: ``sources[i]``'s ranks move to
+    ``targets[i]``), source and target (the same names joined by commas, for display), state, reason, switch_step,
+    ranks, phases (state -> epoch s), phases_s, downtime_s (None until known), bytes_moved."""
 
     migration: dict
 
@@ -388,10 +413,11 @@ def encode(msg: Message) -> bytes:
 # --------------------------------------------------------------------------------------------------------------
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # one frame (bytes); ZMQ_MAXMSGSIZE on every control-plane socket (keys.py)
 MAX_DEPTH = 16  # nesting of JSON arrays/objects in one frame (a Heartbeat's counters.gpu.xids is 3)
-MAX_NAME_CHARS = 64  # a name field (NAME_FIELDS): node names, SLURM job ids, migrate targets
+MAX_NAME_CHARS = 64  # a name field (NAME_FIELDS): node names, SLURM job ids; each name of MigrateRequest
+MAX_MIGRATE_NODES = 64  # MigrateRequest.sources / .targets entries: the nodes one migration moves
 MAX_HOST_CHARS = 255  # a host name (RFC 1035's limit on a full domain name)
 INT_RANGE = (-2 ** 63, 2 ** 63 - 1)  # every integer, anywhere in a frame (beyond: OverflowError in float math)
-NAME_FIELDS = frozenset({"node", "source", "target", "job_id"})
+NAME_FIELDS = frozenset({"node", "job_id"})
 HOST_FIELDS = frozenset({"host"})
 NON_NEGATIVE_FIELDS = frozenset({"step_time_s", "seconds", "bytes_moved"})
 MAX_COUNTER_KEYS = 64  # keys of Heartbeat.counters and of its ``gpu`` sample
@@ -533,10 +559,43 @@ def _check_groups(groups: list) -> None:
         raise ProtocolError(f"PhaseDone.groups: not a list of at most {MAX_GROUPS} group names")
 
 
+def _check_node_names(where: str) -> Callable[[Any], None]:
+    def check(names: list) -> None:
+        if not 1 <= len(names) <= MAX_MIGRATE_NODES or not all(
+                isinstance(n, str) and 1 <= len(n) <= MAX_NAME_CHARS for n in names):
+            raise ProtocolError(f"{where}: not a list of 1 to {MAX_MIGRATE_NODES} node names of 1 to "
+                                f"{MAX_NAME_CHARS} characters")
+    return check
+
+
+MAX_RANKS = 1 << 20  # bound of a rank list tmd reads (ReplicaReport.replicas)
+
+
+def _check_ranks(where: str) -> Callable[[Any], None]:
+    def check(ranks: list) -> None:
+        if not 1 <= len(ranks) <= MAX_RANKS or not all(
+                isinstance(r, int) and not isinstance(r, bool) and 0 <= r < MAX_RANKS for r in ranks):
+            raise ProtocolError(f"{where}: not a list of 1 to {MAX_RANKS} ranks")
+    return check
+
+
+MAX_SNAPSHOTS = 64  # bound of RecoveryReport.snapshots (a rank holds two or three)
+
+
+def _check_steps(steps: list) -> None:
+    if len(steps) > MAX_SNAPSHOTS or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
+        raise ProtocolError(f"RecoveryReport.snapshots: not a list of at most {MAX_SNAPSHOTS} steps")
+
+
 # Content checks of containers whose contents tmd reads (tmd -> worker/client messages are checked by type only).
 _CONTENT_CHECKS: dict[tuple[str, str], Callable[[Any], None]] = {
     ("Heartbeat", "counters"): _check_counters,
     ("PhaseDone", "groups"): _check_groups,
+    ("MigrateRequest", "sources"): _check_node_names("MigrateRequest.sources"),
+    ("ReplicaReport", "replicas"): _check_ranks("ReplicaReport.replicas"),
+    ("RecoveryReport", "snapshots"): _check_steps,
+    ("MigrateRequest", "targets"): _check_node_names("MigrateRequest.targets"),
 }
 
 
@@ -567,8 +626,10 @@ def decode(frame: bytes) -> Message:
     json's digit limit); a lone surrogate; an unknown version or type; a missing or extra field; a field of the
     wrong type (an enum field with a value outside the enum included); a name field (NAME_FIELDS) longer than
     MAX_NAME_CHARS or a host longer than MAX_HOST_CHARS; a negative time or byte count (NON_NEGATIVE_FIELDS);
-    Heartbeat counters or PhaseDone groups of the wrong shape (see _check_counters). Free text (errors,
-    tracebacks, reasons) is not cut here: the frame limit bounds it and the journal cuts what it writes."""
+    Heartbeat counters or PhaseDone groups of the wrong shape (see _check_counters); MigrateRequest node lists
+    that are empty, longer than MAX_MIGRATE_NODES or hold a name of 0 or over MAX_NAME_CHARS characters. Free
+    text (errors, tracebacks, reasons) is not cut here: the frame limit bounds it and the journal cuts what it
+    writes."""
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"a frame is bytes, not {type(frame).__name__}")
     if len(frame) > MAX_MESSAGE_BYTES:

@@ -1,0 +1,271 @@
+"""The rank side of recovery on its own (worker.recovery.Recovery): the per-step exchange blob, replica classes
+learned from the first exchange's fingerprints, the fingerprint check within a class, buddy snapshots taken at
+the agreed steps, and a survivor's rollback to its own snapshot. No processes: the world's all-gather is a stub
+that answers with every rank's blob, and the groups are a stub that builds nothing."""
+import os
+
+import pytest
+import torch
+
+from tmd import protocol as p
+from worker import rank_state
+from worker import recovery as recovery_mod
+from worker.control import Control, Stage
+from worker.recovery import NO_FINGERPRINT, Recovery, pack, unpack
+from worker.reports import Reporter
+from worker.snapshot import Snapshots, round_id
+
+pytestmark = pytest.mark.timeout(10)
+
+NODE_OF = {0: "n1", 1: "n1", 2: "n2", 3: "n2"}
+
+
+class Groups:
+    """What Recovery needs of a GroupManager: no failure latched, a store, generations that build nothing."""
+
+    timeout_s, host = 5.0, "h"
+
+    def __init__(self):
+        self.installed = []
+
+    def failure(self):
+        return None
+
+    def connect_store(self):
+        return object()
+
+    def build_all(self, generation, store):
+        return {}
+
+    def install(self, built):
+        self.installed.append(built)
+
+
+class Failed(Exception):
+    pass
+
+
+def make(rank=0, every=0, stage=None):
+    control = Control()
+    control.start(p.Assign(role=p.WorkerRole.ACTIVE, rank=rank, world_size=4, store_host="h", store_port=1,
+                           generation=0, record_steps=3, record_dir="/r", migration_id=0, incident_id=0))
+    control.attach(Groups())
+    if stage is not None:
+        control.enter(stage)
+    sent = []
+    failures = []
+
+    def fail(kind, error):
+        failures.append((kind, error))
+        raise Failed(error)
+
+    rec = Recovery(control, Reporter(sent.append, lambda: control.rank), fail)
+    rec.node = NODE_OF[rank]
+    rec.snapshots = Snapshots(every, rank, control.groups)
+    rec.sent, rec.failures = sent, failures
+    return rec
+
+
+def blob(fp, node, held=(), want=False, state=b"", nonce="00"):
+    return pack(fp, {"node": node, "nonce": nonce, "held": list(held), "want": want}, state)
+
+
+def fp(tag):
+    return bytes([tag]) * rank_state.FINGERPRINT_BYTES
+
+
+# --- the exchange blob ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("state", [b"", b"\x00\x01rank state", os.urandom(5000)])
+def test_pack_unpack_round_trips(state):
+    meta = {"node": "n\u00e9", "nonce": "ab", "held": [4, 9], "want": True}
+    assert unpack(pack(fp(7), meta, state)) == (fp(7), meta, state)
+    assert unpack(pack(NO_FINGERPRINT, {}, state)) == (NO_FINGERPRINT, {}, state)
+    assert len(NO_FINGERPRINT) == rank_state.FINGERPRINT_BYTES
+
+
+# --- replica classes and the fingerprint check --------------------------------------------------------------------
+def test_classes_are_learned_from_equal_fingerprints_and_reported_once():
+    rec = make(rank=1)
+    rec._learn_classes({0: fp(1), 1: fp(2), 2: fp(1), 3: fp(2)}, NODE_OF)  # HSDP: replicate across nodes
+    assert rec.classes == {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
+    assert rec.sent == [p.ReplicaReport(rank=1, replicas=[1, 3])]
+    assert not rec.snapshots.enabled  # every class spans both nodes (and snapshots are off anyway)
+
+
+def test_a_joiner_learning_classes_from_its_recording_reports_nothing_but_configures_snapshots():
+    rec = make(rank=2, every=5, stage=Stage.SHADOW)
+    rec._learn_classes({r: fp(r) for r in range(4)}, NODE_OF)  # FSDP: no rank has a replica
+    assert rec.classes == {r: [r] for r in range(4)} and rec.sent == []
+    assert rec.snapshots.enabled and (rec.snapshots.keeper, rec.snapshots.buddy) == (0, 0)
+
+
+def test_verify_fails_the_job_on_a_mismatch_within_a_class_only():
+    rec = make(rank=0)
+    rec.classes = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
+    rec._verify(5, {0: fp(1), 1: fp(2), 2: fp(1), 3: fp(3)})  # 1 and 3 differ: not rank 0's class
+    assert rec.failures == []
+    with pytest.raises(Failed):
+        rec._verify(5, {0: fp(1), 1: fp(2), 2: fp(9), 3: fp(2)})
+    ((kind, error),) = rec.failures
+    assert kind == p.FailureKind.STATE_MISMATCH
+    assert error == ("managed state differs between data-parallel replicas at step 5: ranks [0] agree with "
+                     "rank 0, ranks [2] differ")
+
+
+def test_verify_ignores_ranks_that_sent_no_fingerprint():
+    rec = make(rank=0)
+    rec.classes = {r: [0, 1, 2, 3] for r in range(4)}
+    rec._verify(5, {0: fp(1), 3: fp(1)})  # ranks 1 and 2 not verifying this step (filtered by the caller)
+    assert rec.failures == []
+
+
+def test_before_classes_are_known_every_verifying_rank_is_one_class():
+    rec = make(rank=0)
+    with pytest.raises(Failed):
+        rec._verify(0, {0: fp(1), 1: fp(2)})
+
+
+# --- the exchange in a step ---------------------------------------------------------------------------------------
+class World:
+    """Stands in for the world's all-gather: every rank's blob, this rank's own at its index."""
+
+    def __init__(self, rec, peers, monkeypatch):
+        self.rec, self.peers, self.calls = rec, peers, []
+        monkeypatch.setattr(rank_state, "all_gather_bytes", self.gather)
+
+    def gather(self, data):
+        self.calls.append(unpack(data))
+        out = list(self.peers)
+        out[self.rec.control.rank] = data
+        return out
+
+
+def trained(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    return model, opt, sched
+
+
+def one_step(rec, model, opt, sched, step):
+    rec.control.set_step(step)
+    rec.begin_step()
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+def test_the_first_exchange_learns_the_classes_and_later_ones_send_no_fingerprint(monkeypatch):
+    rec = make(rank=0)
+    model, opt, sched = trained()
+    rec.manage({"model": model, "optimizer": opt, "scheduler": sched}, rank_local=False)
+    mine = rank_state.fingerprint(rec.replicated, rec.optimizers)
+    world = World(rec, [None, blob(mine, "n1"), blob(mine, "n2"), blob(mine, "n2")], monkeypatch)
+    one_step(rec, model, opt, sched, 0)
+    assert world.calls[0][0] == mine and world.calls[0][1]["node"] == "n1"
+    assert rec.classes == {r: [0, 1, 2, 3] for r in range(4)} and rec.committed_step == 0
+    assert rec.sent == [p.ReplicaReport(rank=0, replicas=[0, 1, 2, 3])]
+    assert rec.own_state(0, 0) == world.calls[0][2] and rec.own_state(0, 1) is None
+    world.peers = [None] + [blob(NO_FINGERPRINT, n) for n in ("n1", "n2", "n2")]
+    one_step(rec, model, opt, sched, 1)
+    assert world.calls[1][0] == NO_FINGERPRINT and len(rec.sent) == 1 and rec.committed_step == 1
+
+
+def test_a_replica_that_differs_at_the_first_step_after_a_recovery_fails_the_job(monkeypatch):
+    rec = make(rank=0)
+    model, opt, sched = trained()
+    rec.manage({"model": model, "optimizer": opt}, rank_local=False)
+    rec.classes = {r: [0, 1, 2, 3] for r in range(4)}
+    rec.verify_next = True
+    World(rec, [None, blob(fp(9), "n1"), blob(NO_FINGERPRINT, "n2"), blob(NO_FINGERPRINT, "n2")], monkeypatch)
+    rec.control.set_step(3)
+    rec.begin_step()
+    model(torch.ones(1, 3)).sum().backward()
+    with pytest.raises(Failed):
+        opt.step()
+    assert rec.failures[0][0] == p.FailureKind.STATE_MISMATCH and "ranks [1] differ" in rec.failures[0][1]
+
+
+def test_a_snapshot_is_taken_at_the_agreed_steps_with_the_round_of_every_rank_s_nonce(monkeypatch):
+    rec = make(rank=0, every=2)
+    model, opt, sched = trained()
+    rec.manage({"model": model, "optimizer": opt, "scheduler": sched}, rank_local=False)
+    rec.classes = {r: [r] for r in range(4)}  # FSDP: no rank has a replica
+    rec.snapshots.configure(NODE_OF, rec.classes)
+    rounds = []
+    monkeypatch.setattr(rec.snapshots, "_send", lambda snap, name: rounds.append(("send", snap.step, name)))
+    monkeypatch.setattr(rec.snapshots, "_receive", lambda step, name: rounds.append(("receive", step, name)))
+    peers = [None] + [blob(NO_FINGERPRINT, n, nonce=f"{r}") for r, n in ((1, "n1"), (2, "n2"), (3, "n2"))]
+    world = World(rec, peers, monkeypatch)
+    for step in range(4):
+        one_step(rec, model, opt, sched, step)
+        live = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "scheduler": sched.state_dict()}
+        if step == 1:
+            at_one = live
+    rec.begin_step()  # the next step's start
+    nonces = [world.calls[1][1]["nonce"], "1", "2", "3"]
+    assert sorted(r for r in rounds if r[1] == 1) == [("receive", 1, round_id(nonces)), ("send", 1, round_id(nonces))]
+    assert sorted(rec.snapshots.own) == [1, 3] and len(rounds) == 4
+    snap = rec.snapshots.own[1]
+    assert snap.rank_state == world.calls[1][2]  # this rank's state sent in step 1's exchange
+    assert all(torch.equal(snap.states["model"][k], v) for k, v in at_one["model"].items())
+    # the snapshot of step S is the state a step S + 1 starts from: the scheduler stepped after the optimizer
+    assert snap.states["scheduler"]["last_epoch"] == at_one["scheduler"]["last_epoch"] == 2
+    assert snap.states["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.5 / 3)
+    assert [c[1]["held"] for c in world.calls] == [[], [], [], []]  # no round completed (stubbed exchange)
+
+
+def test_any_rank_wanting_a_snapshot_makes_the_next_commit_take_one(monkeypatch):
+    rec = make(rank=0, every=100)
+    model, opt, sched = trained()
+    rec.manage({"model": model, "optimizer": opt}, rank_local=False)
+    rec.classes = {r: [r] for r in range(4)}
+    rec.snapshots.configure(NODE_OF, rec.classes)
+    monkeypatch.setattr(rec.snapshots, "_send", lambda snap, name: None)
+    monkeypatch.setattr(rec.snapshots, "_receive", lambda step, name: None)
+    World(rec, [None, blob(NO_FINGERPRINT, "n1"), blob(NO_FINGERPRINT, "n2", want=True),
+                blob(NO_FINGERPRINT, "n2")], monkeypatch)
+    one_step(rec, model, opt, sched, 5)
+    rec.begin_step()
+    assert sorted(rec.snapshots.own) == [5]
+
+
+# --- rolling back -------------------------------------------------------------------------------------------------
+def test_a_survivor_rolls_back_to_its_own_snapshot(monkeypatch):
+    rec = make(rank=0, every=2)
+    model, opt, sched = trained()
+    rec.manage({"model": model, "optimizer": opt}, rank_local=False)
+    rec.classes = {r: [r] for r in range(4)}
+    rec.snapshots.configure(NODE_OF, rec.classes)
+    monkeypatch.setattr(rec.snapshots, "_send", lambda snap, name: None)
+    monkeypatch.setattr(rec.snapshots, "_receive", lambda step, name: None)
+    World(rec, [None] + [blob(NO_FINGERPRINT, n) for n in ("n1", "n2", "n2")], monkeypatch)
+    for step in range(2):
+        one_step(rec, model, opt, sched, step)
+    rec.begin_step()
+    rec.snapshots.kept[1] = rec.snapshots.own[1]  # the buddy's copy arrived
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = rank_state.deserialize(rec.snapshots.own[1].rank_state)["cpu_rng"]
+    for step in range(2, 4):
+        one_step(rec, model, opt, sched, step)
+    torch.rand(7)  # the RNG moved on too
+    rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))
+    rec.control.on_recover(p.Recover(incident_id=1, generation=1, resume_step=2, sends=[], rollback_step=1))
+    assert rec._carry_out(rec.control.plan, 3, torch.get_rng_state()) == 2
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    assert torch.equal(torch.get_rng_state(), rng) and rec.committed_step == 1
+    assert rec.kept is None and rec.snapshots.want and rec.verify_next
+    assert rec.sent[-1].phase == p.RecoveryPhase.RECOVERED and rec.sent[-1].committed_step == 1
+    # what was loaded is a copy: training on does not change the snapshot
+    one_step(rec, model, opt, sched, 2)
+    assert all(torch.equal(rec.snapshots.own[1].states["model"][k], v) for k, v in weights.items())
+
+
+def test_a_rollback_to_a_snapshot_not_held_is_refused():
+    rec = make(rank=0, every=2)
+    rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))
+    rec.control.on_recover(p.Recover(incident_id=1, generation=1, resume_step=5, sends=[], rollback_step=4))
+    with pytest.raises(RuntimeError, match="holds no complete snapshot of it"):
+        rec._carry_out(rec.control.plan, 7, None)
