@@ -677,8 +677,9 @@ void MoverBackend::replayInto(const char* op, const std::vector<at::Tensor>& out
     ++state_->replayPos;
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
-    // copy_ on a by-value Tensor handle writes into the caller's storage.
-    at::Tensor dst = outputs[i];
+    // Written into the caller's storage through a detached alias, as the network would: a receive buffer may be
+    // a leaf that requires grad (pipelining's stage inputs), which autograd forbids an in-place copy_ into.
+    at::Tensor dst = outputs[i].detach();
     dst.copy_(recorded[i]);
   }
 }

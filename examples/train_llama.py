@@ -24,7 +24,8 @@ stages on different nodes. Parallelization, in torchtitan's order:
 * FSDP2 / HSDP (``--dp-shard`` > 1): ``fully_shard`` on every block and on the root, over ``mesh["dp_shard"]``
   (FSDP) or the 2-D ``mesh["dp_replicate", "dp_shard"]`` (HSDP).
 * Replication only (``--dp-replicate`` > 1, ``--dp-shard`` 1): ``DistributedDataParallel`` over
-  ``mesh["dp_replicate"].get_group()`` (tensor parallelism cannot be combined with it here: use HSDP).
+  ``mesh["dp_replicate"].get_group()`` (``find_unused_parameters=True`` under PP, whose several microbatch
+  backwards per step break DDP's bucket rebuild; tensor parallelism cannot be combined with it here: use HSDP).
 
 AdamW (``--lr``, weight decay 0.1, betas 0.9/0.95) with a ``LambdaLR`` schedule (linear warm-up over
 ``--warmup-steps``, then cosine to 10% of ``--lr``); gradient-norm clipping with ``--max-norm`` (0: off). The

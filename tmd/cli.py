@@ -226,6 +226,7 @@ def resume(
         daemon = Daemon(state.job, state.run_dir, state.nodes, state.ranks_per_node, state.standbys,
                         bind_host=host, store_host=host, port=port,
                         record_steps=state.record_steps or record_steps, heartbeat_timeout_s=heartbeat_timeout_s,
+                        snapshot_every=state.snapshot_every if state.snapshot_every is not None else 10,
                         echo=not quiet, command=state.command, netns=state.netns, resume=state)
     except Exception as e:  # noqa: BLE001 - e.g. the address is taken: one line, not a traceback
         print(f"error: cannot restart tmd of job {state.job} at {state.address}: {e}", file=sys.stderr)

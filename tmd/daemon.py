@@ -103,6 +103,8 @@ class Daemon:
         if resume is not None:
             self.migrations.first_id = resume.last_migration_id + 1  # migration ids go on after a restart
         self.incidents = Incidents(self.registry, self.journal, self, self.layout, snapshot_every=snapshot_every)
+        if resume is not None:
+            self.incidents.restore(resume.replicas, resume.keepers, resume.unprotected)
         self.faults = Faults(self.registry, self.journal, self.layout, self.incidents)
         self.store = host_store(store_host)  # on the job's address only, never all interfaces
         self.store_host = store_host
@@ -152,12 +154,14 @@ class Daemon:
             Sender.WORKER: {p.Heartbeat: self._heartbeat, p.StepReport: self._step_report,
                             p.PhaseDone: self._phase_done, p.RecoveryReport: self.incidents.on_report,
                             p.Done: self._done, p.RankFailed: self._rank_failed,
-                            p.RankWarning: self._rank_warning, p.ReplicaReport: self._replicas},
+                            p.RankWarning: self._rank_warning, p.ReplicaReport: self._replicas,
+                            p.SnapshotReport: self._snapshot_report},
             Sender.CLIENT: {p.StatusRequest: self.requests.status, p.MigrateRequest: self.requests.migrate,
                             p.MigrationRequest: self.requests.migration,
                             p.AddStandbyRequest: self.requests.add_standby, p.EventsRequest: self.requests.events},
             Sender.HOOK: {p.NodeNotice: self.requests.node_notice},
         }
+        self._snapshots_journalled: set[tuple[str, int]] = set()
         self.resumed: Optional[Resumed] = None
         if resume is not None:
             self.resumed = Resumed(self, resume, rejoin_grace_s=max(10.0, 2 * heartbeat_timeout_s))
@@ -434,6 +438,13 @@ class Daemon:
             self.incidents.on_replicas(w, msg)
         except ValueError as e:  # a class that does not fit the job: refused, the job untouched
             self._refuse(w.identity, str(e))
+
+    def _snapshot_report(self, w: Worker, msg: p.SnapshotReport) -> None:
+        if (w.node, msg.rank) in self._snapshots_journalled:  # one line per process of a rank, however often sent
+            return
+        self._snapshots_journalled.add((w.node, msg.rank))
+        self.journal.record(Event.SNAPSHOT_TAKEN, rank=msg.rank, node=w.node, step=msg.step,
+                            bytes_per_copy=msg.bytes_per_copy, copy_s=round(msg.copy_s, 6))
 
     def _rank_warning(self, w: Worker, msg: p.RankWarning) -> None:
         self.faults.warned(w, msg)

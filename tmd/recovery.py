@@ -153,6 +153,8 @@ class Incidents(Episodes[Incident]):
         keepers = p.layout.snapshot_keepers(node_of) if len(node_of) == self.registry.world_size else {}
         if exposed and self.snapshot_every > 0 and keepers:
             self.keepers = keepers  # the ranks decide the same from the same map (worker.snapshot)
+        self.journal.record(Event.REPLICA_CLASSES, replicas={str(r): c for r, c in sorted(self.replicas.items())},
+                            keepers={str(r): k for r, k in sorted(self.keepers.items())})
         for r in exposed:
             node = node_of[r]
             if any(u["node"] == node for u in self.unprotected):
@@ -164,6 +166,11 @@ class Incidents(Episodes[Incident]):
                      "message": f"rank {r}'s state has no replica outside {node}: {consequence}"}
             self.unprotected.append(entry)
             self.journal.record(Event.NO_REPLICA, **entry)
+
+    def restore(self, replicas: dict[int, list[int]], keepers: dict[int, int], unprotected: list[dict]) -> None:
+        """What a crashed tmd learned of the replica classes (tmd resume: its ``replica_classes`` and
+        ``no_replica`` events); the ranks do not report them again."""
+        self.replicas, self.keepers, self.unprotected = dict(replicas), dict(keepers), list(unprotected)
 
     def sources_for(self, rank: int, candidates: list[int]) -> list[int]:
         """The ranks of ``candidates`` that hold a bit-identical copy of ``rank``'s state (all of them when the

@@ -79,6 +79,10 @@ class JobState:
     last_seq: int
     last_ts: float
     previous_pid: Optional[int]
+    snapshot_every: Optional[int] = None  # buddy snapshots every that many steps (None: an older journal)
+    replicas: dict = dataclasses.field(default_factory=dict)  # rank -> its replica class (replica_classes event)
+    keepers: dict = dataclasses.field(default_factory=dict)  # rank -> the rank keeping its buddy snapshot
+    unprotected: list = dataclasses.field(default_factory=list)  # the no_replica warnings
 
 
 def load(run_dir: str) -> JobState:
@@ -161,6 +165,11 @@ def load(run_dir: str) -> JobState:
         if role == NodeRole.JOINING:  # a cut migration's target, or a cut recovery's standby: a standby again
             roles[name] = (NodeRole.STANDBY, [])
     seqs = [e["seq"] for e in events if isinstance(e.get("seq"), int)]
+    classes = [e for e in events if e["event"] == Event.REPLICA_CLASSES]
+    replicas = {int(r): list(c) for r, c in classes[-1]["replicas"].items()} if classes else {}
+    keepers = {int(r): int(k) for r, k in classes[-1]["keepers"].items()} if classes else {}
+    unprotected = [{k: e[k] for k in ("rank", "node", "code", "message")} for e in events
+                   if e["event"] == Event.NO_REPLICA]
     return JobState(
         job=started.get("job") or info.get("job"), run_dir=layout.path, address=info["address"],
         command=info.get("command"), cwd=info.get("cwd"), netns=info.get("netns") or {},
@@ -169,7 +178,8 @@ def load(run_dir: str) -> JobState:
         generation=max(generation, consumed),  # each migration and each recovery plan took one
         last_migration_id=last_mid, cut_migration=migration, open_incident=incident,
         last_seq=max(seqs, default=0), last_ts=events[-1].get("ts", time.time()),
-        previous_pid=pid if isinstance(pid, int) else None)
+        previous_pid=pid if isinstance(pid, int) else None, snapshot_every=started.get("snapshot_every"),
+        replicas=replicas, keepers=keepers, unprotected=unprotected)
 
 
 def _is_tmd(pid: int) -> bool:

@@ -116,7 +116,7 @@ class GroupManager:
             raise ValueError(f"process group {name} exists already on rank {self.rank}")
         if self.replay_dir is not None:
             mover = mb.MoverBackend(group_rank, size, None)
-            sandbox.start_replay(mover, self.replay_dir, self.rank, name)
+            sandbox.start_replay(mover, self.replay_dir, self.rank, name, ranks=list(ranks))
         else:
             inner = mb.build_inner(self.store, p.layout.created_group_prefix(name), group_rank, size,
                                    self.timeout_s, self.host)

@@ -121,8 +121,11 @@ def all_gather_bytes(data: bytes, group: Optional[dist.ProcessGroup] = None) -> 
     lengths = [int(s.item()) for s in sizes]
     longest = max(lengths + [1])
     mine = torch.zeros(longest, dtype=torch.uint8)
-    if data:
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    # Live, ``longest`` covers this rank's own size. Replayed (a joiner's shadow iterations) the sizes are the
+    # recording's, and this rank's payload, thrown away anyway, may be longer: only what fits is copied.
+    n = min(len(data), longest)
+    if n:
+        mine[:n] = torch.frombuffer(bytearray(data[:n]), dtype=torch.uint8)
     outs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(world)]
     dist.all_gather(outs, mine.to(device), group=group)
     return [bytes(o[:n].cpu().numpy().tobytes()) for o, n in zip(outs, lengths)]

@@ -114,6 +114,7 @@ class Recovery:
         self.classes: Optional[dict[int, list[int]]] = None
         self.node = ""  # this process's node name (published in the exchange: snapshot pairing)
         self.snapshots: Optional[Snapshots] = None  # buddy snapshots (Session.attach_snapshots), off if None
+        self._snapshot_reported = False
         self._snapshot_round: Optional[tuple[int, str]] = None  # (step, round id): taken as the next step starts
         self.optimizers: list[torch.optim.Optimizer] = []
         self.stepped: set[int] = set()  # ids of the managed optimizers that stepped in this attempt
@@ -230,6 +231,9 @@ class Recovery:
         due, self._snapshot_round = self._snapshot_round, None
         if due is not None and due[0] == self.committed_step and self.kept is not None and self.kept[0] == due[0]:
             self.snapshots.take(due[0], self.replicated, self.own_state(self.control.rank, due[0]), due[1])
+            if not self._snapshot_reported:  # its cost, once per process: host bytes and the copy's seconds
+                self._snapshot_reported = True
+                self.reports.snapshot(due[0], self.snapshots.bytes_per_copy, self.snapshots.take_s)
         self.stepped.clear()
         self.exchanged = None
         self.rng_snapshot = torch.get_rng_state()

@@ -76,6 +76,11 @@ class Reporter:
         """Tell tmd which ranks hold a bit-identical copy of this rank's replicated state (its class)."""
         self.send(p.ReplicaReport(rank=self.rank(), replicas=list(ranks)))
 
+    def snapshot(self, step: int, nbytes: int, seconds: float) -> None:
+        """Tell tmd what this rank's buddy snapshot of ``step`` costs: ``nbytes`` of host memory per copy (its
+        own; the buddy's it keeps is as large), ``seconds`` for the host copy (the step-time overhead)."""
+        self.send(p.SnapshotReport(rank=self.rank(), step=step, bytes_per_copy=nbytes, copy_s=seconds))
+
     def done(self, final_step: int, left: bool) -> None:
         """The training loop ended after ``final_step`` (``left``: as a leaver that handed over)."""
         self.send(p.Done(rank=self.rank(), final_step=final_step, left=left))

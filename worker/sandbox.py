@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Optional
 
 import torch
 
@@ -22,10 +23,12 @@ from tmd.protocol.layout import recording_path
 FORMAT_VERSION = 1
 
 
-def save_recordings_async(movers: dict, record_dir: str, rank: int) -> threading.Thread:
+def save_recordings_async(movers: dict, record_dir: str, rank: int,
+                          ranks: Optional[dict[str, list[int]]] = None) -> threading.Thread:
     """Stop recording on every group's mover (``{name: mover}``; mode becomes ``live``) and write what each
-    recorded, on a background thread. The recorded tensors are freed once written: stayers keep no extra
-    memory."""
+    recorded, on a background thread, with each group's global ``ranks`` (``{name: ranks}``) so that a joiner
+    that creates its groups in another order is told so. The recorded tensors are freed once written: stayers
+    keep no extra memory."""
     taken = {}
     for name, mover in movers.items():
         mover.set_mode(p.MoverMode.LIVE.value)
@@ -35,7 +38,8 @@ def save_recordings_async(movers: dict, record_dir: str, rank: int) -> threading
         for name, entries in taken.items():
             path = recording_path(record_dir, rank, name)
             tmp = f"{path}.tmp{os.getpid()}"
-            torch.save({"version": FORMAT_VERSION, "rank": rank, "group": name, "entries": entries}, tmp)
+            torch.save({"version": FORMAT_VERSION, "rank": rank, "group": name, "entries": entries,
+                        "ranks": list((ranks or {}).get(name, []))}, tmp)
             os.replace(tmp, path)
         taken.clear()
 
@@ -44,10 +48,13 @@ def save_recordings_async(movers: dict, record_dir: str, rank: int) -> threading
     return t
 
 
-def start_replay(mover, record_dir: str, rank: int, group: str = p.layout.WORLD_GROUP, wait_s: float = 60.0) -> int:
+def start_replay(mover, record_dir: str, rank: int, group: str = p.layout.WORLD_GROUP, wait_s: float = 60.0,
+                 ranks: Optional[list[int]] = None) -> int:
     """Load rank ``rank``'s recording of ``group`` into ``mover`` and switch it to ``replay``. Returns the number
     of recorded ops. The recording is written by another process, so a missing file is awaited up to ``wait_s``
-    seconds; raises FileNotFoundError after that, ValueError on a foreign format."""
+    seconds; raises FileNotFoundError after that, ValueError on a foreign format or when ``ranks`` (this
+    process's group's global ranks) differ from the recorded group's (the script created its groups in another
+    order than the job did)."""
     path = recording_path(record_dir, rank, group)
     deadline = time.monotonic() + wait_s
     while not os.path.exists(path) and time.monotonic() < deadline:
@@ -55,6 +62,10 @@ def start_replay(mover, record_dir: str, rank: int, group: str = p.layout.WORLD_
     data = torch.load(path, weights_only=True)
     if data.get("version") != FORMAT_VERSION or data.get("rank") != rank or data.get("group") != group:
         raise ValueError(f"{path} is not a v{FORMAT_VERSION} recording of rank {rank}, group {group}")
+    recorded = data.get("ranks") or []
+    if ranks is not None and recorded and list(ranks) != list(recorded):
+        raise ValueError(f"process group {group} was created over ranks {recorded} by the job but over {list(ranks)} "
+                         "here: every process must create its groups in the same order")
     entries = [(op, list(tensors)) for op, tensors in data["entries"]]
     mover.load_recording(entries)
     mover.set_mode(p.MoverMode.REPLAY.value)

@@ -56,7 +56,7 @@ def _prewarm() -> None:
     replacement's critical path after a failure."""
     t0 = time.perf_counter()
     import torch._dynamo  # noqa: F401
-    import torch.nn.parallel  # noqa: F401
+    import torch.nn.parallel  # noqa: F401 (lazily imported by DDP)
     log.info("standby pre-warmed in %.2f s", time.perf_counter() - t0)
 
 
@@ -276,7 +276,8 @@ class Session:
             switch = control.boundary(step)
             if control.role == p.WorkerRole.ACTIVE and step == a.record_steps and self._record_writer is None:
                 self._record_writer = sandbox.save_recordings_async(
-                    {g.name: g.mover for g in self._groups.groups.values()}, a.record_dir, self.rank)
+                    {g.name: g.mover for g in self._groups.groups.values()}, a.record_dir, self.rank,
+                    {g.name: g.ranks for g in self._groups.groups.values()})
             if switch is not None:
                 self._migration.switch_boundary(switch)
                 recovery.verify_next = True

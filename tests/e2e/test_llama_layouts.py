@@ -2,8 +2,9 @@
 world of 4 processes, 1 thread each, started torchrun-style from the environment): FSDP2 over 4, HSDP 2x2,
 TP 2 x FSDP2 2, PP 2 x FSDP2 2 (1F1B), PP 2 x DDP 2 (GPipe).
 
-Each layout trains ``--tiny`` for a few steps; the loss must be finite and lower at the end than at the start,
-every rank must write its final JSON, and a second identical run must give the same final hash on every rank.
+Each layout trains ``--tiny`` for a few steps; the loss must be finite and lower at the end than at the start and
+every rank must write its final JSON; for PP x FSDP2 (not run under the runtime by tests/e2e/test_hybrid.py, which
+compares the other layouts bit for bit) a second identical run must give the same final hash on every rank.
 Also checked: HSDP replicas hold identical shards (same hash at the same shard coordinate), and a world size that
 is not the product of the degrees fails with a one-line error.
 """
@@ -94,9 +95,10 @@ def test_layout_trains_and_is_deterministic(layout, tmp_path):
     for rank, d in first.items():
         assert d["rank"] == rank and d["steps"] == STEPS and len(d["state_sha256"]) == 64
         assert d["loss"] is not None and math.isfinite(d["loss"])
-    second, losses2 = _train(str(tmp_path / "b"), LAYOUTS[layout])
-    assert losses2 == losses
-    assert {r: d["state_sha256"] for r, d in second.items()} == {r: d["state_sha256"] for r, d in first.items()}
+    if layout == "pp2_fsdp2_1f1b":  # the others' determinism is checked under the runtime (tests/e2e/test_hybrid.py)
+        second, losses2 = _train(str(tmp_path / "b"), LAYOUTS[layout])
+        assert losses2 == losses
+        assert {r: d["state_sha256"] for r, d in second.items()} == {r: d["state_sha256"] for r, d in first.items()}
     if layout == "hsdp2x2":  # replicate dim outermost: rank r and r + 2 hold the same shard
         assert first[0]["state_sha256"] == first[2]["state_sha256"]
         assert first[1]["state_sha256"] == first[3]["state_sha256"]

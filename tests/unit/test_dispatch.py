@@ -179,7 +179,8 @@ def test_replica_reports_of_unreplicated_ranks_are_shown_in_status(daemon):
     assert daemon.status().warnings == []  # rank 1 has not reported yet
     daemon.on_frames([n2, p.encode(p.ReplicaReport(rank=1, replicas=[1]))], p.Sender.WORKER)
     warnings = daemon.status().warnings
-    assert [(w["rank"], w["node"], w["code"]) for w in warnings] == [(0, "n1", Event.NO_REPLICA), (1, "n2", Event.NO_REPLICA)]
+    assert [(w["rank"], w["node"], w["code"]) for w in warnings] == [(0, "n1", Event.NO_REPLICA),
+                                                                     (1, "n2", Event.NO_REPLICA)]
     assert "rolls the job back to the last buddy snapshot" in warnings[0]["message"]  # snapshots on by default
     assert refusals(daemon) == [] and daemon.incidents.keepers == {0: 1, 1: 0}
 

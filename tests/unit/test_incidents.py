@@ -305,7 +305,8 @@ def test_an_unexplained_collective_failure_regroups_every_rank(world):
 
 
 # --- replica classes and buddy snapshots ------------------------------------------------------------------------------
-ACROSS = {0: [0, 2, 4], 2: [0, 2, 4], 4: [0, 2, 4], 1: [1, 3, 5], 3: [1, 3, 5], 5: [1, 3, 5]}  # HSDP: replicas across nodes
+# HSDP: replicas across nodes
+ACROSS = {0: [0, 2, 4], 2: [0, 2, 4], 4: [0, 2, 4], 1: [1, 3, 5], 3: [1, 3, 5], 5: [1, 3, 5]}
 IN_NODE = {r: [r - r % 2, r - r % 2 + 1] for r in range(6)}  # e.g. a pipeline stage per node, replicated in the node
 ALONE = {r: [r] for r in range(6)}  # pure FSDP: no rank has a replica
 

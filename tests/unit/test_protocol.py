@@ -97,6 +97,7 @@ def test_replica_report_ranks_out_of_bounds_are_refused(replicas):
 
 
 def test_replica_report_of_valid_ranks_decodes():
-    assert p.decode(frame("ReplicaReport", rank=2, replicas=[0, 2, p.MAX_RANKS - 1])).replicas == [0, 2, p.MAX_RANKS - 1]
+    top = p.MAX_RANKS - 1
+    assert p.decode(frame("ReplicaReport", rank=2, replicas=[0, 2, top])).replicas == [0, 2, top]
     with pytest.raises(p.ProtocolError, match="ReplicaReport.rank"):
         p.decode(frame("ReplicaReport", rank=True, replicas=[0]))

@@ -9,7 +9,6 @@ import torch
 
 from tmd import protocol as p
 from worker import rank_state
-from worker import recovery as recovery_mod
 from worker.control import Control, Stage
 from worker.recovery import NO_FINGERPRINT, Recovery, pack, unpack
 from worker.reports import Reporter

@@ -142,6 +142,18 @@ class ReplicaReport(Message, sender=Sender.WORKER):
 
 
 @dataclasses.dataclass(kw_only=True)
+class SnapshotReport(Message, sender=Sender.WORKER):
+    """What rank ``rank``'s first buddy snapshot (worker.snapshot) cost: ``bytes_per_copy`` of host memory (its own
+    copy; the peer's copy it keeps is as large) and ``copy_s`` seconds for the host copy, the step-time overhead
+    of a snapshot step. Sent once per process; tmd journals it (``snapshot_taken``)."""
+
+    rank: int
+    step: int
+    bytes_per_copy: int
+    copy_s: float
+
+
+@dataclasses.dataclass(kw_only=True)
 class Rejoin(Message, sender=Sender.WORKER):
     """A worker's answer to :class:`Reregister`: what this process holds now, so a restarted tmd can re-learn
     the job. ``role`` is ``active``, ``joiner`` or ``standby`` (never assigned a rank; ``rank`` is -1 then);
@@ -419,7 +431,7 @@ MAX_HOST_CHARS = 255  # a host name (RFC 1035's limit on a full domain name)
 INT_RANGE = (-2 ** 63, 2 ** 63 - 1)  # every integer, anywhere in a frame (beyond: OverflowError in float math)
 NAME_FIELDS = frozenset({"node", "job_id"})
 HOST_FIELDS = frozenset({"host"})
-NON_NEGATIVE_FIELDS = frozenset({"step_time_s", "seconds", "bytes_moved"})
+NON_NEGATIVE_FIELDS = frozenset({"step_time_s", "seconds", "bytes_moved", "bytes_per_copy", "copy_s"})
 MAX_COUNTER_KEYS = 64  # keys of Heartbeat.counters and of its ``gpu`` sample
 MAX_GROUPS = 4096  # PhaseDone.groups entries
 MAX_LABEL_CHARS = 256  # a counter's text value (mode), a GPU uuid or throttle reason, a group name
