@@ -61,8 +61,9 @@ def assert_identical(job: Job, reference: dict[int, str], rc: int, incidents: in
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode,phase", [("per-rank", "optimizer"), ("per-rank", "forward"),
-                                        ("per-step", "forward"), ("shared", "optimizer")])
+# (shared seeding is the demo's own: every other e2e job kills nodes with it; the forward phase with per-rank
+# seeds is the two-failures test's first fault)
+@pytest.mark.parametrize("mode,phase", [("per-rank", "optimizer"), ("per-step", "forward")])
 def test_kill_node_is_bit_identical(tmp_path, reference, mode, phase):
     job = FidelityJob(tmp_path, 1, mode, "--fault", f"n2:8:{phase}")
     assert_identical(job, reference(mode), job.finish())
