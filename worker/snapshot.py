@@ -44,6 +44,7 @@ from worker import transfer
 
 log = logging.getLogger("worker.snapshot")
 
+MAX_HELD = 3  # snapshots of each kind a rank holds at most (the common one and the newest ones)
 ROUND_TIMEOUT_S = 120.0  # gloo timeout (seconds) of a round's 2-rank groups: a peer lost mid-round frees them
 
 
@@ -156,6 +157,10 @@ class Snapshots:
         with self.lock:
             for held in (self.own, self.kept):
                 for step in [s for s in held if s < floor]:
+                    del held[step]
+                # a bound while rounds keep failing somewhere: the common step and the newest MAX_HELD - 1
+                extra = [s for s in sorted(held) if s != floor][:max(0, len(held) - MAX_HELD)]
+                for step in extra:
                     del held[step]
 
     # --- taking one --------------------------------------------------------------------------------------------

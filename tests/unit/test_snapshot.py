@@ -316,3 +316,15 @@ def test_a_sharded_snapshot_loads_back_bit_identically_without_aliasing(mesh):
     with torch.no_grad():
         model.weight.to_local().add_(1.0)  # the loaded state is not the snapshot's
     assert torch.equal(s.own[4].states["model"]["weight"].local, before)
+
+
+def test_prune_bounds_what_a_rank_holds_while_rounds_keep_failing_elsewhere():
+    """A rank whose rounds keep failing (held nothing in common) must not make every other rank keep every copy:
+    at most MAX_HELD of each kind stay, the common step (4) among them."""
+    from worker.snapshot import MAX_HELD
+
+    s = holding(own=[4, 9, 14, 19, 24], kept=[4, 9, 14, 19, 24])
+    s.prune([[4, 9, 14, 19, 24], [4]])
+    assert len(s.own) == len(s.kept) == MAX_HELD and 4 in s.own and 24 in s.own, sorted(s.own)
+    s.prune([[9, 14, 19, 24], []])  # nothing common: still bounded, the newest kept
+    assert len(s.own) <= MAX_HELD and 24 in s.own
