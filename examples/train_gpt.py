@@ -62,6 +62,17 @@ class FaultPhase(enum.StrEnum):
     BETWEEN = "between"
 
 
+def parse_faults(parser: argparse.ArgumentParser, specs: list[str]) -> dict[tuple[str, int], FaultPhase]:
+    """``--fault NODE:STEP:PHASE`` values as {(node, step): phase}; a bad phase is the parser's error (exit 2)."""
+    faults = {}
+    for f in specs:
+        node, step, phase = f.split(":")
+        if phase not in tuple(FaultPhase):
+            parser.error(f"--fault phase must be forward, optimizer or between, not {phase!r}")
+        faults[(node, int(step))] = FaultPhase(phase)
+    return faults
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40, help="total optimizer steps of the job")
@@ -92,13 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pad each step to at least this many seconds (stands in for a bigger model; numerics unchanged)")
     args = p.parse_args(argv)
     args.slow_steps = {int(s) for s in args.slow_steps.split(",") if s}
-    faults = {}
-    for f in args.fault:
-        node, step, phase = f.split(":")
-        if phase not in tuple(FaultPhase):
-            p.error(f"--fault phase must be forward, optimizer or between, not {phase!r}")
-        faults[(node, int(step))] = FaultPhase(phase)
-    args.fault = faults
+    args.fault = parse_faults(p, args.fault)
     args.seed_mode = SeedMode(args.seed_mode)
     if args.batch_size is None:
         args.batch_size = 4 if args.tiny else 8

@@ -63,7 +63,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from examples.data import ShakespeareStream, load_corpus  # noqa: E402
 from examples.llama import LlamaConfig, Transformer, loss as lm_loss  # noqa: E402
 from examples.state_hash import final_state_hash  # noqa: E402
-from examples.train_gpt import FaultPhase, kill_node, write_final  # noqa: E402
+from examples.train_gpt import FaultPhase, kill_node, parse_faults, write_final  # noqa: E402
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # torchtitan's order, outermost first
 
@@ -97,13 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="no runtime: plain gloo default group from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT")
     p.add_argument("--run-dir", default=os.environ.get("TM_RUN_DIR", ""), help="--plain only: where final/ goes")
     args = p.parse_args(argv)
-    faults = {}
-    for f in args.fault:
-        node, step, phase = f.split(":")
-        if phase not in tuple(FaultPhase):
-            p.error(f"--fault phase must be forward, optimizer or between, not {phase!r}")
-        faults[(node, int(step))] = FaultPhase(phase)
-    args.fault = faults
+    args.fault = parse_faults(p, args.fault)
     if args.batch_size is None:
         args.batch_size = 4 if args.tiny else 8
     if args.warmup_steps is None:

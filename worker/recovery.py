@@ -57,7 +57,7 @@ import torch
 from tmd import protocol as p
 from worker import backend as mb
 from worker import rank_state, transfer
-from worker.snapshot import Snapshots, round_id
+from worker.snapshot import Snapshot, Snapshots, round_id
 from worker.control import Attempt, Control, Stage
 from worker.exit import exit_process
 from worker.reports import Reporter
@@ -211,11 +211,6 @@ class Recovery:
             self.fail(p.FailureKind.STATE_MISMATCH,
                       f"managed state differs between data-parallel replicas at step {step}: ranks "
                       f"{agree} agree with rank {rank}, ranks {other} differ")
-
-    def snapshot_states(self) -> dict[str, Any]:
-        """Host copies of the replicated state now (what a snapshot holds)."""
-        from worker.snapshot import copy_state
-        return {name: copy_state(obj.state_dict()) for name, obj in self.replicated.items()}
 
     def own_state(self, rank: int, step: int) -> Optional[bytes]:
         """Rank ``rank``'s state (worker.rank_state bytes) at the start of step ``step + 1``, from the copy kept
@@ -391,8 +386,8 @@ class Recovery:
                 rank_state.restore(rank_state.deserialize(extra["rank_state"]), self.local)
                 rng_next = None
             if rollback and self.snapshots is not None:  # hold what came as this rank's snapshot of that step
-                from worker.snapshot import Snapshot
-                self.snapshots.adopt(Snapshot(plan.rollback_step, self.snapshot_states(), extra["rank_state"]))
+                live = {name: obj.state_dict() for name, obj in self.replicated.items()}  # adopt() copies it
+                self.snapshots.adopt(Snapshot(plan.rollback_step, live, extra["rank_state"]))
         elif rollback:
             own = self.snapshots.own_copy(plan.rollback_step)
             transfer.load_state(self.replicated, own.states)

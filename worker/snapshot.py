@@ -97,6 +97,11 @@ def copy_state(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
+def host_copy(objects: dict[str, Any]) -> dict[str, Any]:
+    """Host copies (:func:`copy_state`) of ``objects``' state_dicts now: what a snapshot holds."""
+    return {name: copy_state(obj.state_dict()) for name, obj in objects.items()}
+
+
 def round_id(nonces: list[str]) -> str:
     """The id of the snapshot round started at a step, from every rank's nonce of that step's exchange (the same
     list on every rank): 16 hex characters, unique per round even when a rollback redoes the step."""
@@ -170,7 +175,7 @@ class Snapshots:
         import time
 
         t0 = time.perf_counter()
-        snap = Snapshot(step, {name: copy_state(obj.state_dict()) for name, obj in objects.items()}, rank_state)
+        snap = Snapshot(step, host_copy(objects), rank_state)
         self.take_s = time.perf_counter() - t0
         self.bytes_per_copy = _nbytes(snap.states) + len(rank_state)
         with self.lock:
@@ -187,8 +192,7 @@ class Snapshots:
             store = self.groups.connect_store()
             pg = mb.build_inner(store, p.layout.snapshot_prefix(round_name, self.rank, self.keeper), 0, 2,
                                 ROUND_TIMEOUT_S, self.groups.host)
-            transfer.send_state(pg, {name: _Frozen(s) for name, s in snap.states.items()},
-                                {"step": snap.step, "rank_state": snap.rank_state})
+            transfer.send_state(pg, self.frozen(snap), {"step": snap.step, "rank_state": snap.rank_state})
         except Exception as e:  # noqa: BLE001 - the round does not complete; the previous snapshot stays
             log.warning("rank %d: snapshot %d not sent to rank %d: %s", self.rank, snap.step, self.keeper, e)
         finally:
