@@ -364,6 +364,9 @@ def main(argv: list[str] | None = None) -> None:
         keep=args.keep,
     )
     print(json.dumps(report), flush=True)
+    from benchmarks import report as results  # here, not at the top: rank processes start from this module
+
+    results.save("cold_restart", report)  # no tmd journal: the JSON only
 
 
 if __name__ == "__main__":

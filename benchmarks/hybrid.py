@@ -61,6 +61,7 @@ import subprocess
 import sys
 import time
 
+from benchmarks import report
 from benchmarks.recovery import first_event, read_events
 from tests.support.job import final_hashes, job_client, migrate_when_ready, tmd_command
 from tmd import protocol as p
@@ -321,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                 for k in ("planned_downtime", "snapshot_overhead", "peer_copy_ok", "own_plus_peer_within_one_copy")},
     }
     print(json.dumps(result), flush=True)
+    report.save("hybrid", result, [os.path.join(args.run_dir, layout, "job") for layout in layouts])
     return 0 if all(ok.values()) else 1
 
 

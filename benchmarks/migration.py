@@ -27,9 +27,9 @@ import time
 
 import psutil
 
+from benchmarks import report
 from benchmarks.cold_restart import run_cold_restart
-from tests.support.job import migrate_when_ready, tmd_command, wait_for_address, job_client
-from tmctl.client import Client
+from tests.support.job import migrate_when_ready, tmd_command, job_client
 from tmd import protocol as p
 
 
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--run-dir", default="tmrun/bench")
     args = ap.parse_args(argv)
-    live = run_live(args.steps, args.migrate_at, args.tiny, os.path.join(args.run_dir, "live"))
+    live_dir = os.path.join(args.run_dir, "live")
+    live = run_live(args.steps, args.migrate_at, args.tiny, live_dir)
     cold = run_cold_restart(world=4, steps=args.steps, restart_at=args.migrate_at, tiny=args.tiny)
     ours = live["downtime_s"]
     result = {
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {"downtime_s_max": 0.25, "ratio_min": 30, "stayer_rss_growth_max": 0.01},
     }
     print(json.dumps(result), flush=True)
+    report.save("migration", result, [live_dir])  # benchmarks/results/migration.json and .png
     return 0 if live["state"] == "committed" else 1
 
 

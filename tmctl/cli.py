@@ -1,21 +1,29 @@
-"""tmctl: the command line for a running TrainMover job (status, migrate, events).
+"""tmctl: the command line for a running TrainMover job (status, migrate, events, timeline).
 
 Every command asks the coordinator (tmd) over ZeroMQ; see :func:`tmctl.client.find_coordinator` for how its
-address is found. Exit codes: 0 success; 1 a migration aborted or did not finish in time; 2 the request was
-refused, no coordinator answered, or anything else went wrong (always one ``error: ...`` line on stderr).
+address is found. Exit codes: 0 success; 1 a migration aborted (or a standby was not ready within
+--wait-standby-s); 3 a migration still running when --timeout-s ran out; 2 the request was refused, no coordinator
+answered, or anything else went wrong (always one ``error: ...`` line on stderr).
 """
 import dataclasses
 import functools
 import json
+import os
+import sys
 import time
 from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.live import Live
 from rich.markup import escape
+from rich.spinner import Spinner
 
 from tmctl import ended, render
-from tmctl.client import Client, CoordinatorUnreachable, TmctlError, find_coordinator, find_keys
+from tmctl.client import (
+    Client, CoordinatorUnreachable, TmctlError, find_coordinator, find_keys, web_token_file,
+)
+from tmd import timeline as timelines
 from tmd.protocol import (
     AddStandbyRequest,
     ErrorReply,
@@ -29,11 +37,16 @@ from tmd.protocol import (
     StatusReply,
     StatusRequest,
 )
-from tmd.protocol.vocab import ErrorCode, MigrationState, NodeRole
+from tmd.protocol import layout
+from tmd.protocol.vocab import ErrorCode, Event, MigrationState, NodeRole
 
 DEFAULT_TIMEOUT_S = 2.0
 POLL_INTERVAL_S = 0.2  # migrate: seconds between MigrationRequests
 FOLLOW_INTERVAL_S = 0.5  # events --follow: seconds between EventsRequests when caught up
+EVENTS_PAGE = 1000  # timeline: events asked for per EventsRequest
+EXIT_ABORTED = 1  # migrate: the migration aborted (tmd's reason on stderr)
+EXIT_REFUSED = 2  # migrate: tmd refused the request (and every other error of any command)
+EXIT_STILL_RUNNING = 3  # migrate: the migration was still running when --timeout-s ran out
 
 app = typer.Typer(
     add_completion=False,
@@ -183,6 +196,43 @@ def status(ctx: typer.Context, json_: JsonOpt = False, coordinator: CoordinatorO
         console.print(line)
     if reply.failure:
         console.print(render.failure_text(reply.failure))
+    if reply.page:
+        console.print(f"page: {escape(reply.page)}  (tmctl page: with its token; Prometheus: {escape(reply.page)}metrics)")
+    return 0
+
+
+@app.command()
+@_guarded
+def page(ctx: typer.Context,
+         prometheus: Annotated[bool, typer.Option(
+             "--prometheus", help="Print a Prometheus scrape config for the job instead.")] = False,
+         coordinator: CoordinatorOpt = None, run_dir: RunDirOpt = None, job: JobOpt = None,
+         timeout: TimeoutOpt = None) -> int:
+    """Print the job's live status page address with its token (``http://HOST:PORT/?token=...``: open it in a
+    browser; the page swaps the token for a cookie), or with --prometheus a scrape config for its metrics.
+
+    The token is read from the job's keys directory (``web.token``), like the client key. Exit 2 when tmd does
+    not answer, serves no page (``tmd ... --metrics-port -1``), or the token cannot be read.
+    """
+    with _connect(ctx, coordinator, run_dir, job, timeout) as client:
+        reply = _expect(client.request(StatusRequest()), StatusReply)
+    if not reply.page:
+        raise _Fail(f"job {reply.job} serves no status page (tmd was started with --metrics-port -1)")
+    o = _options(ctx, coordinator, run_dir, job, timeout)
+    token_file = web_token_file(o["run_dir"], o["job"])
+    try:
+        with open(token_file or "") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise _Fail(f"cannot read the job's web token ({token_file or 'no keys directory found'}): "
+                    f"{e.strerror or e}; give --job/--run-dir, or TM_KEYS")
+    if prometheus:
+        host_port = reply.page.split("//", 1)[-1].rstrip("/")
+        typer.echo(f"scrape_configs:\n  - job_name: trainmover-{reply.job}\n    authorization:\n"
+                   f"      type: Bearer\n      credentials_file: {os.path.abspath(token_file)}\n"
+                   f"    static_configs:\n      - targets: [\"{host_port}\"]")
+    else:
+        typer.echo(f"{reply.page}?token={token}")
     return 0
 
 
@@ -254,13 +304,17 @@ def migrate(
     target: Annotated[str, typer.Option(
         "--to", metavar="STANDBY[,STANDBY...]",
         help="Standby node that takes them; one per --from node, in the same order.")],
-    no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the migration id and return at once.")] = False,
+    wait: Annotated[bool, typer.Option(
+        "--wait/--no-wait",
+        help="Follow the migration until it commits or aborts (the default), or print its id and return at "
+             "once.")] = True,
     wait_standby_s: Annotated[float, typer.Option(
         "--wait-standby-s", min=0.0, metavar="SECONDS",
         help="While tmd refuses because the standby is not warm yet (or the job not ready), ask again for up "
              "to this long (exit 1 then).")] = 0.0,
     timeout_s: Annotated[float, typer.Option(
-        "--timeout-s", min=0.0, metavar="SECONDS", help="Give up waiting after this long (exit 1).")] = 300.0,
+        "--timeout-s", min=0.0, metavar="SECONDS",
+        help="Stop following after this long (exit 3; the migration goes on in tmd).")] = 300.0,
     json_: JsonOpt = False,
     coordinator: CoordinatorOpt = None, run_dir: RunDirOpt = None, job: JobOpt = None,
     timeout: TimeoutOpt = None,
@@ -268,10 +322,15 @@ def migrate(
     """Move every rank of node --from to standby node --to and follow the migration until it ends.
 
     ``--from n1,n2 --to s1,s2`` moves several nodes in one migration (one prepare, one switch step): n1's ranks
-    to s1, n2's to s2. Exit 0 once committed; 1 if it aborted or is still running after --timeout-s, or a
-    standby was not ready within --wait-standby-s; 2 if tmd refused it (a node named twice, counts that differ,
-    an unknown node, a standby that is not warm, ...). Under SLURM, --to may also be a standby job id or
-    ``any``. With --json, prints the final migration as one JSON object instead of the phase lines.
+    to s1, n2's to s2. Under SLURM, --to may also be a standby job id or ``any``.
+
+    While it waits, a terminal shows each phase as it happens (a spinner on the current one, the seconds spent
+    in each); when stdout is not a terminal, one ``[  1.23 s] state`` line per phase instead. With --json, prints
+    the final migration as one JSON object instead (with --no-wait: the accepted one).
+
+    Exit codes: 0 committed (or accepted, with --no-wait); 1 aborted (tmd's reason on stderr), or a standby
+    was not ready within --wait-standby-s; 2 tmd refused it (a node named twice, counts that differ, an unknown
+    node, a standby that is not warm, ...) or no tmd answered; 3 still running after --timeout-s.
     """
     t_start = time.time()
     sources, targets = node_list("--from", source), node_list("--to", target)
@@ -280,33 +339,65 @@ def migrate(
         mid = m.get("id")
         if not isinstance(mid, int) or isinstance(mid, bool):
             raise _Fail(f"tmd accepted the migration but gave no usable id: {mid!r}")
-        if no_wait:
+        if not wait:
             typer.echo(json.dumps(m) if json_ else str(mid))
             return 0
         if not json_:
             typer.echo(f"migration {mid}: {render.moves(m)}")
-        deadline = time.monotonic() + timeout_s
-        shown: set = set()
+        follow = _follow_live if not json_ and stdout_is_terminal() else _follow_lines
         try:
-            while True:
-                if not json_:
-                    _print_new_phases(m, shown, t_start)
-                if m.get("state") in render.FINAL_STATES:
-                    break
-                if time.monotonic() >= deadline:
-                    raise _Fail(f"migration {mid} still {m.get('state')} after {timeout_s:g} s "
-                                f"(it goes on in tmd; watch it with tmctl status)", code=1)
-                time.sleep(POLL_INTERVAL_S)
-                m = _expect(client.request(MigrationRequest(migration_id=mid)), MigrationReply).migration
+            m = follow(client, m, t_start, time.monotonic() + timeout_s, quiet=json_)
         except KeyboardInterrupt:
             raise _Fail(f"interrupted; migration {mid} goes on in tmd (watch it with tmctl status)", code=130)
+    if m.get("state") not in render.FINAL_STATES:
+        raise _Fail(f"migration {mid} still {m.get('state')} after {timeout_s:g} s "
+                    f"(it goes on in tmd; watch it with tmctl status)", code=EXIT_STILL_RUNNING)
     if json_:
         typer.echo(json.dumps(m))
     if m.get("state") == MigrationState.ABORTED:
-        raise _Fail(f"migration {mid} aborted: {m.get('reason') or 'no reason given'}", code=1)
+        raise _Fail(f"migration {mid} aborted: {m.get('reason') or 'no reason given'}", code=EXIT_ABORTED)
     if not json_:
         typer.echo(render.migration_line(m))
     return 0
+
+
+def stdout_is_terminal() -> bool:
+    """Whether stdout is a terminal (migrate then draws its phases live instead of printing lines)."""
+    return sys.stdout.isatty()
+
+
+def _next_state(client: Client, m: dict) -> dict:
+    """The migration ``m`` as tmd has it now (after POLL_INTERVAL_S)."""
+    time.sleep(POLL_INTERVAL_S)
+    return _expect(client.request(MigrationRequest(migration_id=m.get("id"))), MigrationReply).migration
+
+
+def _follow_lines(client: Client, m: dict, t_start: float, deadline: float, quiet: bool) -> dict:
+    """Poll ``m`` until it is over or ``deadline`` (time.monotonic()) passes, printing one line per new phase
+    (none when ``quiet``); returns the migration as last seen."""
+    shown: set = set()
+    while True:
+        if not quiet:
+            _print_new_phases(m, shown, t_start)
+        if m.get("state") in render.FINAL_STATES or time.monotonic() >= deadline:
+            return m
+        m = _next_state(client, m)
+
+
+def _follow_live(client: Client, m: dict, t_start: float, deadline: float, quiet: bool) -> dict:
+    """Like :func:`_follow_lines`, drawn as a live list of phases in the terminal (render.migration_progress);
+    the current phase's seconds are counted here, from when tmctl first saw it."""
+    del t_start, quiet
+    spinner = Spinner("dots", style="yellow")
+    seen_state, seen_at = m.get("state"), time.monotonic()
+    with Live(render.migration_progress(m, spinner), console=_console(), refresh_per_second=10) as live:
+        while True:
+            if m.get("state") != seen_state:
+                seen_state, seen_at = m.get("state"), time.monotonic()
+            live.update(render.migration_progress(m, spinner, time.monotonic() - seen_at))
+            if m.get("state") in render.FINAL_STATES or time.monotonic() >= deadline:
+                return m
+            m = _next_state(client, m)
 
 
 @app.command()
@@ -317,6 +408,8 @@ def events(
     limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many events per request.")] = 100,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object per event per line.")] = False,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events until Ctrl-C.")] = False,
+    steps: Annotated[bool, typer.Option(
+        "--steps", help="Also show the step_times events (one a second; tmctl timeline draws them).")] = False,
     coordinator: CoordinatorOpt = None, run_dir: RunDirOpt = None, job: JobOpt = None,
     timeout: TimeoutOpt = None,
 ) -> int:
@@ -324,13 +417,16 @@ def events(
 
     When tmd does not answer but the run directory's journal exists (the job ended), reads it instead.
     """
+    def shown(events: list[dict]) -> list[dict]:
+        return [ev for ev in events if steps or ev.get("event") != Event.STEP_TIMES]
+
     client = _connect(ctx, coordinator, run_dir, job, timeout)
     try:
         batch = _expect(client.request(EventsRequest(after=after, limit=limit)), EventsReply).events
     except CoordinatorUnreachable as e:
         client.close()
         journal = ended.read_journal(_journal_instead(ctx, coordinator, run_dir, job, e))
-        batch = [ev for ev in journal if isinstance(ev.get("seq"), int) and ev["seq"] > after]
+        batch = shown([ev for ev in journal if isinstance(ev.get("seq"), int) and ev["seq"] > after])
         if json_ or follow:
             for ev in batch:
                 typer.echo(json.dumps(ev) if json_ else render.event_line(ev))
@@ -339,14 +435,16 @@ def events(
         return 0
     with client:
         if not follow and not json_:
+            batch = shown(batch)
             _console().print(render.events_table(batch) if batch else f"no events after {after}")
             return 0
         try:
             while True:
                 for ev in batch:
-                    typer.echo(json.dumps(ev) if json_ else render.event_line(ev))
                     if isinstance(ev.get("seq"), int):
                         after = max(after, ev["seq"])
+                    if steps or ev.get("event") != Event.STEP_TIMES:
+                        typer.echo(json.dumps(ev) if json_ else render.event_line(ev))
                 if not follow:
                     return 0
                 if len(batch) < limit:
@@ -354,6 +452,76 @@ def events(
                 batch = _expect(client.request(EventsRequest(after=after, limit=limit)), EventsReply).events
         except KeyboardInterrupt:
             return 0
+
+
+def _journal_events(ctx: typer.Context, coordinator: Optional[str], run_dir: Optional[str], job: Optional[str],
+                    timeout: Optional[float]) -> list[dict]:
+    """Every event of the job's journal, oldest first: ``--run-dir DIR``'s ``events.jsonl`` when it exists (read
+    directly); otherwise tmd's, paged through EventsRequests; otherwise (tmd does not answer: the job ended) the
+    run directory's journal. Raises _Fail (exit 2) when none is found."""
+    o = _options(ctx, coordinator, run_dir, job, timeout)
+    if o["run_dir"] and os.path.exists(layout.RunDir(o["run_dir"]).events):
+        return ended.read_journal(o["run_dir"])
+    try:
+        with _connect(ctx, coordinator, run_dir, job, timeout) as client:
+            out: list[dict] = []
+            after = 0
+            while True:
+                batch = _expect(client.request(EventsRequest(after=after, limit=EVENTS_PAGE)), EventsReply).events
+                seqs = [ev["seq"] for ev in batch if isinstance(ev, dict) and isinstance(ev.get("seq"), int)]
+                out += [ev for ev in batch if isinstance(ev, dict)]
+                if not seqs or max(seqs) <= after:
+                    return out
+                after = max(seqs)
+    except CoordinatorUnreachable as e:
+        return ended.read_journal(_journal_instead(ctx, coordinator, run_dir, job, e))
+
+
+@app.command()
+@_guarded
+def timeline(
+    ctx: typer.Context,
+    png: Annotated[Optional[str], typer.Option(
+        "--png", metavar="FILE", help="Draw the timeline into this PNG file (matplotlib).")] = None,
+    minutes: Annotated[Optional[float], typer.Option(
+        "--minutes", min=0.0, metavar="N", help="Only the last N minutes of the journal.")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print the timeline as one JSON object.")] = False,
+    coordinator: CoordinatorOpt = None, run_dir: RunDirOpt = None, job: JobOpt = None,
+    timeout: TimeoutOpt = None,
+) -> int:
+    """Draw the job's step times against wall time, with its migrations and failure incidents marked.
+
+    In a terminal: a sparkline of step time (each column the slowest step of its slice of time), a line under it
+    marking each migration (M), incident (R), failed node or job (x) and straggler (s), then one line per
+    migration and incident (outcome, duration, seconds in each phase). With --png FILE: the same as a picture
+    (each migration's and incident's phases shaded). With --json: the timeline as a JSON object
+    (tmd.timeline). Reads tmd's journal, the run directory's when tmd does not answer (the job ended), or
+    ``--run-dir DIR``'s ``events.jsonl`` directly. Exit 0; 2 when there is no journal, it is empty, or the PNG
+    cannot be written.
+    """
+    events = _journal_events(ctx, coordinator, run_dir, job, timeout)
+    tl = timelines.build(events)
+    if tl.start is None:
+        raise _Fail("the journal has no events")
+    if minutes is not None:
+        tl = timelines.build(events, since_ts=tl.end - minutes * 60.0)
+    data = tl.to_dict()
+    if png:
+        from tmctl import timeline_plot  # matplotlib only when a picture is asked for
+
+        try:
+            counts = timeline_plot.draw(data, png)
+        except OSError as e:
+            raise _Fail(f"cannot write {png}: {e.strerror or e}")
+        if not json_:
+            typer.echo(f"wrote {png}: {counts['migration']} migration(s), {counts['incident']} incident(s), "
+                       f"{counts['marks']} mark(s), {counts['steps']} step(s)")
+    if json_:
+        typer.echo(json.dumps(data))
+    elif not png:
+        for line in render.timeline_lines(data, _console().width):
+            typer.echo(line)
+    return 0
 
 
 def main() -> None:

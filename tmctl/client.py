@@ -146,6 +146,13 @@ def find_keys(run_dir: str | None, job: str | None) -> Optional[str]:
         return None
 
 
+def web_token_file(run_dir: str | None, job: str | None) -> Optional[str]:
+    """The file of the job's web token (the status page's and /metrics', tmd.web): ``web.token`` in the key
+    directory :func:`find_keys` finds; None when it finds none."""
+    keys = find_keys(run_dir, job)
+    return layout.web_token(keys) if keys else None
+
+
 def check_address(address: str) -> None:
     """Raise :class:`InvalidAddress` unless ``address`` is ``tcp://HOST:PORT`` (port 1..65535, HOST resolves)."""
     expected = "expected tcp://HOST:PORT with a port in 1..65535"

@@ -1,4 +1,5 @@
-"""Rich renderings of what tmd reports: the nodes table, a migration (panel or one line) and events.
+"""Rich renderings of what tmd reports: the nodes table, a migration (panel or one line), events, a job's
+timeline (sparkline, marker line, legend) and a migration's phases as they happen (``tmctl migrate`` in a terminal).
 
 Inputs are the plain dicts of :mod:`tmd.protocol` replies; any field may be missing or None (shown as ``-``).
 Durations are seconds, wall-clock times are epoch seconds, sizes are bytes.
@@ -6,18 +7,21 @@ Durations are seconds, wall-clock times are epoch seconds, sizes are bytes.
 from __future__ import annotations
 
 import json
+import math
 import time
-from typing import Any
+from typing import Any, Optional
 
 from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
 from tmd.protocol.vocab import Health, MigrationState, NodeRole
+from tmd.timeline import MarkKind, SpanKind
 
 FINAL_STATES = tuple(s for s in MigrationState if s.finished)  # a migration in one of these is over
 
 _HEALTH_STYLE = {Health.HEALTHY: "green", Health.UNKNOWN: "yellow", Health.UNHEALTHY: "red"}
+_MIGRATION_STATES = frozenset(MigrationState)
 _STATE_STYLE = {MigrationState.COMMITTED: "green", MigrationState.ABORTED: "red"}
 
 
@@ -248,3 +252,137 @@ def last_known(state: dict) -> str:
     if state.get("failure"):
         lines.append(failure_text(state["failure"]))
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A job's timeline in a terminal (tmctl timeline): a sparkline of step time, a line marking the spans, a legend
+# --------------------------------------------------------------------------------------------------------------
+SPARK_BLOCKS = "▁▂▃▄▅▆▇█"  # lowest to highest step time; a column without a step is a space
+SPAN_LETTERS = {SpanKind.MIGRATION: "M", SpanKind.INCIDENT: "R"}  # a span's columns on the marker line
+MARK_LETTER = "x"  # a failure mark's column (node_failed, job_failed); stragglers are "s"
+_MARK_LETTERS = {MarkKind.STRAGGLER: "s"}
+
+
+def sparkline(steps: list, start: float, end: float, width: int) -> str:
+    """``width`` characters: column i holds the largest step time (seconds) of the steps whose ts (epoch seconds)
+    falls in the i-th of ``width`` equal slices of ``[start, end]``, as a block scaled from 0 to the largest step
+    time; a space where no step ended. ``steps``: ``[[step, ts, seconds], ...]``."""
+    bins: list[Optional[float]] = [None] * max(width, 1)
+    for _, ts, value in steps:
+        i = _column(ts, start, end, len(bins))
+        bins[i] = value if bins[i] is None else max(bins[i], value)
+    top = max((v for v in bins if v is not None), default=0.0)
+    out = []
+    for v in bins:
+        if v is None:
+            out.append(" ")
+        else:
+            # (0, top/8] -> the lowest block, ..., (7 top/8, top] -> the full one
+            level = 0 if top <= 0 else math.ceil(v / top * len(SPARK_BLOCKS) - 1e-9) - 1
+            level = min(max(level, 0), len(SPARK_BLOCKS) - 1)
+            out.append(SPARK_BLOCKS[level])
+    return "".join(out)
+
+
+def _column(ts: float, start: float, end: float, width: int) -> int:
+    if end <= start:
+        return 0
+    return min(max(int((ts - start) / (end - start) * width), 0), width - 1)
+
+
+def span_marks(spans: list, marks: list, start: float, end: float, width: int) -> str:
+    """The marker line under :func:`sparkline`: each span's columns filled with its letter (SPAN_LETTERS, a
+    running span up to ``end``), each failure mark's column with MARK_LETTER (stragglers ``s``); dots elsewhere."""
+    line = ["·"] * max(width, 1)
+    for s in spans:
+        letter = SPAN_LETTERS.get(s.get("kind"), "?")
+        s_end = s.get("end") if s.get("end") is not None else end
+        for i in range(_column(s["start"], start, end, len(line)), _column(s_end, start, end, len(line)) + 1):
+            line[i] = letter
+    for m in marks:
+        line[_column(m["ts"], start, end, len(line))] = _MARK_LETTERS.get(m.get("kind"), MARK_LETTER)
+    return "".join(line)
+
+
+def span_line(span: dict) -> str:
+    """``M migration 1: n2→s1  committed in 1.52 s  (requested 0.01 s, warming 0.80 s, ...)``."""
+    end = span.get("end")
+    took = f"in {end - span['start']:.2f} s" if end is not None else "so far"
+    phases = ", ".join(f"{ph.get('name')} {ph['end'] - ph['start']:.2f} s" if ph.get("end") is not None
+                       else f"{ph.get('name')} ..." for ph in span.get("phases") or [])
+    return (f"{SPAN_LETTERS.get(span.get('kind'), '?')} {span.get('label')}  {span.get('outcome')} {took}"
+            + (f"  ({phases})" if phases else ""))
+
+
+def timeline_lines(tl: dict, width: int) -> list[str]:
+    """A ``Timeline.to_dict()`` as plain lines for a ``width``-column terminal: a head line, the step-time
+    sparkline, the marker line, the time axis, then one line per span and per mark (seconds since the start)."""
+    start, end = tl.get("start"), tl.get("end")
+    steps, spans, marks = tl.get("steps") or [], tl.get("spans") or [], tl.get("marks") or []
+    if start is None or end is None:
+        return ["the journal has no events"]
+    times = sorted(s[2] for s in steps)
+    head = f"job {tl.get('job') or '-'}: {len(steps)} step(s) over {end - start:.1f} s"
+    if times:
+        head += f"; step time max {times[-1]:.3f} s, median {times[len(times) // 2]:.3f} s"
+    label = f"{times[-1]:.3f} s" if times else "-"
+    pad = len(label) + 1
+    cols = max(width - pad - 2, 10)
+    axis_end = f"{end - start:.1f} s"
+    lines = [head,
+             f"{label} ┤{sparkline(steps, start, end, cols)}",
+             f"{' ' * pad}└{span_marks(spans, marks, start, end, cols)}",
+             f"{' ' * (pad + 1)}0 s{axis_end:>{max(cols - 3, len(axis_end))}}"]
+    lines += [span_line(s) for s in spans]
+    for m in marks:
+        lines.append(f"{_MARK_LETTERS.get(m.get('kind'), MARK_LETTER)} {m['ts'] - start:7.2f} s  {m.get('label')}")
+    if not spans and not marks:
+        lines.append("no migration, incident or failure in this window")
+    return lines
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A migration's phases as they happen (tmctl migrate in a terminal)
+# --------------------------------------------------------------------------------------------------------------
+def reached_states(m: dict, current_s: float = 0.0) -> list[tuple[str, float, Optional[float]]]:
+    """The states ``m`` went through, in order: ``(state, entered ts (epoch seconds, tmd's clock), seconds spent
+    in it)``, from ``m["phases"]`` (state -> ts; marks that are not states are left out). The state it is in now
+    has spent ``current_s`` (measured by the caller: tmd's clock may differ from ours); a final state (committed,
+    aborted) None."""
+    phases = m.get("phases") if isinstance(m.get("phases"), dict) else {}
+    states = sorted(((k, float(v)) for k, v in phases.items()
+                     if k in _MIGRATION_STATES and isinstance(v, (int, float)) and not isinstance(v, bool)),
+                    key=lambda kv: kv[1])
+    out: list[tuple[str, float, Optional[float]]] = []
+    for i, (name, ts) in enumerate(states):
+        if i + 1 < len(states):
+            out.append((name, ts, max(states[i + 1][1] - ts, 0.0)))
+        else:
+            out.append((name, ts, None if MigrationState(name).finished else max(current_s, 0.0)))
+    return out
+
+
+def migration_progress(m: dict, spinner: Any, current_s: float = 0.0) -> Table:
+    """One line per state ``m`` reached: a tick (the spinner for the state it is in now, a cross for aborted),
+    the state, the seconds spent in it, and when it was entered (seconds after the request); then tmd's reason
+    if it aborted. ``spinner``: a rich Spinner kept across calls (so it turns); ``current_s``: seconds spent in
+    the current state so far (see :func:`reached_states`)."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(width=2)
+    grid.add_column(min_width=12)
+    grid.add_column(justify="right", min_width=9)
+    grid.add_column(style="dim")
+    states = reached_states(m, current_s)
+    t0 = states[0][1] if states else 0.0
+    for i, (name, ts, spent) in enumerate(states):
+        state = MigrationState(name)
+        if state == MigrationState.ABORTED:
+            icon = "[red]✗[/]"
+        elif i == len(states) - 1 and not state.finished:
+            icon = spinner
+        else:
+            icon = "[green]✓[/]"
+        grid.add_row(icon, escape(name), "" if spent is None else f"{spent:.2f} s", f"at +{ts - t0:.2f} s")
+    if m.get("state") == MigrationState.ABORTED:
+        grid.add_row("", f"[red]aborted[/]: {_cell(m.get('reason'))}", "", "")
+    return grid

@@ -49,6 +49,10 @@ def local(
                                         "separate hosts, nothing can pass over 127.0.0.1. tmctl reaches tmd "
                                         "through the bridge. Each node can still be cut off. Needs root."),
     migrate_stragglers: bool = typer.Option(False, help="Move a node with a straggler rank to a warm standby."),
+    metrics_port: int = typer.Option(0, "--metrics-port", min=-1, metavar="PORT",
+                                     help="Serve Prometheus metrics (/metrics) and a live status page (/) on the "
+                                          "job's address at this port (0: a free port, written to tmd.json; "
+                                          "-1: off). Both need the token in the keys directory's web.token."),
     no_auth: bool = typer.Option(False, "--no-auth",
                                  help="Serve plain ZeroMQ, without CURVE: only to measure its cost "
                                       "(benchmarks/curve.py); anyone on this host can then command the job."),
@@ -73,7 +77,7 @@ def local(
                    heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
                    bind_host=host or "127.0.0.1", store_host=host or "127.0.0.1", advertise_host=host,
                    migrate_stragglers=migrate_stragglers, netns=specs, command=command, resume=state,
-                   auth=not no_auth)
+                   auth=not no_auth, metrics_port=None if metrics_port < 0 else metrics_port)
         if state is None:
             d.launcher = LocalLauncher(command, d.run_dir, d.address, ranks_per_node, echo=not quiet,
                                        namespaces=namespaces, host_ip=host,
@@ -138,6 +142,10 @@ def slurm(
                                        help="Address tmd binds and the ranks reach it and its store at (default: "
                                             "the address this host's name resolves to; never all interfaces)."),
     port: int = typer.Option(0, help="ZeroMQ port (0: any free port)."),
+    metrics_port: int = typer.Option(0, "--metrics-port", min=-1, metavar="PORT",
+                                     help="Serve Prometheus metrics (/metrics) and a live status page (/) on the "
+                                          "job's address at this port (0: a free port, written to tmd.json; "
+                                          "-1: off). Both need the token in the keys directory's web.token."),
     quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
 ) -> None:
     """Run tmd for the SLURM job this batch script belongs to (see slurm/train.sbatch). Exits with the job's code."""
@@ -168,7 +176,8 @@ def slurm(
     daemon = Daemon(job_id, run_dir or os.path.join("tmrun", job_id), nodes, rpn, [],
                     bind_host=host, store_host=host, port=port, keys_dir=os.path.join(layout.job_dir(job_id), "keys"),
                     record_steps=record_steps, snapshot_every=snapshot_every,
-                    heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet)
+                    heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
+                    metrics_port=None if metrics_port < 0 else metrics_port)
     launcher = SrunLauncher(command, daemon.run_dir, daemon.address, rpn, echo=not quiet)
     daemon.launcher = launcher
     cluster = SlurmCluster(daemon, launcher, job_id, nodes, os.environ.get("SLURMD_NODENAME", nodes[0]),
@@ -227,7 +236,8 @@ def resume(
                         bind_host=host, store_host=host, port=port,
                         record_steps=state.record_steps or record_steps, heartbeat_timeout_s=heartbeat_timeout_s,
                         snapshot_every=state.snapshot_every if state.snapshot_every is not None else 10,
-                        echo=not quiet, command=state.command, netns=state.netns, resume=state)
+                        echo=not quiet, command=state.command, netns=state.netns, resume=state,
+                        metrics_port=state.web_port)
     except Exception as e:  # noqa: BLE001 - e.g. the address is taken: one line, not a traceback
         print(f"error: cannot restart tmd of job {state.job} at {state.address}: {e}", file=sys.stderr)
         raise typer.Exit(ExitCode.REFUSED)

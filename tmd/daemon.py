@@ -19,6 +19,7 @@ restarts it on the same address, and it re-learns the job from the journal and t
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -50,11 +51,17 @@ from tmd.registry import Node, Registry, Worker
 from tmd.requests import Requests
 from tmd.resume import JobState, Resumed
 from tmd.status import status_reply
+from tmd.steplog import StepLog
 
 if TYPE_CHECKING:
+    from tmd.metrics import Metrics
     from tmd.slurm import SlurmCluster
+    from tmd.web import WebServer
 
 TICK_S = 0.05
+STEP_TIMES_EVERY_S = 1.0  # how often the steps every rank finished are journalled (step_times)
+STEP_TIMES_MAX = 256  # ... or sooner, once this many are waiting (~8 KB of a journal line's 16 KiB)
+PUBLISH_STATUS_EVERY_S = 0.5  # how often the status page and the live metrics get a fresh status
 CRASH_AFTER_TICK_ERRORS = 20  # consecutive failing ticks (a bug that does not go away) end the loop: TmdCrashed
 
 
@@ -73,7 +80,7 @@ class Daemon:
                  blocked_after_s: float = 0.3, migrate_stragglers: bool = False, advertise_host: Optional[str] = None,
                  netns: Optional[dict] = None, command: Optional[list[str]] = None,
                  resume: Optional[JobState] = None, keys_dir: Optional[str] = None, auth: bool = True,
-                 snapshot_every: int = 10) -> None:
+                 snapshot_every: int = 10, metrics_port: Optional[int] = None) -> None:
         """``record_steps``: steps whose collective outputs the active ranks record for joiners' replay (and
         the joiners' number of shadow iterations). ``heartbeat_timeout_s``: silence after which a node is
         failed whatever its peers do (seconds). ``suspect_after_s``: silence after which a node is failed if a
@@ -85,7 +92,9 @@ class Daemon:
         ``<run_dir>/keys``): created at start, reused by a resumed tmd (the workers pinned its public key).
         ``auth`` false serves plain ZeroMQ with no authentication (only to measure CURVE's cost: anyone on the
         host can then command the job). ``snapshot_every``: the ranks keep buddy snapshots every that many steps
-        when some rank's state has no replica on another node (0: off; worker.snapshot). Raises zmq.ZMQError when the address is taken, KeysUnavailable when a
+        when some rank's state has no replica on another node (0: off; worker.snapshot).
+        ``metrics_port``: serve Prometheus metrics and the status page (tmd.web) on ``bind_host`` at this port (0: a
+        free port; None: off); the address and the token's file go into tmd.json. Raises zmq.ZMQError when the address is taken, KeysUnavailable when a
         resumed job's keys cannot be read."""
         from tmd.store import host_store  # only tmd pays for torch: it hosts the job's store
 
@@ -99,6 +108,8 @@ class Daemon:
         self.hostname = socket.gethostname()
         self.journal = Journal(self.layout.events, echo=echo, seq=resume.last_seq if resume else 0)
         self.registry = Registry(nodes, ranks_per_node, standbys)
+        self.steplog = StepLog(self.registry.world_size)
+        self._steps_flushed_at = self._status_published_at = 0.0
         self.migrations = Migrations(self.registry, self.journal, self, record_steps=record_steps)
         if resume is not None:
             self.migrations.first_id = resume.last_migration_id + 1  # migration ids go on after a restart
@@ -140,10 +151,16 @@ class Daemon:
         self.requests = Requests(self, self.status, lambda: self.cluster)
         self.exit_code: Optional[int] = None
         self.bad_input = BadInput(self.journal)
+        self.metrics: Optional["Metrics"] = None
+        self.web: Optional["WebServer"] = None
+        self.web_token_file: Optional[str] = None
+        if metrics_port is not None:
+            self._serve_web(bind_host, metrics_port, keys_dir or os.path.join(self.layout.path, "keys"), resume)
         self.internal_errors = 0  # handler and tick errors (bugs of tmd's own) survived
         self._failing_ticks = 0
         info = {"address": self.address, "pid": os.getpid(), "job": job, "run_dir": self.run_dir, "netns": netns or {},
-                "keys": self.keys.path if self.keys else None}
+                "keys": self.keys.path if self.keys else None,
+                "web": {"url": self.web.url, "token_file": self.web_token_file} if self.web else None}
         if command:
             info.update(command=command, cwd=os.getcwd())
         with open(self.layout.tmd_json, "w") as f:
@@ -169,7 +186,7 @@ class Daemon:
         else:
             self.journal.record(Event.TMD_STARTED, job=job, address=self.address, world_size=self.registry.world_size,
                                 nodes=nodes, standbys=standbys, store_port=self.store.port, record_steps=record_steps,
-                                snapshot_every=snapshot_every)
+                                snapshot_every=snapshot_every, page=self.web.url if self.web else None)
 
     # --- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -208,6 +225,7 @@ class Daemon:
         finally:
             if self.launcher and crashed is None:
                 self.launcher.terminate_all()
+            self._flush_steps()
             if crashed is None:
                 self.journal.record(Event.TMD_STOPPED, exit_code=self.exit_code)
             self.close()
@@ -218,11 +236,44 @@ class Daemon:
         if self.sock.closed:
             return
         self.journal.close()
+        if self.web is not None:
+            self.web.stop()
         self.sock.close()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
         self._ctx.term()
+
+    def _serve_web(self, host: str, port: int, keys_dir: str, resume: Optional[JobState]) -> None:
+        """Start the metrics endpoint and status page (tmd.metrics, tmd.web) on ``host``:``port``, fed by the
+        journal. A resumed tmd replays the journal first (counters go on) and takes its old port back when free."""
+        from tmd.journal import read_events
+        from tmd.metrics import Metrics
+        from tmd.web import WebServer, WebState, load_or_create_token
+
+        self.metrics, self.web_state = Metrics(self.job), WebState()
+        if resume is not None:
+            for entry in read_events(self.layout.events):
+                self.metrics.observe(entry)
+                self.web_state.add_event(entry)
+            port = resume.web_port or port
+        self.web_token_file = p.layout.web_token(keys_dir)
+        token = load_or_create_token(self.web_token_file)
+        try:
+            self.web = WebServer(host, port, token, self.metrics, self.web_state)
+            self.web.start()
+        except OSError:
+            if resume is None or port == 0:
+                raise
+            self.web = WebServer(host, 0, token, self.metrics, self.web_state)  # the old port is taken
+            self.web.start()
+        self.journal.subscribe(self.metrics.observe)
+        self.journal.subscribe(self.web_state.add_event)
+
+    def _flush_steps(self) -> None:
+        steps = self.steplog.flush()
+        if steps:
+            self.journal.record(Event.STEP_TIMES, steps=steps)
 
     def _contained_tick(self) -> None:
         """One tick; a bug in it is journalled (``internal_error``) and the loop goes on, unless ticks keep
@@ -264,6 +315,14 @@ class Daemon:
             self.resumed.tick(now)
         if self.cluster is not None:
             self.cluster.tick(now)
+        if now - self._steps_flushed_at >= STEP_TIMES_EVERY_S:
+            self._steps_flushed_at = now
+            self._flush_steps()
+        if self.web is not None and now - self._status_published_at >= PUBLISH_STATUS_EVERY_S:
+            self._status_published_at = now
+            status = dataclasses.asdict(self.status())
+            self.metrics.set_live(status)
+            self.web_state.publish_status(status)
         code = self.ending.tick(now)
         if code is not None:
             self.exit_code = code
@@ -383,6 +442,11 @@ class Daemon:
         self.faults.registered(w)
         if w.rank is not None:  # an active rank at job start: the first generation of groups
             self.send(w, self._assignment(WorkerRole.ACTIVE, w.rank, 0))
+        if self.ending.released and node.role in (NodeRole.STANDBY, NodeRole.JOINING):
+            # a standby restarted just before the job finished registers after the others were released: release
+            # it too, now, instead of waiting out the job end's grace
+            self.send(w, p.Release(reason="job finished", exit_code=ExitCode.OK))
+            return
         if node.role == NodeRole.STANDBY and node.warm:
             self.journal.record(Event.STANDBY_WARM, node=node.name)
 
@@ -406,6 +470,9 @@ class Daemon:
         w.step_time_s = msg.step_time_s
         if self.registry.rank_owner.get(msg.rank) is w:
             self.registry.record_step(msg.rank, msg.step, msg.step_time_s)
+            self.steplog.report(msg.rank, msg.step, msg.step_time_s)
+            if self.steplog.ready >= STEP_TIMES_MAX:  # fast steps: keep each journal line well under its bound
+                self._flush_steps()
             self.migrations.on_step(msg.rank, msg.step)
 
     def _phase_done(self, w: Worker, msg: p.PhaseDone) -> None:
@@ -504,7 +571,8 @@ class Daemon:
         latest = lambda episodes: episodes.all[-1] if episodes.all else None  # noqa: E731
         return status_reply(self.job, self.registry, latest(self.migrations), latest(self.incidents),
                             self.evacuation.flagged, self.cluster.decorate if self.cluster else None,
-                            failure=self.faults.failure, warnings=self.faults.warnings + self.incidents.unprotected)
+                            failure=self.faults.failure, warnings=self.faults.warnings + self.incidents.unprotected,
+                            page=self.web.url if self.web else None)
 
     # --- JobControl (see tmd.control for what each does) ---------------------------------------------------
     @property
@@ -514,7 +582,10 @@ class Daemon:
     def fail_node(self, node: Node, reason: str, signal: FailureSignal) -> None:
         if node.role == NodeRole.FAILED:
             return
-        self.journal.record(Event.NODE_FAILED, node=node.name, reason=reason, signal=signal, ranks=node.ranks)
+        beats = [w.last_heartbeat for w in node.workers.values()]
+        silent_s = round(time.monotonic() - max(beats), 6) if beats else None  # the detection latency, at most
+        self.journal.record(Event.NODE_FAILED, node=node.name, reason=reason, signal=signal, ranks=node.ranks,
+                            silent_s=silent_s)
         refused = self.faults.refuse_recovery(node, reason) if self.detector.in_job(node) else None
         if refused is not None:
             raise refused

@@ -26,7 +26,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from tmd.protocol.vocab import Event
 
@@ -34,6 +34,7 @@ MAX_FIELD_CHARS = 8192  # one text value in an event (characters)
 MAX_LINE_BYTES = 16 * 1024  # one journal line (bytes, UTF-8)
 MAX_ITEMS = 1024  # items kept of one list or dict in an event
 MAX_DEPTH = 8  # nesting kept in an event's fields
+NOT_ECHOED = frozenset({Event.STEP_TIMES})  # journalled about once a second: kept off tmd's stdout
 MAX_REPLY_BYTES = 2 * 1024 * 1024  # events one ``since`` answer carries at most (bytes of their lines)
 
 
@@ -100,6 +101,14 @@ class Journal:
         self._seq = seq
         self._echo = echo
         self.write_errors = 0  # lines the file or stdout did not take (disk full, closed stdout)
+        self.listener_errors = 0  # exceptions raised by listeners (counted, never propagated)
+        self._listeners: list[Callable[[dict], None]] = []
+
+    def subscribe(self, listener: Callable[[dict], None]) -> None:
+        """Call ``listener(entry)`` after each event is recorded, in the recording thread (tmd's loop), with the
+        entry as written. A listener must be quick; what it raises is counted in :attr:`listener_errors` (the
+        first one said once on stderr), never propagated."""
+        self._listeners.append(listener)
 
     def record(self, event: Event, **fields: Any) -> dict:
         """Append one event (fields: JSON-able values; enums are written as their values; anything else is
@@ -117,8 +126,19 @@ class Journal:
                 self._file.write(line + "\n")
             except (OSError, ValueError) as e:  # disk full, a closed file
                 self._write_failed("the journal file", e)
-        if self._echo:
+        if self._echo and event not in NOT_ECHOED:
             self._print(entry)
+        for listener in self._listeners:
+            try:
+                listener(entry)
+            except Exception as e:  # noqa: BLE001 - metrics or the status page must not take the loop down
+                self.listener_errors += 1
+                if self.listener_errors == 1:
+                    try:
+                        print(f"tmd: a journal listener failed: {type(e).__name__}: {e} (counted from now on)",
+                              file=sys.stderr, flush=True)
+                    except Exception:  # noqa: BLE001
+                        pass
         return entry
 
     def _entry(self, event: Event, fields: dict) -> tuple[dict, str]:

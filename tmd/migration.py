@@ -406,7 +406,7 @@ class Migrations(Episodes[Migration]):
             m.downtime_s = downtime_s(window, median)
             m.median_step_s = round(median, 6)
             self.journal.record(Event.MIGRATION_DOWNTIME, migration_id=m.id, downtime_s=m.downtime_s,
-                                median_step_s=median, window_s=[round(t, 6) for t in window])
+                                median_step_s=median, window_s=[round(t, 6) for t in window], pause_s=m.pause_s)
 
     # ---------------------------------------------------------------------------------------------------------
     def abort(self, m: Migration, reason: str, spare: Optional[str] = None) -> None:

@@ -39,6 +39,7 @@ import dataclasses
 import json
 import os
 import time
+import urllib.parse
 from typing import Optional
 
 import psutil
@@ -83,6 +84,7 @@ class JobState:
     replicas: dict = dataclasses.field(default_factory=dict)  # rank -> its replica class (replica_classes event)
     keepers: dict = dataclasses.field(default_factory=dict)  # rank -> the rank keeping its buddy snapshot
     unprotected: list = dataclasses.field(default_factory=list)  # the no_replica warnings
+    web_port: Optional[int] = None  # the port of the status page and metrics (tmd.json's ``web``; None: off)
 
 
 def load(run_dir: str) -> JobState:
@@ -179,7 +181,18 @@ def load(run_dir: str) -> JobState:
         last_migration_id=last_mid, cut_migration=migration, open_incident=incident,
         last_seq=max(seqs, default=0), last_ts=events[-1].get("ts", time.time()),
         previous_pid=pid if isinstance(pid, int) else None, snapshot_every=started.get("snapshot_every"),
-        replicas=replicas, keepers=keepers, unprotected=unprotected)
+        replicas=replicas, keepers=keepers, unprotected=unprotected, web_port=_web_port(info))
+
+
+def _web_port(info: dict) -> Optional[int]:
+    """The port of tmd.json's ``web`` url (``http://host:port/``); None when the page was off; 0 (any free port)
+    when the url does not parse."""
+    if not info.get("web"):
+        return None
+    try:
+        return int(urllib.parse.urlsplit(info["web"]["url"]).port or 0)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return 0
 
 
 def _is_tmd(pid: int) -> bool:

@@ -14,8 +14,7 @@ import subprocess
 import pytest
 
 from tests.e2e.test_failures import BASE, Job
-from tests.support.job import final_hashes, tmd_command, wait_for_address, job_client
-from tmctl.client import Client
+from tests.support.job import final_hashes, job_client, tmd_command
 from tests.support import events
 from tmd import protocol as p
 
@@ -37,21 +36,10 @@ class FidelityJob(Job):
         self.client = job_client(self.run_dir, self.proc)
 
 
-_references: dict[str, dict[int, str]] = {}
-
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    def get(mode: str) -> dict[int, str]:
-        if mode not in _references:
-            run_dir = str(tmp_path_factory.mktemp(f"reference-{mode}"))
-            subprocess.run(tmd_command(run_dir, 0, STEPS, True, True, BASE + seed_args(mode)),
-                           check=True, timeout=300, stdout=subprocess.DEVNULL)
-            hashes = final_hashes(run_dir)
-            assert len(hashes) == 4 and len(set(hashes.values())) == 1
-            _references[mode] = hashes
-        return _references[mode]
-    return get
+def reference(gpt_reference):
+    """{rank: sha256} of the uninterrupted run in seed mode ``mode`` (tests/e2e/conftest.py; BASE only pads)."""
+    return lambda mode: gpt_reference(STEPS, *seed_args(mode))
 
 
 def assert_identical(job: Job, reference: dict[int, str], rc: int, incidents: int = 1) -> None:
@@ -61,33 +49,44 @@ def assert_identical(job: Job, reference: dict[int, str], rc: int, incidents: in
 
 
 @pytest.mark.timeout(300)
-# (shared seeding is the demo's own: every other e2e job kills nodes with it; the forward phase with per-rank
-# seeds is the two-failures test's first fault)
-@pytest.mark.parametrize("mode,phase", [("per-rank", "optimizer"), ("per-step", "forward")])
+# (shared seeding is the demo's own: every other e2e job kills nodes with it; per-rank seeds with a kill in the
+# forward pass and in the optimizer step are the two-failures test's two faults)
+@pytest.mark.parametrize("mode,phase", [("per-step", "forward")])
 def test_kill_node_is_bit_identical(tmp_path, reference, mode, phase):
+    expected = reference(mode)  # before the job: never alongside it
     job = FidelityJob(tmp_path, 1, mode, "--fault", f"n2:8:{phase}")
-    assert_identical(job, reference(mode), job.finish())
+    assert_identical(job, expected, job.finish())
 
 
 @pytest.mark.timeout(300)
-def test_sigstop_per_rank_is_bit_identical(tmp_path, reference):
+def test_sigstop_hang_then_sigcont_is_fenced_and_bit_identical(tmp_path, reference):
+    """n2's ranks hang (SIGSTOP): tmd fails the node as stopped, fences it (kills exactly its processes) and
+    recovers onto s1 with per-rank RNG streams; the SIGCONT comes too late, and n2 never finishes as a rank."""
+    expected = reference("per-rank")  # before the job: never alongside it
     job = FidelityJob(tmp_path, 1, "per-rank")
     job.wait_training(min_step=6)
-    for pid in job.pids("n2"):
+    stopped = job.pids("n2")
+    for pid in stopped:
         os.kill(pid, signal.SIGSTOP)
     job.wait_event(p.Event.RECOVERY_DONE)
-    for pid in job.pids("n2"):
+    assert [e["signal"] for e in job.events(p.Event.NODE_FAILED)] == [p.FailureSignal.STOPPED]
+    assert sorted(job.events(p.Event.NODE_FENCED)[0]["killed_pids"]) == sorted(stopped)
+    for pid in stopped:
         try:
-            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)  # too late: fenced (killed, or told to exit when it calls in)
         except ProcessLookupError:
             pass
-    assert_identical(job, reference("per-rank"), job.finish())
+    assert_identical(job, expected, job.finish())
+    assert not job.events(p.Event.JOB_FAILED)
+    exits = {e["local_rank"]: e["returncode"] for e in job.events(p.Event.PROCESS_EXIT) if e["node"] == "n2"}
+    assert set(exits.values()) <= {-9, 3}, exits  # never 0: it did not finish the job as a rank
 
 
 @pytest.mark.timeout(300)
 def test_two_failures_in_a_row_per_rank_is_bit_identical(tmp_path, reference):
+    expected = reference("per-rank")  # before the job: never alongside it
     job = FidelityJob(tmp_path, 2, "per-rank", "--fault", "n2:6:forward", "--fault", "n1:16:optimizer")
-    assert_identical(job, reference("per-rank"), job.finish(), incidents=2)
+    assert_identical(job, expected, job.finish(), incidents=2)
 
 
 @pytest.mark.timeout(300)

@@ -22,7 +22,7 @@ from tests.support import events, wait_until
 from tests.support.job import final_hashes, job_client, tmd_command
 from tmd import protocol as p
 
-STEPS = 30
+STEPS = 22  # 4 steps after the kill; a rollback goes back to step 16 at most (SNAPSHOT_EVERY)
 KILL_AT = 18
 SNAPSHOT_EVERY = 4
 # layout -> (train_llama's mesh flags, whether a lost node's state has a replica elsewhere, groups per rank)

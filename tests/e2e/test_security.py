@@ -65,8 +65,9 @@ def as_nobody(*argv: str, env: dict | None = None) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=60, cwd="/", env={**os.environ, **(env or {})})
 
 
-def test_attacks_have_no_effect_on_the_job(tmp_path):
-    run_dir, ref_dir = str(tmp_path / "job"), str(tmp_path / "reference")
+def test_attacks_have_no_effect_on_the_job(tmp_path, gpt_reference):
+    reference = gpt_reference(STEPS)  # before the job: never alongside it
+    run_dir = str(tmp_path / "job")
     proc = subprocess.Popen(tmd_command(run_dir, 1, STEPS, True, True, ARGS), stdout=subprocess.DEVNULL)
     try:
         client = job_client(run_dir, proc)
@@ -126,7 +127,6 @@ def test_attacks_have_no_effect_on_the_job(tmp_path):
     assert any(e["event"] in ("bad_message", "bad_messages_dropped") for e in ev)
     assert all(not str(e.get("sender", "")).startswith("n2/0") or e["event"] != "worker_registered" for e in ev)
 
-    subprocess.run(tmd_command(ref_dir, 0, STEPS, True, True), check=True, timeout=120, stdout=subprocess.DEVNULL)
-    assert final_hashes(run_dir) == final_hashes(ref_dir) and len(final_hashes(ref_dir)) == 4
+    assert final_hashes(run_dir) == reference
     with open(os.path.join(run_dir, "tmd.json")) as f:
         assert json.load(f)["keys"] == os.path.join(run_dir, "keys")

@@ -35,6 +35,16 @@ def final_hashes(run_dir: str) -> dict[int, str]:
     return out
 
 
+def reference_hashes(run_dir: str, steps: int, script_args: tuple = (), nodes: int = 2, ranks_per_node: int = 2,
+                     timeout_s: float = 300.0) -> dict[int, str]:
+    """Run an uninterrupted job of ``steps`` steps (no standby, ``script_args`` for the demo workload) in
+    ``run_dir`` and return every rank's final state sha256 {rank: hex}. Raises CalledProcessError on a non-zero
+    exit, TimeoutExpired after ``timeout_s`` seconds."""
+    subprocess.run(tmd_command(run_dir, 0, steps, True, True, script_args, nodes=nodes, ranks_per_node=ranks_per_node),
+                   check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
+    return final_hashes(run_dir)
+
+
 def wait_for_address(run_dir: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
     path = p.layout.RunDir(run_dir).tmd_json
     deadline = time.monotonic() + timeout_s
@@ -89,3 +99,26 @@ def migrate_when_ready(client: Client, proc: subprocess.Popen, at_step: int, sou
         except CoordinatorUnreachable:
             break
     return m
+
+
+def web_of(run_dir: str) -> tuple[str, str]:
+    """The status page's address and the job's web token, from the run dir's tmd.json (``web``)."""
+    with open(p.layout.RunDir(run_dir).tmd_json) as f:
+        web = json.load(f)["web"]
+    with open(web["token_file"]) as f:
+        return web["url"], f.read().strip()
+
+
+def scrape(run_dir: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of the job's ``/metrics`` (with its token): ``(name, sorted (label, value) pairs) -> value``.
+    Raises urllib.error.URLError when tmd does not answer."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, token = web_of(run_dir)
+    req = urllib.request.Request(url.rstrip("/") + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        body = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body) for s in family.samples}

@@ -46,6 +46,18 @@ def test_job_end_aborts_a_migration_in_flight_and_releases_the_standbys(daemon):
     assert events(d).count(Event.JOB_FINISHED) == 1 and d.ending.released
 
 
+def test_a_standby_registering_after_the_job_finished_is_released_at_once(daemon):
+    d = daemon
+    for w in d.registry.rank_owner.values():
+        w.done = True
+    d.registry.nodes["s1"].workers[0].exited = True  # restarted (an aborted joiner) just before the end
+    assert d.ending.tick(time.monotonic()) == 0
+    late = b"s1/0/0123456789abcdef"
+    d.on_frames([late, p.encode(p.Register(node="s1", local_rank=0, pid=7, host="elsewhere", standby=True))])
+    assert d.sent[-1] == (late.decode(), p.Release(reason="job finished", exit_code=0))
+    assert Event.STANDBY_WARM not in events(d)
+
+
 def test_a_failed_leaver_hands_its_warm_joiners_to_recovery(daemon):
     d = daemon
     m = d.migrations.request("n2", "s1")

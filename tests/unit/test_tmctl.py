@@ -152,7 +152,7 @@ def test_status_json_is_the_reply(fake):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data == {"job": "local-abc", "world_size": 4, "generation": 1, "step": 42, "nodes": NODES,
-                    "migration": None, "recovery": None, "failure": None, "warnings": []}
+                    "migration": None, "recovery": None, "failure": None, "warnings": [], "page": None}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def test_migrate_aborted_exits_1_with_reason(fake):
 def test_migrate_gives_up_after_timeout_s(fake):
     f = fake(scripted_migration(["warming"]))
     r = run("migrate", "--from", "node1", "--to", "spare0", "--timeout-s", "0.2", "--coordinator", f.address)
-    assert r.exit_code == 1
+    assert r.exit_code == cli.EXIT_STILL_RUNNING == 3
     assert lines(r.stderr) == ["error: migration 7 still warming after 0.2 s (it goes on in tmd; watch it with "
                                "tmctl status)"]
 
@@ -291,6 +291,19 @@ def test_events_table_and_json(fake):
     r = run("events", "--json", "--limit", "2", "--coordinator", f.address)
     assert r.exit_code == 0, r.output
     assert [json.loads(line) for line in lines(r.stdout)] == EVENTS[:2]
+
+
+@pytest.mark.timeout(10)
+def test_events_leave_out_step_times_unless_asked(fake):
+    journal = EVENTS + [{"seq": 6, "ts": 1006.0, "event": "step_times", "steps": [[3, 1005.9, 0.25]]},
+                        {"seq": 7, "ts": 1007.0, "event": "migration_committed", "node": "node7"}]
+    f = fake(lambda req: EventsReply(events=[e for e in journal if e["seq"] > req.after][: req.limit]))
+    r = run("events", "--json", "--after", "4", "--coordinator", f.address)
+    assert [json.loads(line)["seq"] for line in lines(r.stdout)] == [5, 7]
+    r = run("events", "--json", "--after", "4", "--steps", "--coordinator", f.address)
+    assert [json.loads(line)["seq"] for line in lines(r.stdout)] == [5, 6, 7]
+    r = run("events", "--after", "4", "--coordinator", f.address)
+    assert "node7" in r.stdout and "step_times" not in r.stdout
 
 
 @pytest.mark.timeout(10)
@@ -512,3 +525,237 @@ def test_a_timeout_too_short_to_connect_says_so(fake):
     with Client(f.address, timeout_s=0.0001) as client, pytest.raises(TimedOut) as e:
         client.request(StatusRequest())
     assert str(e.value).startswith(f"timed out after 0.0001 s waiting for tmd at {f.address} (")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# migrate: --wait/--no-wait, exit codes, the live display
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("states, extra, code", [
+    (["warming", "prepared", "committed"], {"downtime_s": 0.1}, 0),
+    (["warming", "aborted"], {"reason": "the leaver died"}, cli.EXIT_ABORTED),
+    (["warming"], None, cli.EXIT_STILL_RUNNING),
+])
+def test_migrate_wait_exit_codes(fake, states, extra, code):
+    f = fake(scripted_migration(states, extra))
+    r = run("migrate", "--from", "node1", "--to", "spare0", "--wait", "--timeout-s", "0.3", "--json",
+            "--coordinator", f.address)
+    assert r.exit_code == code, r.output
+    if code == 0:
+        assert json.loads(r.stdout)["state"] == "committed" and r.stderr == ""
+    elif code == cli.EXIT_ABORTED:
+        assert json.loads(r.stdout)["state"] == "aborted"
+        assert lines(r.stderr) == ["error: migration 7 aborted: the leaver died"]
+    else:
+        assert r.stdout == "" and "still warming after 0.3 s" in r.stderr
+    r = run("migrate", "--from", "node1", "--to", "spare0", "--no-wait", "--json", "--coordinator", f.address)
+    assert r.exit_code == 0 and json.loads(r.stdout)["state"] == "requested"
+
+
+@pytest.mark.timeout(10)
+def test_migrate_refused_is_exit_2_whatever_the_wait():
+    assert cli.EXIT_REFUSED == 2
+    for wait in ("--wait", "--no-wait"):
+        f = FakeCoordinator(lambda req: ErrorReply(code="unknown_node", message="no node 'n9'"))
+        try:
+            r = run("migrate", "--from", "n9", "--to", "spare0", wait, "--coordinator", f.address)
+        finally:
+            f.stop()
+        assert r.exit_code == 2 and lines(r.stderr) == ["error: no node 'n9'"]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("final, tick", [("committed", "✓"), ("aborted", "✗")])
+def test_migrate_in_a_terminal_shows_the_phases_live(fake, monkeypatch, final, tick):
+    monkeypatch.setattr(cli, "stdout_is_terminal", lambda: True)
+    f = fake(scripted_migration(["warming", "prepared", final], {"reason": "timed out in prepared",
+                                                                 "downtime_s": 0.2}))
+    r = run("migrate", "--from", "node1", "--to", "spare0", "--coordinator", f.address)
+    assert r.exit_code == (0 if final == "committed" else 1), r.output
+    out = lines(r.stdout)
+    assert out[0] == "migration 7: node1 -> spare0"
+    rows = [line.split() for line in out if line.lstrip().startswith(("✓", "✗"))]
+    assert [row[1] for row in rows][:2] == ["requested", "warming"] and rows[-1][:2] == [tick, final]
+    assert rows[0][2:4] == ["0.50", "s"]  # seconds spent in "requested"
+    assert not any(line.startswith("[") for line in out)  # no phase lines in a terminal
+
+
+def test_migration_progress_rendering():
+    from rich.console import Console
+    from rich.spinner import Spinner
+
+    from tmctl import render
+
+    m = migration("prepared")  # requested at 1000.0, warming 1000.5, prepared 1001.0
+    m["phases"]["prepare_started"] = 1000.7  # a mark, not a state: left out
+    assert render.reached_states(m, current_s=0.25) == [("requested", 1000.0, 0.5), ("warming", 1000.5, 0.5),
+                                                       ("prepared", 1001.0, 0.25)]
+    done = migration("committed")
+    assert render.reached_states(done, current_s=9.0)[-1] == ("committed", 1002.5, None)
+    console = Console(width=80, record=True)
+    console.print(render.migration_progress(m, Spinner("dots"), current_s=0.25))
+    text = [line.split() for line in lines(console.export_text())]
+    assert text[0] == ["✓", "requested", "0.50", "s", "at", "+0.00", "s"]
+    assert text[2][1:] == ["prepared", "0.25", "s", "at", "+1.00", "s"] and text[2][0] != "✓"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# timeline
+# ------------------------------------------------------------------------------------------------------------
+def timeline_journal(migrations=3, incidents=2):
+    """A journal of 40 steps with ``migrations`` committed migrations and ``incidents`` recovered incidents."""
+    out = [{"seq": 1, "ts": 1000.0, "event": "tmd_started", "job": "j5"}]
+
+    def add(name, ts, **fields):
+        out.append({"seq": len(out) + 1, "ts": ts, "event": name, **fields})
+
+    for k in range(4):
+        add("step_times", 1000.0 + 10 * k + 10, steps=[[i, 1000.0 + i + 1, 0.1 + 0.3 * (i == 25)]
+                                                      for i in range(10 * k, 10 * k + 10)])
+    for mid in range(1, migrations + 1):
+        for i, state in enumerate(["requested", "warming", "prepared", "switching", "transferred", "committed"]):
+            add(f"migration_{state}", 1000.0 + 5 * mid + 0.1 * i, migration_id=mid, sources=["n2"], targets=["s1"])
+    for iid in range(1, incidents + 1):
+        add("node_failed", 1025.0 + iid, node="n2", reason="died", signal="process_exit", ranks=[2, 3])
+        add("recovery_started", 1025.0 + iid, incident_id=iid, reason="n2: died", lost_ranks=[2, 3])
+        add("recovery_done", 1025.5 + iid, incident_id=iid)
+    out.sort(key=lambda e: e["ts"])
+    for seq, e in enumerate(out, 1):
+        e["seq"] = seq
+    return out
+
+
+def write_journal(run_dir, events):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+@pytest.mark.timeout(20)
+def test_timeline_of_a_run_dir_in_text_json_and_png(tmp_path):
+    run_dir = tmp_path / "r"
+    write_journal(run_dir, timeline_journal())
+    r = run("timeline", "--run-dir", str(run_dir))
+    assert r.exit_code == 0, r.output
+    out = lines(r.stdout)
+    assert out[0] == "job j5: 40 step(s) over 40.0 s; step time max 0.400 s, median 0.100 s"
+    assert out[1].startswith("0.400 s ┤") and "█" in out[1]
+    assert "M" in out[2] and "x" in out[2]
+    assert [line.split(":")[0] for line in out if line[:2] in ("M ", "R ")] == [
+        "M migration 1", "M migration 2", "M migration 3", "R incident 1", "R incident 2"]
+
+    r = run("--run-dir", str(run_dir), "timeline", "--json")  # the global option works too
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert [(s["kind"], s["id"], s["outcome"]) for s in data["spans"]] == [
+        ("migration", 1, "committed"), ("migration", 2, "committed"), ("migration", 3, "committed"),
+        ("incident", 1, "recovered"), ("incident", 2, "recovered")]
+    assert len(data["steps"]) == 40 and data["job"] == "j5"
+
+    r = run("timeline", "--run-dir", str(run_dir), "--json", "--minutes", "0.25")  # the last 15 s
+    assert r.exit_code == 0, r.output
+    late = json.loads(r.stdout)
+    assert late["start"] == 1025.0 and [s["kind"] for s in late["spans"]] == ["incident", "incident"]
+
+    from tmctl import timeline_plot
+
+    png = tmp_path / "t.png"
+    r = run("timeline", "--run-dir", str(run_dir), "--png", str(png))
+    assert r.exit_code == 0, r.output
+    assert lines(r.stdout) == [f"wrote {png}: 3 migration(s), 2 incident(s), 2 mark(s), 40 step(s)"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert timeline_plot.count_bands(str(png)) == {"migration": 3, "incident": 2}
+    import matplotlib.image
+
+    assert matplotlib.image.imread(str(png)).shape[:2] == (timeline_plot.HEIGHT_PX, timeline_plot.WIDTH_PX)
+
+
+@pytest.mark.timeout(10)
+def test_timeline_without_a_journal_or_with_a_bad_png_path_exits_2(tmp_path):
+    r = run("timeline", "--run-dir", str(tmp_path / "nowhere"))
+    assert r.exit_code == 2 and lines(r.stderr)[0].startswith("error: no tmd.json at ")
+    write_journal(tmp_path / "empty", [])
+    write_tmd_json(tmp_path / "empty", f"tcp://127.0.0.1:{free_port()}")
+    r = run("timeline", "--run-dir", str(tmp_path / "empty"))
+    assert r.exit_code == 2 and lines(r.stderr) == ["error: the journal has no events"]
+    write_journal(tmp_path / "r", timeline_journal(1, 0))
+    r = run("timeline", "--run-dir", str(tmp_path / "r"), "--png", str(tmp_path / "no" / "such" / "dir.png"))
+    assert r.exit_code == 2 and lines(r.stderr)[0].startswith(f"error: cannot write {tmp_path}/no/such/dir.png")
+
+
+@pytest.mark.timeout(10)
+def test_timeline_pages_through_a_live_tmd(fake):
+    journal = timeline_journal(2, 1)
+    asked = []
+
+    def handler(req):
+        if not isinstance(req, EventsRequest):
+            return ErrorReply(code="bad_request", message="unexpected")
+        asked.append(req.after)
+        return EventsReply(events=[e for e in journal if e["seq"] > req.after][:7])  # short pages, as tmd cuts
+
+    f = fake(handler)
+    r = run("timeline", "--json", "--coordinator", f.address)
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert [s["id"] for s in data["spans"]] == [1, 2, 1] and len(data["steps"]) == 40
+    assert asked == list(range(0, len(journal) + 1, 7)) + ([len(journal)] if len(journal) % 7 else [])
+
+
+@pytest.mark.timeout(20)
+def test_timeline_of_an_ended_job_reads_its_journal(tmp_path):
+    # the default ./tmrun (cwd is tmp_path): its tmd is gone, its journal answers
+    write_journal(tmp_path / "tmrun", timeline_journal(1, 1))
+    write_tmd_json(tmp_path / "tmrun", f"tcp://127.0.0.1:{free_port()}")
+    r = run("timeline", "--json", "--timeout", "0.2")
+    assert r.exit_code == 0, r.output
+    assert [s["kind"] for s in json.loads(r.stdout)["spans"]] == ["migration", "incident"]
+    # no tmd answers and there is no journal: the one-line error, exit 2
+    (tmp_path / "tmrun" / "events.jsonl").unlink()
+    r = run("timeline", "--timeout", "0.2")
+    assert r.exit_code == 2 and lines(r.stderr)[0].startswith("error: connection refused at")
+
+
+def test_tmctl_does_not_load_matplotlib_until_a_picture_is_asked_for():
+    import subprocess
+    import sys
+
+    code = "import sys, tmctl.cli; sys.exit('matplotlib' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# page
+# ------------------------------------------------------------------------------------------------------------
+def with_page(url):
+    reply = status_reply()
+    reply.page = url
+    return reply
+
+
+@pytest.mark.timeout(10)
+def test_page_prints_the_address_with_the_token_and_a_scrape_config(fake, tmp_path, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "web.token").write_text("tok-123")
+    monkeypatch.setattr(cli, "web_token_file", lambda run_dir, job: str(keys / "web.token"))
+    f = fake(lambda req: with_page("http://127.0.0.1:8123/"))
+    r = run("page", "--coordinator", f.address)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == "http://127.0.0.1:8123/?token=tok-123"
+    r = run("page", "--prometheus", "--coordinator", f.address)
+    assert r.exit_code == 0, r.output
+    assert f"credentials_file: {keys / 'web.token'}" in r.stdout and '"127.0.0.1:8123"' in r.stdout
+    assert "tok-123" not in r.stdout
+    r = run("status", "--coordinator", f.address)
+    assert "page: http://127.0.0.1:8123/" in r.stdout
+
+
+@pytest.mark.timeout(10)
+def test_page_says_why_when_there_is_no_page_or_no_token(fake, tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "web_token_file", lambda run_dir, job: str(tmp_path / "nothing" / "web.token"))
+    f = fake(lambda req: with_page(None))
+    r = run("page", "--coordinator", f.address)
+    assert r.exit_code == 2 and "serves no status page" in r.output
+    f = fake(lambda req: with_page("http://127.0.0.1:8123/"))
+    r = run("page", "--coordinator", f.address)
+    assert r.exit_code == 2 and "cannot read the job's web token" in r.output

@@ -125,3 +125,11 @@ def job_tmd_json(job_id: str, root: Optional[str] = None) -> str:
 def hook_report_dir(job_id: str, root: Optional[str] = None) -> str:
     """Where the SLURM hooks write ``<hook>.<node>.json`` reports of a job (tmd journals them)."""
     return os.path.join(job_dir(job_id, root), "hooks")
+
+
+WEB_TOKEN_FILE = "web.token"  # in the job's keys directory: the bearer token of tmd's page and /metrics (tmd.web)
+
+
+def web_token(keys_dir: str) -> str:
+    """The file holding the web token of the job whose keys are in ``keys_dir`` (tmd.web)."""
+    return os.path.join(keys_dir, WEB_TOKEN_FILE)

@@ -336,6 +336,7 @@ class StatusReply(Message, sender=Sender.COORDINATOR):
     recovery: Optional[dict]
     failure: Optional[dict]  # why the job failed (rank, node, kind, error, traceback), or None
     warnings: list  # misuse found at start: dicts of rank, node, code, message
+    page: Optional[str] = None  # the status page and metrics address (http://host:port/), None when off
 
 
 @dataclasses.dataclass(kw_only=True)

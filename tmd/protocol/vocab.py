@@ -251,6 +251,7 @@ class Event(StrEnum):
     JOB_WARNING = "job_warning"  # misuse found at start (RankWarning)
     JOINER_FAILED = "joiner_failed"  # a joiner's script raised in its sandbox: its migration/incident goes on without it
     REPLICA_CLASSES = "replica_classes"  # every rank's replica class and the snapshot keepers (read by tmd resume)
+    STEP_TIMES = "step_times"  # steps every active rank finished since the last one: [[step, ts, slowest s], ...]
     SNAPSHOT_TAKEN = "snapshot_taken"  # a rank's first buddy snapshot: its host bytes and copy seconds
     NO_REPLICA = "no_replica"  # a node whose loss takes every copy of some rank's state (ReplicaReport)
     STARTUP_FAILED = "startup_failed"  # a rank process died before worker.init() registered

@@ -1,0 +1,84 @@
+"""Where the benchmarks keep their results: ``benchmarks/results/<name>.json`` and a timeline picture per job.
+
+:func:`save` writes a benchmark's result (what it prints on stdout) with a description of the machine it ran on
+(:func:`machine`), and beside it one PNG per run directory that has a journal: the job's step times with its
+migrations and incidents shaded (:mod:`tmctl.timeline_plot`, as ``tmctl timeline --png`` draws it).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import sys
+from typing import Optional, Sequence
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _cpu_model() -> Optional[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _memory_bytes() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def machine() -> dict:
+    """The machine a result was measured on: hostname, CPU model and count, memory (bytes), python and torch
+    versions, platform, and the date (ISO 8601, UTC)."""
+    try:
+        import torch
+
+        torch_version: Optional[str] = torch.__version__
+    except ImportError:
+        torch_version = None
+    return {"hostname": socket.gethostname(), "cpu_model": _cpu_model(), "cpu_count": os.cpu_count(),
+            "memory_bytes": _memory_bytes(), "python": platform.python_version(), "torch": torch_version,
+            "platform": platform.platform(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def save(name: str, result: dict, run_dirs: Sequence[str] = (), results_dir: str = RESULTS_DIR) -> list[str]:
+    """Write ``<results_dir>/<name>.json`` (``result`` plus ``machine``: :func:`machine`) and, for each of
+    ``run_dirs`` whose ``events.jsonl`` exists, its timeline picture ``<name>.png`` (one run dir) or
+    ``<name>-<k>.png`` (k = 1, 2, ... over the run dirs given). Returns the paths written. A picture that cannot be
+    drawn is reported on stderr and skipped: the JSON is what matters. Raises OSError when the JSON cannot be
+    written."""
+    from tmd import timeline
+    from tmd.journal import read_events
+    from tmd.protocol import layout
+
+    os.makedirs(results_dir, exist_ok=True)
+    written = []
+    path = os.path.join(results_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({**result, "machine": machine()}, f, indent=2, default=str)
+        f.write("\n")
+    written.append(path)
+    for k, run_dir in enumerate(run_dirs, 1):
+        journal = layout.RunDir(run_dir).events
+        if not os.path.exists(journal):
+            continue
+        png = os.path.join(results_dir, f"{name}.png" if len(run_dirs) == 1 else f"{name}-{k}.png")
+        try:
+            from tmctl import timeline_plot
+
+            tl = timeline.build(read_events(journal))
+            timeline_plot.draw(tl.to_dict(), png, title=f"{name}: {os.path.basename(os.path.normpath(run_dir))}")
+        except Exception as e:  # noqa: BLE001 - a picture that fails never loses the measured result
+            print(f"[report] no picture for {run_dir}: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        written.append(png)
+    return written
