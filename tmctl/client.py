@@ -170,6 +170,10 @@ def check_address(address: str) -> None:
         raise InvalidAddress(address, f"cannot resolve host {host!r}: {e}") from None
 
 
+RECONNECT_IVL_MS = 100  # the first reconnection attempt to an address that refused (libzmq's default) ...
+RECONNECT_IVL_MAX_MS = 2000  # ... then backing off to one every 2 s
+
+
 class Client:
     """Request/reply with tmd over one DEALER socket (random identity, LINGER 0), a CURVE client with the job's
     client key when ``keys_dir`` is given (plain otherwise).
@@ -199,6 +203,8 @@ class Client:
             self._ctx = zmq.Context()  # its own: nothing a long-lived process did to the shared one can affect it
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)  # back off from a tmd that is gone
             sock.setsockopt(zmq.IDENTITY, f"tmctl-{secrets.token_hex(6)}".encode())
             if self._keys is not None:
                 try:
@@ -255,8 +261,11 @@ class Client:
         raise why
 
     def close(self) -> None:
-        """Close the socket (pending messages are dropped). The next request opens a new one."""
+        """Close the socket (pending messages are dropped). The next request opens a new one. Never blocks:
+        the monitor's unread events are drained first (libzmq's monitor-stopped event waits for room in the
+        monitor's pipe, which a client left connecting to a dead tmd fills within a minute)."""
         if self._sock is not None:
+            self._handshake_failed()  # reads every pending monitor event
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
             self._monitor = None

@@ -5,7 +5,7 @@ One job per layout, against an uninterrupted run of the same layout and seed:
 
 1. a planned migration ``n2 -> s1`` at step 4 (every group the script made through the DeviceMesh is a mover
    group: the ones holding n2's ranks are rebuilt, the others are not);
-2. then ``s1`` (the node that just joined) is killed with SIGKILL at step 18 (``--fault``) and recovered on
+2. then ``s1`` (the node that just joined) is killed with SIGKILL at step 28 (``--fault``) and recovered on
    ``s2``: from a replica where its state has one on another node (HSDP), otherwise by rolling the whole job
    back to the last buddy snapshot (``--snapshot-every 4``) and redoing the steps since;
 3. every rank's final model and optimizer hash (its local shards) equals the uninterrupted run's.
@@ -22,8 +22,10 @@ from tests.support import events, wait_until
 from tests.support.job import final_hashes, job_client, tmd_command
 from tmd import protocol as p
 
-STEPS = 22  # 4 steps after the kill; a rollback goes back to step 16 at most (SNAPSHOT_EVERY)
-KILL_AT = 18
+STEPS = 32  # 4 steps after the kill; a rollback goes back to step 24 at most (SNAPSHOT_EVERY)
+# The migration's switch step lands between steps 12 and 19 here (more steps pass during the joiner's warm-up on a
+# loaded machine); the kill must come after it and after the joiner's first buddy snapshot (every 4 steps).
+KILL_AT = 28
 SNAPSHOT_EVERY = 4
 # layout -> (train_llama's mesh flags, whether a lost node's state has a replica elsewhere, groups per rank)
 LAYOUTS = {
@@ -79,6 +81,7 @@ def test_migration_then_kill_is_bit_identical(tmp_path, layout):
 
     committed = of(p.Event.MIGRATION_COMMITTED)
     assert len(committed) == 1, of(p.Event.MIGRATION_ABORTED)
+    assert committed[0]["switch_step"] < KILL_AT, "the kill was due before the joiner held s1's ranks: raise KILL_AT"
     # delta-based: a stayer rebuilds only its groups that hold a leaver (n2's ranks 2, 3); the joiners all theirs
     rebuilt = of(p.Event.MIGRATION_PREPARED)[0]["rebuilt"]
     stayer, joiner = set(rebuilt["n1/0"]), set(rebuilt["s1/0"])

@@ -759,3 +759,20 @@ def test_page_says_why_when_there_is_no_page_or_no_token(fake, tmp_path, monkeyp
     f = fake(lambda req: with_page("http://127.0.0.1:8123/"))
     r = run("page", "--coordinator", f.address)
     assert r.exit_code == 2 and "cannot read the job's web token" in r.output
+
+
+@pytest.mark.timeout(60)
+def test_close_does_not_block_on_a_monitor_full_of_reconnection_events(monkeypatch):
+    """A client left connecting to a dead tmd fills its monitor's pipe; closing it (also from a finalizer, at
+    any garbage collection) must still return."""
+    import tmctl.client as client_module
+
+    monkeypatch.setattr(client_module, "RECONNECT_IVL_MS", 1)
+    monkeypatch.setattr(client_module, "RECONNECT_IVL_MAX_MS", 1)
+    c = Client(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.1)  # nothing listens there
+    c._socket()  # noqa: SLF001 - connect without a request: the events pile up unread
+    time.sleep(3)  # thousands of refused reconnections, each a few monitor events; nothing to wait on
+    closer = threading.Thread(target=c.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive(), "Client.close blocked"
