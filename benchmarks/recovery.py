@@ -27,7 +27,12 @@ Per fault:
   interrupted step done before the kill. (When n2 had already sent its share of the step's all-reduce, the
   survivors still commit that step after the kill and ``resume_step`` is ``step_at_kill + 1``: that "last commit"
   then comes after the kill and this figure is the smaller one.)
-- ``phases_s``, ``bytes_moved``: from tmd's ``recovery_done`` event; ``resume_step`` from ``recovery_plan``.
+- ``phases_s``, ``bytes_moved``: from tmd's ``recovery_done`` event (tmd.recovery.Incident.phases_s: halt,
+  warm_up, plan, transfer_and_regroup, after_warm_up, total); ``resume_step`` from ``recovery_plan``.
+- ``timeline_s``: when each step of the recovery happened, in seconds after the kill: ``detected``
+  (``node_failed``), ``halted`` (every survivor halted), ``plan_sent``, ``recovered`` (``recovery_done``: every
+  party recovered, the replacements after their shadow iterations) and ``redone_step_committed`` (seen by the
+  polls; ``recovery_downtime_s`` is this minus ``median_step_s``).
 - ``bit_identical``: every rank's final state hash equals the uninterrupted reference run's (same seed and steps,
   no standby; run once and shared by all faults).
 - ``stop`` only: the stopped processes get SIGCONT once ``recovery_done`` is journalled and the redone step is seen
@@ -45,7 +50,8 @@ fraction of its median step) and, at a failure, lose the save but gain failure d
 neither of which the baseline includes; ``checkpoint_restart_downtime_excl_save_s`` and ``ratio_excl_save`` give
 that conservative view.
 
-Targets (issue: failure recovery): recovery downtime <= 1 median step + 0.5 s, ratio >= 20x. They are reported in
+Targets (issue 12, target 2: failure recovery): recovery downtime <= 1 median step + 0.3 s, bit-identical; and
+ratio >= 20x. They are reported in
 ``targets`` / ``met``, not asserted: the machine is shared and noisy.
 """
 from __future__ import annotations
@@ -76,7 +82,7 @@ GONE_TIMEOUT_S = 10.0  # how long (s) continued SIGSTOPped processes get to exit
 FOLLOW_TIMEOUT_S = 300.0  # how long (s) to follow a recovery before giving up on it (and the job)
 JOB_TIMEOUT_S = 900.0
 
-DOWNTIME_SLACK_S = 0.5  # target: downtime <= 1 median step + this
+DOWNTIME_SLACK_S = 0.3  # target: downtime <= 1 median step + this
 RATIO_MIN = 20.0
 
 
@@ -200,7 +206,7 @@ def inject_failure(run_dir: str, steps: int, fail_at: int, tiny: bool, script_ar
             rec = st.recovery
             if rec and rec.get("resume_step") is not None:
                 resume = rec["resume_step"]
-                if rec["state"] == "recovered" and st.step >= resume + 1:
+                if rec["state"] == p.IncidentState.RECOVERED and st.step >= resume + 1:
                     t_committed = time.time()
                     break
             time.sleep(POLL_S)
@@ -226,6 +232,7 @@ def inject_failure(run_dir: str, steps: int, fail_at: int, tiny: bool, script_ar
     done = first_event(events, "recovery_done", t_kill - 1.0)
     plan = first_event(events, "recovery_plan", t_kill - 1.0)
     job_failed = first_event(events, "job_failed")
+    halted = first_event(events, "recovery_halted", t_kill - 1.0)
     downtime = t_committed - t_kill - median if (t_committed and median is not None) else None
     t_prev = clock.seen.get(resume) if resume is not None else None
     hashes = final_hashes(run_dir)
@@ -244,11 +251,22 @@ def inject_failure(run_dir: str, steps: int, fail_at: int, tiny: bool, script_ar
         if (t_committed and t_prev and median is not None) else None,
         "kill_to_recovery_done_s": round(done["ts"] - t_kill, 4) if done else None,
         "phases_s": done["phases_s"] if done else None,
+        "timeline_s": timeline_s(t_kill, {"detected": failed, "halted": halted, "plan_sent": plan, "recovered": done},
+                                 t_committed),
         "bytes_moved": done["bytes_moved"] if done else None,
         "job_failed": job_failed.get("reason") if job_failed else None,
         "bit_identical": reference["ranks_agree"] and hashes == reference["hashes"],
         **extra,
     }
+
+
+def timeline_s(t_kill: float, events: dict[str, dict | None], t_committed: float | None) -> dict[str, float]:
+    """Seconds after the kill (epoch ``t_kill``) of each journal event of ``events`` (name -> event or None: left
+    out) and of ``t_committed`` as ``redone_step_committed`` (None: left out)."""
+    marks = {name: e["ts"] for name, e in events.items() if e is not None}
+    if t_committed is not None:
+        marks["redone_step_committed"] = t_committed
+    return {name: round(t - t_kill, 4) for name, t in marks.items()}
 
 
 def job_ended_early(run_dir: str, rc: int) -> dict:

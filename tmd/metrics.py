@@ -28,7 +28,7 @@ metric (labels besides ``job``)                    type       source and meaning
                                                               ``recovery_superseded``: finished incidents, ``state``
                                                               recovered, failed or superseded
 ``trainmover_recovery_phase_seconds{phase}``       histogram  ``recovery_done``'s ``phases_s``: halt, warm_up, plan,
-                                                              transfer_and_regroup, total
+                                                              transfer_and_regroup, after_warm_up, total
 ``trainmover_node_failures_total{node,signal}``    counter    ``node_failed``: nodes declared failed, ``signal``
                                                               process_exit, stopped or silent
 ``trainmover_detection_latency_seconds``           histogram  ``node_failed``'s ``silent_s``: the node's last

@@ -339,6 +339,8 @@ class Migrations(Episodes[Migration]):
                 self._enter(m, MigrationState.SWITCHING)
         elif msg.phase == MigrationPhase.SENT and m.state in (MigrationState.SWITCHING, MigrationState.TRANSFERRED):
             self._mark_transfer_start(m, msg.seconds)  # may trail the joiner's report
+            self.journal.record(Event.MIGRATION_SENT, migration_id=m.id, rank=msg.rank, bytes_moved=msg.bytes_moved,
+                                seconds=msg.seconds, precopy_step=msg.precopy_step, kept_tensors=msg.kept_tensors)
         elif msg.phase == MigrationPhase.TRANSFERRED and m.state == MigrationState.SWITCHING:
             m.bytes_moved += msg.bytes_moved
             m.transfer_s = max(m.transfer_s, msg.seconds)

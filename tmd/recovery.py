@@ -9,14 +9,17 @@ migration:
    is promoted: each of its processes is assigned one lost rank and runs shadow iterations (replaying that
    rank's recording), then answers ``warmed``. With no standby the incident waits (``recovery_waiting``),
    and goes on when one arrives.
-2. **recovering**: with every survivor halted and every replacement warm, tmd picks the resume step
-   ``S + 1`` where S is the highest committed step (survivors differ by at most one step: a step's all-reduce
-   can finish on some ranks and not others). :class:`~tmd.protocol.Recover` tells every party to build the
-   next generation of its groups, and pairs each replacement and each survivor that is behind with a
+2. **recovering**: with every survivor halted and every lost rank given a replacement, tmd picks the resume
+   step ``S + 1`` where S is the highest committed step (survivors differ by at most one step: a step's
+   all-reduce can finish on some ranks and not others). :class:`~tmd.protocol.Recover` tells every party to
+   build the next generation of its groups, and pairs each replacement and each survivor that is behind with a
    survivor that committed S (a data-parallel replica: identical state), spreading the receivers over the
-   replicas so transfers run in parallel.
-3. **recovered** once every party reports it: the standby node now holds the lost ranks. The interrupted
-   step is redone with the same data, so the final state is bit-identical to an uninterrupted run.
+   replicas so transfers run in parallel. The plan does not wait for the replacements' warm-up: they receive
+   their state and build their groups on a helper thread during their shadow iterations
+   (worker.recovery.Recovery.prefetch), so only the warm-up itself stays on the failure's critical path.
+3. **recovered** once every party reports it (a replacement: after its shadow iterations): the standby node
+   now holds the lost ranks. The interrupted step is redone with the same data, so the final state is
+   bit-identical to an uninterrupted run.
 
 A failure during an incident (a survivor or a replacement lost too) supersedes it: a new incident covers
 every rank still lost, keeping the replacements that are alive. The lost node is *fenced*: anything it sends
@@ -55,9 +58,10 @@ class Incident(Episode):
 
     SPANS = {
         "halt": (IncidentMark.DETECTED, IncidentMark.HALTED),  # detection to every survivor halted
-        "warm_up": (IncidentMark.PROMOTED, IncidentMark.WARMED),  # replacements' shadow iterations, from promotion
+        "warm_up": (IncidentMark.PROMOTED, IncidentMark.WARMED),  # replacements' set-up and shadow iterations
         "plan": (IncidentMark.DETECTED, IncidentMark.RECOVERING),  # detection to plan sent
         "transfer_and_regroup": (IncidentMark.RECOVERING, IncidentMark.RECOVERED),  # plan to every party recovered
+        "after_warm_up": (IncidentMark.WARMED, IncidentMark.RECOVERED),  # what the warm-up did not hide
         "total": (IncidentMark.DETECTED, IncidentMark.RECOVERED),
     }
 
@@ -79,9 +83,12 @@ class Incident(Episode):
         return [*self.survivors.values(), *self.replacements.values()]
 
     def phases_s(self) -> dict[str, float]:
-        """Durations (seconds): halt (detection to every survivor halted), warm_up (replacements' shadow
-        iterations, from promotion), plan (detection to plan sent), transfer_and_regroup (plan to every party
-        recovered), total (detection to recovered)."""
+        """Durations (seconds): halt (detection to every survivor halted), warm_up (promotion to every
+        replacement warm: the script's set-up and shadow iterations), plan (detection to plan sent),
+        transfer_and_regroup (plan to every party recovered; it overlaps warm_up, the replacements report
+        recovered after their shadow iterations), after_warm_up (every replacement warm to every party
+        recovered: the replacements' load and group swap, what the warm-up did not hide), total (detection to
+        recovered). Spans whose ends were not both marked are left out."""
         return super().phases_s()
 
     def details(self) -> dict:
@@ -255,6 +262,7 @@ class Incidents(Episodes[Incident]):
             return
         if msg.phase == RecoveryPhase.WARMED and any(w is x for x in inc.replacements.values()):
             w.warm_for = w.rank  # valid across incidents: it warmed for this rank
+            self._mark_warmed(inc)
             self._maybe_plan(inc)
         elif msg.phase == RecoveryPhase.HALTED and msg.incident_id == inc.id and inc.survivors.get(msg.rank) is w:
             inc.halted[msg.rank] = msg.committed_step
@@ -290,6 +298,7 @@ class Incidents(Episodes[Incident]):
             return
         if inc.waiting_standby:
             self._promote(inc)
+            self._maybe_plan(inc)  # the survivors halted long ago: the plan goes out with the promotion
         elif inc.overdue(now_mono):
             self._fail(inc, f"recovery {inc.id} stuck in {inc.state} for {inc.deadline_s:.0f} s")
 
@@ -328,14 +337,22 @@ class Incidents(Episodes[Incident]):
             inc.set_deadline(RECOVERY_TIMEOUT_S)
             self.journal.record(Event.RECOVERY_STANDBY_FOUND, incident_id=inc.id, standbys=dict(inc.standbys))
 
+    @staticmethod
+    def _mark_warmed(inc: Incident) -> None:
+        """Mark WARMED once every lost rank has a replacement that finished its shadow iterations."""
+        if IncidentMark.WARMED not in inc.phases and set(inc.replacements) == set(inc.lost) and \
+                all(w.warm_for == r for r, w in inc.replacements.items()):
+            inc.mark(IncidentMark.WARMED)
+
     def _maybe_plan(self, inc: Incident) -> None:
-        """Once every survivor halted and every replacement is warm: pick the resume step and send the plan.
-        Raises RecoveryError (after journalling the failure) when survivors disagree by more than one step."""
+        """Once every survivor halted and every lost rank has a replacement (warm or not: a replacement carries
+        the plan out during its shadow iterations): pick the resume step and send the plan. Raises RecoveryError
+        (after journalling the failure) when survivors disagree by more than one step."""
         if inc.state != IncidentState.HALTING or inc.waiting_standby or len(inc.halted) < len(inc.survivors):
             return
-        if set(inc.replacements) != set(inc.lost) or any(w.warm_for != r for r, w in inc.replacements.items()):
+        if set(inc.replacements) != set(inc.lost):
             return
-        inc.mark(IncidentMark.WARMED)
+        self._mark_warmed(inc)  # replacements kept from a superseded incident or adopted from a migration
         committed = max(inc.halted.values())
         behind = sorted(r for r, c in inc.halted.items() if c < committed)
         if any(inc.halted[r] < committed - 1 for r in behind):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -27,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from tmd import protocol as p
-from worker import transfer
+from worker import precopy, transfer
 from worker.control import Control, Stage
 from worker.exit import exit_process
 from worker.reports import Reporter
@@ -36,6 +37,7 @@ log = logging.getLogger("worker.migration")
 
 AGENT_THREAD = "tm-agent"  # worker.agent's thread name
 DECISION_TIMEOUT_S = 300.0  # a party waiting at the switch step for tmd's decision gives up (keeps old groups)
+PRECOPY_ENV = "TM_PRECOPY"  # "0": the leaver sends its whole state at the switch step (no pre-copy)
 
 
 def flush_sent(timeout_s: float = 2.0) -> None:
@@ -71,6 +73,7 @@ class Migration:
     def __init__(self, control: Control, reports: Reporter, objects: dict[str, Any],
                  finish_agent: Callable[[], None]) -> None:
         self.control = control
+        self.precopy: Optional[precopy.Precopy] = None  # a leaver's, between its start and the switch step
         self.reports = reports
         self.objects = objects
         self.finish_agent = finish_agent
@@ -78,9 +81,10 @@ class Migration:
         self.prealloc: Optional[list[torch.Tensor]] = None  # a joiner's pre-touched receive buffers
 
     # --- joiner ------------------------------------------------------------------------------------------------------
-    def shadow(self, n: int, report_warmed: bool) -> Iterator[int]:
+    def shadow(self, n: int, report_warmed: bool, pretouch: bool = True) -> Iterator[int]:
         """Yield the ``n`` shadow steps ``0 .. n-1`` (stage SHADOW: collectives replayed, results thrown away),
-        then free the recordings, pre-touch the receive buffers and, if ``report_warmed``, report ``warmed``."""
+        then free the recordings, pre-touch the receive buffers (if ``pretouch``: a failure's replacement receives
+        into fresh ones) and, if ``report_warmed``, report ``warmed``."""
         groups = self.control.groups
         self.control.enter(Stage.SHADOW)
         prev = time.perf_counter()
@@ -93,7 +97,8 @@ class Migration:
         self.control.enter(Stage.JOINING)
         for g in groups.groups.values():
             g.mover.load_recording([])  # free the recordings
-        self.prealloc = transfer.pretouch(transfer.plan_buffers(self.objects))
+        if pretouch:
+            self.prealloc = transfer.pretouch(transfer.plan_buffers(self.objects))
         if report_warmed:
             self.reports.report(self.migration_id, p.MigrationPhase.WARMED)
 
@@ -116,11 +121,9 @@ class Migration:
         switch = control.switch
         try:
             pg = groups.transfer_group(mid, DECISION_TIMEOUT_S)
-            states, extra, moved, seconds = transfer.recv_state(pg, 0, self.prealloc)
-            # Load before the decision, off the critical path: on an abort this sandboxed process is thrown
-            # away. A state that does not fit (other keys, shards of another layout) is refused here: nothing
-            # is loaded, tmd aborts and training goes on.
-            transfer.load_state(self.objects, states)
+            # Load before the decision: on an abort this sandboxed process is thrown away. A state that does not
+            # fit (other keys, shards of another layout) is refused here, tmd aborts and training goes on.
+            extra, moved, seconds = precopy.follow(pg, self.objects, self.prealloc)
         except Exception as e:  # noqa: BLE001 - reported; tmd aborts, or falls back to a replica
             self.reports.report(mid, p.MigrationPhase.TRANSFERRED, ok=False, error=e)
             control.wait_until(lambda: control.decision is not None or control.plan is not None, DECISION_TIMEOUT_S)
@@ -148,6 +151,25 @@ class Migration:
         return extra["step"]
 
     # --- leaver and stayers ------------------------------------------------------------------------------------------
+    def before_switch(self, step: int) -> None:
+        """At a boundary before ``step`` that is not a switch step: a leaver with a switch step armed ahead starts
+        its pre-copy (worker.precopy) here, once; one whose migration ended without a switch drops it."""
+        control = self.control
+        switch, pc = control.switch, self.precopy
+        if pc is not None and (switch is None or switch.migration_id != pc.migration_id):
+            pc.cancel()
+            self.precopy = None
+        if self.precopy is not None or switch is None or switch.step <= step \
+                or control.migration_role != p.MigrationRole.LEAVER or os.environ.get(PRECOPY_ENV) == "0":
+            return
+        try:
+            pg = control.groups.transfer_group(switch.migration_id, 1.0)
+        except RuntimeError as e:  # no transfer group: the switch step sends everything (and reports the error)
+            log.warning("rank %d: no pre-copy for migration %d: %s", control.rank, switch.migration_id, e)
+            return
+        self.precopy = precopy.Precopy(pg, switch.migration_id, self.objects)
+        self.precopy.start(step)
+
     def switch_boundary(self, switch: p.Switch) -> None:
         """At the start of the switch step: the leaver sends its state; stayers and leaver wait for the decision
         (at most ``DECISION_TIMEOUT_S`` seconds; none: keep the old groups). Raises :class:`LeaverExit` on a
@@ -159,11 +181,19 @@ class Migration:
         role = control.migration_role
         control.enter(Stage.SWITCHING)
         if role == p.MigrationRole.LEAVER:
+            pc, self.precopy = self.precopy, None
             try:
-                pg = groups.transfer_group(mid, DECISION_TIMEOUT_S)
-                moved, seconds = transfer.send_state(pg, self.objects,
-                                                     {"step": switch.step, "rng": torch.get_rng_state()})
-                self.reports.report(mid, p.MigrationPhase.SENT, bytes_moved=moved, seconds=seconds)
+                how = {}
+                if pc is not None and pc.migration_id == mid:  # only the tail is left to send
+                    moved, seconds = pc.finish(switch.step, torch.get_rng_state())
+                    how = {"precopy_step": pc.step, "kept_tensors": pc.kept}
+                else:
+                    if pc is not None:
+                        pc.cancel()
+                    pg = groups.transfer_group(mid, DECISION_TIMEOUT_S)
+                    moved, seconds = transfer.send_state(pg, self.objects, {
+                        "kind": precopy.Kind.FULL.value, "step": switch.step, "rng": torch.get_rng_state()})
+                self.reports.report(mid, p.MigrationPhase.SENT, bytes_moved=moved, seconds=seconds, **how)
             except Exception as e:  # noqa: BLE001 - the joiner or its group failed: tmd aborts, we go on
                 self.reports.report(mid, p.MigrationPhase.SENT, ok=False, error=e)
         elif not groups.staged(mid):

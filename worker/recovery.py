@@ -13,8 +13,12 @@ Then, on every survivor:
    ``plan.generation`` of every group, load what it received, restore the RNG and swap the groups in; it reports
    ``recovered`` and redoes the interrupted step with the same data.
 
-A replacement (a standby given a lost rank, after its shadow iterations) reports ``warmed``, waits for the plan
-and receives the replicated state from a replica (:meth:`Recovery.replace`). A newer Halt while a plan is
+A replacement (a standby given a lost rank) runs ``REPLACEMENT_SHADOW_STEPS`` shadow iterations, fewer than a
+migration's joiner: its warm-up is on the failure's critical path. tmd sends the plan once every survivor halted,
+without waiting for that warm-up, and the replacement carries its part out (receive the replicated state from a
+replica, build the next generation of every group) on a helper thread during the shadow iterations
+(:meth:`Recovery.prefetch`); after them it reports ``warmed``, loads what it received and swaps the groups in
+(:meth:`Recovery.replace`). A newer Halt while a plan is
 carried out abandons it (nothing it received is loaded) and the rank halts again under the new incident.
 
 **Each rank's own state.** In the first managed optimizer's step pre-hook of every step (only when the step is not
@@ -50,7 +54,7 @@ import os
 import struct
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -65,6 +69,13 @@ from worker.reports import Reporter
 log = logging.getLogger("worker.recovery")
 
 RECOVERY_TIMEOUT_S = 600.0  # a halted rank that hears nothing from tmd this long (seconds) exits with an error
+# Shadow iterations a failure's replacement runs (at most the job's record_steps; a planned migration's joiner runs
+# all record_steps, in the background). The replacement's warm-up is on the failure's critical path, so it runs the
+# fewest that leave its process doing what the survivors do at the redone step: two, because DDP regroups its
+# gradient buckets in the forward of a process's second iteration with a broadcast from rank 0 (a replacement
+# that skipped it would make that broadcast live, where the survivors make none). What the later steps would
+# warm (the allocator's steady state) the redone step warms at a small cost.
+REPLACEMENT_SHADOW_STEPS = 2
 # Compare the replicas' fingerprints at every step, not only at the first step after a migration or recovery. Off:
 # a fingerprint costs ~10 ms on the demo GPT (~3 % of its step on this machine).
 VERIFY_EVERY_STEP = False
@@ -95,9 +106,18 @@ class _Superseded(Exception):
     """A newer Halt arrived while a recovery plan was being carried out."""
 
 
+class _Launched(NamedTuple):
+    """A recovery plan being carried out on a helper thread: its ``attempt`` and the ``result`` dict the helper
+    fills (``received``, ``built``, ``moved``, ``seconds``, or ``error``)."""
+
+    attempt: Attempt
+    result: dict
+
+
 class Recovery:
     """This rank's part in failure recovery (see the module docstring). Training thread only, apart from the
-    helper thread of :meth:`recover` / :meth:`replace`, which the training thread waits for."""
+    helper thread of :meth:`recover` / :meth:`replace` / :meth:`prefetch`, which the training thread waits for,
+    and the thread :meth:`prefetch` starts to watch for the plan."""
 
     def __init__(self, control: Control, reports: Reporter, fail: Callable[[p.FailureKind, str], None]) -> None:
         """``fail(kind, error)``: report that the job must fail and end this process (never returns)."""
@@ -121,6 +141,9 @@ class Recovery:
         self.committed_step = -1  # last step whose optimizer update this process applied
         self.step_raised = False  # set by Session.run(): the step function raised
         self.rng_snapshot: Optional[torch.Tensor] = None  # CPU RNG at the start of the current attempt
+        self._prefetched: Optional[_Launched] = None  # a replacement's plan carried out during its shadow iterations
+        self._prefetch_lock = threading.Lock()
+        self._prefetch_open = False  # prefetch() watches for the plan until replace() takes over
 
     # --- the step ledger (training thread) -----------------------------------------------------------------------
     def manage(self, objects: dict[str, Any], rank_local: bool) -> None:
@@ -275,11 +298,50 @@ class Recovery:
             return resume
 
     # --- replacement -------------------------------------------------------------------------------------------------
+    def prefetch(self) -> None:
+        """Replacement of a failed rank, called before its shadow iterations: as soon as tmd's plan comes (tmd
+        sends it once every survivor halted, without waiting for this warm-up), carry out this rank's part of it
+        (receive the replicated state, build the next generation of every group) on a helper thread while the
+        training thread runs the shadow iterations. :meth:`replace` then only loads what came and swaps the
+        groups in. A plan that would have this rank send its live state (it is being trained in the sandbox) is
+        left to :meth:`replace`."""
+
+        def watch() -> None:
+            if not self.control.wait_until(lambda: self.control.plan is not None or not self._prefetch_open,
+                                           RECOVERY_TIMEOUT_S):
+                return
+            with self._prefetch_lock:  # replace() closes the prefetch under this lock: one attempt per plan
+                plan = self.control.plan
+                if not self._prefetch_open or plan is None:
+                    return
+                if any(s == self.control.rank for s, _ in plan.sends) and plan.rollback_step < 0:
+                    return  # a sender of live state: after the shadow iterations (never in plans tmd makes today)
+                try:
+                    self._prefetched = self._launch(plan, None, None)
+                except Exception as e:  # noqa: BLE001 - replace() checks the plan again and reports the error
+                    log.warning("not prefetching recovery %d: %s", plan.incident_id, e)
+
+        with self._prefetch_lock:
+            self._prefetched, self._prefetch_open = None, True
+        threading.Thread(target=watch, daemon=True, name="tm-recover-prefetch").start()
+
+    def _take_prefetched(self, plan: p.Recover) -> Optional[_Launched]:
+        """Close the prefetch; return its attempt if it carries out ``plan`` (None otherwise). A stale one (an
+        older plan) is cancelled here, and what it built released once it finished."""
+        with self._prefetch_lock:
+            launched, self._prefetched, self._prefetch_open = self._prefetched, None, False
+        if launched is None or launched.attempt.plan is plan:
+            return launched
+        _, done = self.control.await_attempt(launched.attempt, 0.0)  # cancels it: a helper still running releases
+        for inner in launched.result.get("built", {}).values() if done else ():
+            mb.release_in_background(inner)
+        return None
+
     def replace(self, incident_id: int) -> int:
-        """Joiner replacing a failed rank: report warmed, wait for the plan, receive state, return the step to
-        resume at. ``incident_id`` 0: a migration's joiner whose leaver died (tmd knows it is warm). Exits the
-        process (ExitCode.FAILED) when the recovery fails (a fresh standby takes over) or after
-        ``RECOVERY_TIMEOUT_S`` seconds without a plan."""
+        """Joiner replacing a failed rank: report warmed, wait for the plan, receive state (or take what
+        :meth:`prefetch` received), return the step to resume at. ``incident_id`` 0: a migration's joiner whose
+        leaver died (tmd knows it is warm). Exits the process (ExitCode.FAILED) when the recovery fails (a fresh
+        standby takes over) or after ``RECOVERY_TIMEOUT_S`` seconds without a plan."""
         self.control.enter(Stage.RECOVERING)
         if incident_id:
             self.reports.report(incident_id, p.RecoveryPhase.WARMED, step=-1)
@@ -287,7 +349,8 @@ class Recovery:
             self._wait(lambda: self.control.plan is not None, "a recovery plan")
             plan = self.control.plan
             try:
-                resume = self._carry_out(plan, None, None)
+                launched = self._take_prefetched(plan) or self._launch(plan, None, None)
+                resume = self._complete(launched, None)
             except _Superseded:
                 continue
             except Exception as e:  # noqa: BLE001 - a fresh standby takes over; this process is thrown away
@@ -307,9 +370,14 @@ class Recovery:
                                             f"{RECOVERY_TIMEOUT_S:.0f} s while waiting for {what}")
 
     def _carry_out(self, plan: p.Recover, committed: Optional[int], rng_next: Optional[torch.Tensor]) -> int:
-        """Carry out ``plan`` on a helper thread (a dead peer can block a rendezvous or a transfer for the
-        gloo timeout) while this thread watches for a newer halt; on one, the helper's work is abandoned and
-        nothing it received is loaded. Returns the step to resume at. Raises _Superseded or the helper's error."""
+        """Carry out ``plan`` (survivor: ``committed`` is its last committed step, ``rng_next`` its RNG at the
+        start of the next one) and return the step to resume at (:meth:`_launch`, then :meth:`_complete`)."""
+        return self._complete(self._launch(plan, committed, rng_next), rng_next)
+
+    def _launch(self, plan: p.Recover, committed: Optional[int], rng_next: Optional[torch.Tensor]) -> _Launched:
+        """Start carrying out ``plan`` on a helper thread (a dead peer can block a rendezvous or a transfer for
+        the gloo timeout): send what the plan names, receive this rank's state, build the next generation of
+        every group. Raises RuntimeError when the plan does not fit this rank (nothing started then)."""
         rank = self.control.rank
         incident = plan.incident_id
         rollback = plan.rollback_step >= 0
@@ -370,6 +438,18 @@ class Recovery:
                         mb.release_in_background(inner)
 
         threading.Thread(target=work, daemon=True, name=f"tm-recover-{incident}").start()
+        return _Launched(attempt, result)
+
+    def _complete(self, launched: _Launched, rng_next: Optional[torch.Tensor]) -> int:
+        """Wait for the helper of :meth:`_launch` while watching for a newer halt or plan (then its work is
+        abandoned and nothing it received is loaded), load what it received, swap the groups in and report
+        ``recovered``. Returns the step to resume at. Raises _Superseded or the helper's error."""
+        attempt, result = launched.attempt, launched.result
+        plan = attempt.plan
+        rank = self.control.rank
+        incident = plan.incident_id
+        rollback = plan.rollback_step >= 0
+        groups = self.control.groups
         newer, done = self.control.await_attempt(attempt, RECOVERY_TIMEOUT_S)
         if newer or not done:
             for inner in result.get("built", {}).values() if done else ():

@@ -41,7 +41,7 @@ from worker.exit import exit_process
 from worker.gpu_health import probe_from_env
 from worker.groups import GroupManager
 from worker.migration import DECISION_TIMEOUT_S, LeaverExit, Migration
-from worker.recovery import RECOVERY_TIMEOUT_S, Recovery, StepAborted
+from worker.recovery import RECOVERY_TIMEOUT_S, REPLACEMENT_SHADOW_STEPS, Recovery, StepAborted
 from worker.reports import Reporter
 from worker.snapshot import Snapshots
 
@@ -257,7 +257,12 @@ class Session:
         control, recovery = self._control, self._recovery
         step = 0
         if control.role == p.WorkerRole.JOINER:
-            yield from self._migration.shadow(min(a.record_steps, total), report_warmed=a.incident_id == 0)
+            shadow_steps = a.record_steps
+            if a.incident_id != 0:  # a failure's replacement: fewer shadow iterations, its plan carried out meanwhile
+                recovery.prefetch()
+                shadow_steps = min(shadow_steps, REPLACEMENT_SHADOW_STEPS)
+            planned = a.incident_id == 0
+            yield from self._migration.shadow(min(shadow_steps, total), report_warmed=planned, pretouch=planned)
             if a.incident_id == 0:
                 joined = self._migration.join()
                 step = joined if joined is not None else recovery.replace(0)  # None: its leaver died
@@ -281,6 +286,8 @@ class Session:
             if switch is not None:
                 self._migration.switch_boundary(switch)
                 recovery.verify_next = True
+            elif control.migration_role == p.MigrationRole.LEAVER:
+                self._migration.before_switch(step)
             if step > first and not self._misuse_checked and control.role == p.WorkerRole.ACTIVE:
                 self._check_misuse()
             recovery.begin_step()

@@ -2,11 +2,16 @@
 authenticated. The receiver executes nothing it receives: the header is data (JSON), never pickle.
 
 Wire layout over a 2-rank process group (sender = rank 0, receiver = rank 1; gloo here, NCCL on GPU clusters):
-1. ``int64[1]``: the length in bytes of message 2 (at most ``MAC_BYTES + MAX_HEADER_BYTES``);
-2. ``uint8[len]``: the header's HMAC-SHA256 with the job secret (32 bytes, tmd.protocol.keys.JobKeys.mac), then
-   the header: ASCII JSON ``{"format": 1, "skeleton": {object name: value}, "extra": value, "buffers": [{"key",
-   "dtype", "device", "numel", "crc32", "shapes"}]}``;
-3. one flat buffer per (object, dtype, device): the tensors of that object and dtype, concatenated.
+1. ``int64[1]`` (tag 0): the length in bytes of message 2 (at most ``MAC_BYTES + MAX_HEADER_BYTES``);
+2. ``uint8[len]`` (tag 1): the header's HMAC-SHA256 with the job secret (32 bytes,
+   tmd.protocol.keys.JobKeys.mac), then the header: ASCII JSON ``{"format": 2, "skeleton": {object name: value},
+   "extra": value, "buffers": [{"key", "dtype", "device", "numel", "shapes"}], "data": {"chunk": bytes, "shm":
+   offer or null}}``;
+3. the bytes of one flat buffer per (object, dtype, device) (the tensors of that object and dtype, back to back),
+   in chunks of ``chunk`` bytes, over the group or, when the header offers a shared-memory ring and the receiver
+   is on the same host, through it (worker.datapath: the chunk messages, the ring and its control messages);
+4. ``uint8[MAC_BYTES + 4 * buffers]`` (tag 1): the trailer: HMAC-SHA256 of ``b"trailer"`` + the header's MAC +
+   the CRC32s, then each buffer's CRC32 (little-endian uint32) of the bytes the sender sent.
 
 **Sharded state.** A DTensor (FSDP2 and tensor-parallel parameters, their optimizer state) travels as its local
 shard only: the sender takes ``to_local()`` (no collective) and its skeleton entry is ``{"s": {"r": [buffer,
@@ -24,15 +29,19 @@ list, tuple, tensors) and nothing else. A tensor of a managed object is a refere
 of ``extra`` (the RNG state) travels inline in the header. Dtypes come from a fixed list of torch dtype names;
 devices are ``cpu`` or ``cuda[:i]``.
 
-The receiver checks the MAC before it parses a byte of the header, then the header's structure, every buffer's
-numel against the shapes it lists, and once every buffer arrived each buffer's CRC32 (listed in the MAC'd
-header, so a forged buffer is refused too). Any failure raises :class:`TransferRefused` (a RuntimeError; a
+The receiver checks the MAC before it parses a byte of the header, then the header's structure (the shared-memory
+offer included: only a regular file of this host with the offer's random nonce is ever mapped, see worker.shm),
+every buffer's numel against the shapes it lists, and once every buffer arrived the trailer's MAC (bound to this
+header's) and each buffer's CRC32 against the trailer's, computed as the bytes arrived (so a forged buffer is
+refused too). The CRC32s travel after the bytes so that checksumming overlaps the movement on both ends. Any
+failure raises :class:`TransferRefused` (a RuntimeError; a
 checksum failure is its subclass :class:`ChecksumError`) and nothing is loaded anywhere. The job secret is read
 from env ``TM_KEYS`` (worker.job_keys) unless keys are passed; without ``TM_KEYS`` (tmd without authentication)
 the MAC is keyed with a public all-zero key: the header is then checked but not authenticated.
 
-Packing per (object, dtype) keeps the message count small (a handful of sends instead of one per tensor) and
-lets the joiner's optimizer keep views into its receive buffer (no second copy).
+Packing per (object, dtype) keeps the message count small (a few chunks instead of one message per tensor) and
+lets the joiner's optimizer keep views into its receive buffer (no second copy). The sender never concatenates the
+whole state: chunks are read straight from its tensors (worker.datapath).
 """
 from __future__ import annotations
 
@@ -46,20 +55,19 @@ import math
 import re
 import struct
 import time
-import zlib
 from typing import Any, Callable, Optional
 
 import torch
 
 from tmd.protocol.keys import JobKeys
-from worker import job_keys
+from worker import datapath, job_keys
 
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # a torch built without distributed support: no DTensors exist
     DTensor = None
 
-FORMAT = 1  # the header's format version
+FORMAT = 2  # the header's format version (2: chunked buffers, their CRC32s in the trailer)
 MAC_BYTES = 32  # HMAC-SHA256
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # the header's bound (bytes); a real one is ~kB to a few MB
 MAX_DEPTH = 64  # nesting bound of a header value (a state_dict is ~4 deep)
@@ -72,8 +80,8 @@ _DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "complex128", "comp
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in _DTYPE_NAMES
                                   if isinstance(getattr(torch, name, None), torch.dtype)}
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,4})?")
-_BUFFER_FIELDS = {"key", "dtype", "device", "numel", "crc32", "shapes"}
-_HEADER_FIELDS = {"format", "skeleton", "extra", "buffers"}
+_BUFFER_FIELDS = {"key", "dtype", "device", "numel", "shapes"}
+_HEADER_FIELDS = {"format", "skeleton", "extra", "buffers", "data"}
 _SHARD_FIELDS = {"r", "shape", "placements", "mesh"}
 MAX_PLACEMENT_CHARS = 64  # bound of one placement's name in a shard entry (``_S(0, 2)`` is 8)
 
@@ -102,6 +110,18 @@ class ReceivedShard:
         return _describe(self.shape, self.placements, self.mesh, self.local.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """A tensor the receiver already holds, sent by reference instead of by value (worker.precopy: what the
+    joiner's replayed optimizer step made identical). ``index``: the tensor's position among its object's
+    state_dict tensors in state_dict order (worker.precopy counts them); ``dtype`` (a torch dtype name) and
+    ``shape`` let the receiver check that its own tensor there is the same kind. On the wire: ``{"k": {"i",
+    "dtype", "shape"}}``; only a receiver that passes ``kept=`` to :func:`recv_state` accepts one."""
+    index: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
 def is_dtensor(value: Any) -> bool:
     """Whether ``value`` is a DTensor (``torch.distributed.tensor.DTensor``)."""
     return DTensor is not None and isinstance(value, DTensor)
@@ -124,11 +144,8 @@ def _describe(shape, placements, mesh, local_shape) -> str:
 
 
 def crc32(t: torch.Tensor) -> int:
-    """CRC32 of a tensor's bytes. CUDA tensors are copied to host first (a GPU hash would avoid the copy)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return zlib.crc32(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    """CRC32 of a tensor's bytes (worker.datapath.crc32). CUDA tensors are copied to host first."""
+    return datapath.crc32(t)
 
 
 # --- the value encoding ------------------------------------------------------------------------------------------
@@ -160,7 +177,7 @@ def encode(value: Any, tensor: Callable[[torch.Tensor], Any], depth: int = 0) ->
         return value
     if kind is float:
         return value if math.isfinite(value) else {"f": struct.pack(">d", value).hex()}
-    if isinstance(value, torch.Tensor) or kind is ReceivedShard:  # a received shard is sent on as it came
+    if isinstance(value, torch.Tensor) or kind in (ReceivedShard, Kept):  # a received shard is sent on as it came
         return tensor(value)
     if kind is bytes:
         return {"b": base64.b64encode(value).decode("ascii")}
@@ -296,6 +313,8 @@ def _layout(objects: dict[str, Any]) -> tuple[dict, list[tuple[str, str, str]], 
     skeleton = {}
     for name, obj in objects.items():
         def ref(t: torch.Tensor, name: str = name) -> dict:
+            if isinstance(t, Kept):
+                return {"k": {"i": t.index, "dtype": t.dtype, "shape": list(t.shape)}}
             layout = None
             if is_dtensor(t):
                 layout = dtensor_layout(t)
@@ -348,10 +367,12 @@ def _mac(keys: Optional[JobKeys], data: bytes) -> bytes:
 
 # --- the two ends -----------------------------------------------------------------------------------------------
 def send_state(pg, objects: dict[str, Any], extra: dict, dst: int = 1,
-               keys: Optional[JobKeys] = None) -> tuple[int, float]:
+               keys: Optional[JobKeys] = None, on_packed: Optional[Callable[[], None]] = None) -> tuple[int, float]:
     """Send ``objects``' state_dicts and ``extra`` (any value :func:`encode` takes; its tensors travel inline) to
     rank ``dst`` of ``pg``. ``keys``: the job's keys whose secret authenticates the header (default: env
-    ``TM_KEYS``, see worker.job_keys).
+    ``TM_KEYS``, see worker.job_keys). ``on_packed()`` is called once the objects' tensors are no longer read
+    (copied into the send buffers, or sent): from then on the caller may change them (worker.precopy sends a
+    live state this way). A :class:`Kept` value in a state_dict travels as a reference, not a buffer.
 
     Returns (bytes_moved, seconds). Raises TypeError for a state that cannot be sent (nothing is sent then),
     TransferRefused for a header over ``MAX_HEADER_BYTES``, KeysUnavailable when ``TM_KEYS`` cannot be read,
@@ -361,25 +382,49 @@ def send_state(pg, objects: dict[str, Any], extra: dict, dst: int = 1,
     start = time.perf_counter()
     keys = _mac_key(keys)
     skeleton, order, tensors = _layout(objects)
-    flats = [torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1).clone() for ts in tensors]
-    header = json.dumps({
-        "format": FORMAT,
-        "skeleton": skeleton,
-        "extra": encode(extra, _inline),
-        "buffers": [{"key": k[0], "dtype": k[1], "device": k[2], "numel": f.numel(), "crc32": crc32(f),
-                     "shapes": [list(t.shape) for t in ts]} for k, f, ts in zip(order, flats, tensors)],
-    }, separators=(",", ":"), allow_nan=False).encode("ascii")
-    if len(header) > MAX_HEADER_BYTES:
-        raise TransferRefused(f"state header of {len(header)} bytes exceeds {MAX_HEADER_BYTES} bytes")
+    buffers = [{"key": k[0], "dtype": k[1], "device": k[2], "numel": sum(t.numel() for t in ts),
+                "shapes": [list(t.shape) for t in ts]} for k, ts in zip(order, tensors)]
+    if on_packed is not None:  # the caller changes its tensors once on_packed returns: send a packed copy
+        tensors = [[torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1).clone()]
+                   if ts else ts for ts in tensors]
+    encoded_extra = encode(extra, _inline)  # TypeError here: nothing made, nothing sent
+    sources = [datapath.Source(ts) for ts in tensors]
     wire = _wire_device(pg)
-    head = torch.frombuffer(bytearray(_mac(keys, header) + header), dtype=torch.uint8).to(wire)
-    pg.send([torch.tensor([head.numel()], dtype=torch.int64, device=wire)], dst, 0).wait()
-    pg.send([head], dst, 1).wait()
-    moved = head.numel() + 8
-    for i, flat in enumerate(flats):
-        pg.send([flat], dst, 2 + i).wait()
-        moved += flat.numel() * flat.element_size()
-    return moved, time.perf_counter() - start
+    sizes = [s.nbytes for s in sources]
+    chunk, segment, offer = datapath.offer_ring(sizes, wire, [k[2] for k in order])
+    chunks = datapath.plan(sizes, chunk)
+    try:
+        header = json.dumps({
+            "format": FORMAT,
+            "skeleton": skeleton,
+            "extra": encoded_extra,
+            "buffers": buffers,
+            "data": {"chunk": chunk, "shm": offer},
+        }, separators=(",", ":"), allow_nan=False).encode("ascii")
+        if len(header) > MAX_HEADER_BYTES:
+            raise TransferRefused(f"state header of {len(header)} bytes exceeds {MAX_HEADER_BYTES} bytes")
+        if on_packed is not None:
+            on_packed()
+        mac = _mac(keys, header)
+        head = torch.frombuffer(bytearray(mac + header), dtype=torch.uint8).to(wire)
+        pg.send([torch.tensor([head.numel()], dtype=torch.int64, device=wire)], dst, 0).wait()
+        pg.send([head], dst, 1).wait()
+        crcs = datapath.send_shm(pg, dst, segment, sources, chunks) if segment is not None else None
+        if crcs is None:  # no ring offered, or the receiver did not take it
+            crcs = datapath.send_wire(pg, dst, sources, chunks, wire)
+    finally:
+        if segment is not None:
+            segment.close()
+    tail = _trailer(keys, mac, crcs)
+    pg.send([torch.frombuffer(bytearray(tail), dtype=torch.uint8).to(wire)], dst, 1).wait()
+    return head.numel() + 8 + datapath.nbytes_of(chunks) + len(tail), time.perf_counter() - start
+
+
+def _trailer(keys: Optional[JobKeys], header_mac: bytes, crcs: list[int]) -> bytes:
+    """The trailer (see the module docstring): the MAC of ``b"trailer" + header_mac + crcs``, then the crcs as
+    little-endian uint32 each."""
+    body = struct.pack(f"<{len(crcs)}I", *crcs)
+    return _mac(keys, b"trailer" + header_mac + body) + body
 
 
 def _parse_header(message: bytes, keys: Optional[JobKeys]) -> dict:
@@ -397,14 +442,17 @@ def _parse_header(message: bytes, keys: Optional[JobKeys]) -> dict:
         raise TransferRefused(f"state header has an unknown layout: {_short(parsed)}")
     if type(parsed["skeleton"]) is not dict or type(parsed["buffers"]) is not list:
         raise TransferRefused("state header has an unknown layout")
+    data = parsed["data"]
+    if type(data) is not dict or set(data) != {"chunk", "shm"} or type(data["chunk"]) is not int \
+            or not datapath.MIN_CHUNK_BYTES <= data["chunk"] <= datapath.MAX_CHUNK_BYTES:
+        raise TransferRefused(f"bad data entry {_short(data)} in state header")
     groups = set()
     for b in parsed["buffers"]:
         if type(b) is not dict or set(b) != _BUFFER_FIELDS or type(b["key"]) is not str:
             raise TransferRefused(f"bad buffer entry in state header: {_short(b)}")
         b["dtype"] = _wire_dtype(b["dtype"])
         _check_device(b["device"])
-        if type(b["numel"]) is not int or b["numel"] < 0 or type(b["crc32"]) is not int \
-                or not 0 <= b["crc32"] < 1 << 32 or type(b["shapes"]) is not list:
+        if type(b["numel"]) is not int or b["numel"] < 0 or type(b["shapes"]) is not list:
             raise TransferRefused(f"bad buffer entry in state header: {_short(b)}")
         b["shapes"] = [_check_shape(s) for s in b["shapes"]]
         total = sum(math.prod(s) for s in b["shapes"])
@@ -423,9 +471,12 @@ def _refuse_constant(name: str) -> None:
 
 
 def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
-               keys: Optional[JobKeys] = None) -> tuple[dict, dict, int, float]:
+               keys: Optional[JobKeys] = None,
+               kept: Optional[Callable[[str, Kept], Any]] = None) -> tuple[dict, dict, int, float]:
     """Receive what :func:`send_state` sent. ``buffers``: pre-touched receive buffers (used where dtype and size
-    match). ``keys``: the job's keys (default: env ``TM_KEYS``, see worker.job_keys). Returns (states by object
+    match). ``keys``: the job's keys (default: env ``TM_KEYS``, see worker.job_keys). ``kept(object name,
+    Kept)``: this receiver's own tensor for a :class:`Kept` reference (it raises TransferRefused when it has no
+    such tensor); without it a header holding one is refused. Returns (states by object
     name, extra, bytes_moved, seconds); a sender's DTensor is a :class:`ReceivedShard` in the states (load them
     with :func:`load_state`, which makes DTensors of them again). Raises TransferRefused for a header that is not
     authenticated, malformed or out of bounds, ChecksumError (a TransferRefused) on a corrupt buffer,
@@ -441,17 +492,25 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
         raise TransferRefused(f"state header of {n - MAC_BYTES} bytes refused (at most {MAX_HEADER_BYTES})")
     head = torch.empty(n, dtype=torch.uint8, device=wire)
     pg.recv([head], src, 1).wait()
-    header = _parse_header(head.cpu().numpy().tobytes(), keys)
+    message = head.cpu().numpy().tobytes()
+    header = _parse_header(message, keys)
+    sizes, chunk = [b["numel"] * b["dtype"].itemsize for b in header["buffers"]], header["data"]["chunk"]
+    if sum(-(-n // chunk) for n in sizes) > datapath.MAX_CHUNKS:  # before planning them: bounded work
+        raise TransferRefused(f"state of {sum(sizes)} bytes in chunks of {chunk} bytes refused "
+                              f"(more than {datapath.MAX_CHUNKS} chunks)")
+    chunks = datapath.plan(sizes, chunk)
+    if not datapath.check_offer(header["data"]["shm"], chunks):
+        raise TransferRefused(f"bad shared-memory offer {_short(header['data']['shm'])} in state header")
     shapes = [b["shapes"] for b in header["buffers"]]
     # Every value is checked before a buffer is received (tensor references against the listed shapes): a
     # malformed header is refused here, not after the receiver allocated and waited for its buffers.
     for node in header["skeleton"].values():
-        decode(node, lambda tag, payload: _reference(tag, payload, shapes) and None)
+        decode(node, lambda tag, payload: (_kept(payload) if tag == "k" and kept is not None
+                                           else _reference(tag, payload, shapes)) and None)
     extra = decode(header["extra"], lambda tag, payload: _from_inline(tag, payload, wire))
-    moved = head.numel() + 8
     pool = list(buffers or [])
     received = []
-    for i, b in enumerate(header["buffers"]):
+    for b in header["buffers"]:
         # the sender's cuda:<i> is this process's own CUDA device; CPU state stays on the CPU
         device = torch.device("cpu") if b["device"] == "cpu" else wire
         at = next((j for j, t in enumerate(pool) if t.dtype == b["dtype"] and t.numel() == b["numel"]
@@ -460,16 +519,32 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
             flat = pool.pop(at)  # by position: list.remove would compare tensors elementwise
         else:
             flat = torch.empty(b["numel"], dtype=b["dtype"], device=device)
-        pg.recv([flat], src, 2 + i).wait()
-        moved += flat.numel() * flat.element_size()
         received.append((b, flat))
+    dests = [datapath.as_bytes(flat) for _, flat in received]
+    segment = datapath.accept(pg, src, header["data"]["shm"])
+    try:
+        if segment is not None:
+            crcs = datapath.recv_shm(pg, src, segment, dests, chunks)
+        else:
+            crcs = datapath.recv_wire(pg, src, dests, chunks)
+    except ValueError as e:
+        raise TransferRefused(f"state refused: {e}") from None
+    finally:
+        if segment is not None:
+            segment.close()
+    tail = torch.empty(MAC_BYTES + 4 * len(received), dtype=torch.uint8, device=wire)
+    pg.recv([tail], src, 1).wait()
+    moved = head.numel() + 8 + datapath.nbytes_of(chunks) + tail.numel()
     # Verify only once everything arrived, so the sender is never left blocked in a send nobody receives.
+    tail_bytes = tail.cpu().numpy().tobytes()
+    body = tail_bytes[MAC_BYTES:]
+    if not hmac.compare_digest(_mac(keys, b"trailer" + message[:MAC_BYTES] + body), tail_bytes[:MAC_BYTES]):
+        raise TransferRefused("state trailer refused: its MAC does not match this job's secret and this header")
     views: list[list[torch.Tensor]] = []
-    for b, flat in received:
-        got = crc32(flat)
-        if got != b["crc32"]:
+    for (b, flat), got, sent in zip(received, crcs, struct.unpack(f"<{len(received)}I", body)):
+        if got != sent:
             raise ChecksumError(f"state buffer {b['key']}/{b['dtype']} failed its checksum "
-                                f"(crc32 {got:#010x}, sender {b['crc32']:#010x}); state refused")
+                                f"(crc32 {got:#010x}, sender {sent:#010x}); state refused")
         parts, offset = [], 0
         for shape in b["shapes"]:
             count = math.prod(shape)
@@ -477,15 +552,27 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
             offset += count
         views.append(parts)
 
-    def ref(tag: str, payload: Any) -> Any:
+    def ref(tag: str, payload: Any, name: str) -> Any:
+        if tag == "k" and kept is not None:
+            return kept(name, _kept(payload))
         buffer, index = _reference(tag, payload, shapes)
         if tag == "r":
             return views[buffer][index]
         return ReceivedShard(views[buffer][index], tuple(payload["shape"]), tuple(payload["placements"]),
                              tuple(payload["mesh"]))
 
-    states = {name: decode(node, ref) for name, node in header["skeleton"].items()}
+    states = {name: decode(node, lambda tag, payload, name=name: ref(tag, payload, name))
+              for name, node in header["skeleton"].items()}
     return states, extra, moved, time.perf_counter() - start
+
+
+def _kept(payload: Any) -> Kept:
+    """A :class:`Kept` reference's payload, checked. Raises TransferRefused."""
+    if type(payload) is not dict or set(payload) != {"i", "dtype", "shape"} or type(payload["i"]) is not int \
+            or payload["i"] < 0:
+        raise TransferRefused(f"bad kept-tensor reference {_short(payload)} in state header")
+    _wire_dtype(payload["dtype"])
+    return Kept(payload["i"], payload["dtype"], tuple(_check_shape(payload["shape"])))
 
 
 def _reference(tag: str, payload: Any, shapes: list[list]) -> tuple[int, int]:

@@ -141,6 +141,11 @@ def test_cold_standby_is_busy_then_a_second_migration_commits(job):
     assert m["state"] == "committed" and m["switch_step"] > 0
     assert set(m["phases"]) >= {"requested", "warming", "prepared", "switching", "transferred", "committed"}
     assert m["bytes_moved"] > 100_000
+    # the leavers sent their state before the switch step (worker.precopy): at S only a tail moved, with the
+    # parameters and AdamW's moments as references to what the joiners' replayed optimizer steps computed
+    sent = [e for e in events(job["run_dir"]) if e["event"] == "migration_sent" and e["migration_id"] == m["id"]]
+    assert sorted(e["rank"] for e in sent) == [2, 3], sent
+    assert all(0 <= e["precopy_step"] < m["switch_step"] and e["kept_tensors"] > 0 for e in sent), sent
     # delta-based setup: stayers rebuilt only the world group (n1's node group has no leaver); n2's node group
     # [2, 3] was rebuilt by the joiners alone; the leavers built no group
     assert m["rebuilt"] == {"n1/0": ["world"], "n1/1": ["world"], "n2/0": [], "n2/1": [],

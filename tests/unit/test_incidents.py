@@ -11,7 +11,7 @@ from tmd.journal import Journal
 from tmd.migration import Migrations
 from tmd.protocol.layout import RunDir
 from tmd.protocol.vocab import (
-    Event, IncidentState, MigrationPhase, MigrationState, NodeRole, RecoveryPhase,
+    Event, IncidentMark, IncidentState, MigrationPhase, MigrationState, NodeRole, RecoveryPhase,
 )
 from tmd.recovery import RECOVERY_TIMEOUT_S, Incidents, RecoveryError
 from tests.support import RecordingChannel
@@ -98,12 +98,9 @@ def test_halting_recovering_recovered_with_sends_spread_over_replicas(world):
     # rank 5's step did not commit everywhere (its all-reduce finished on some ranks only): it is one behind
     world.halt_all({"n1/0": 9, "n1/1": 9, "n3/0": 9, "n3/1": 8})
     assert world.events(Event.RECOVERY_HALTED)[0]["committed"] == {0: 9, 1: 9, 4: 9, 5: 8}
-    assert inc.state == IncidentState.HALTING and not world.sent_of(p.Recover)  # replacements not warm yet
-    world.report("s1/0", RecoveryPhase.WARMED)
-    assert not world.sent_of(p.Recover)
-    world.report("s1/1", RecoveryPhase.WARMED)
-
+    # the plan does not wait for the replacements' warm-up: they carry it out during their shadow iterations
     assert inc.state == IncidentState.RECOVERING and inc.resume_step == 10
+    assert IncidentMark.WARMED not in inc.phases
     assert inc.generation == world.reg.generations.current == 1
     plans = world.sent_of(p.Recover)
     assert sorted(ident for ident, _ in plans) == sorted(SURVIVORS + ["s1/0", "s1/1"])
@@ -112,8 +109,13 @@ def test_halting_recovering_recovered_with_sends_spread_over_replicas(world):
     # receivers (the replacements, then the survivor behind) are spread over the replicas that committed step 9
     assert plan.sends == [[0, 2], [1, 3], [4, 5]] and plan.resume_step == 10 and plan.generation == 1
 
-    for ident in SURVIVORS + ["s1/0"]:
+    for ident in SURVIVORS:
         world.report(ident, RecoveryPhase.RECOVERED, bytes_moved=100)
+    world.report("s1/0", RecoveryPhase.WARMED)
+    assert IncidentMark.WARMED not in inc.phases and len(world.sent_of(p.Recover)) == 6  # no second plan
+    world.report("s1/1", RecoveryPhase.WARMED)
+    assert IncidentMark.WARMED in inc.phases and inc.state == IncidentState.RECOVERING
+    world.report("s1/0", RecoveryPhase.RECOVERED, bytes_moved=100)
     assert inc.state == IncidentState.RECOVERING
     world.report("s1/1", RecoveryPhase.RECOVERED, bytes_moved=100)
     assert inc.state == IncidentState.RECOVERED and world.incidents.current is None and inc.bytes_moved == 600
@@ -122,7 +124,7 @@ def test_halting_recovering_recovered_with_sends_spread_over_replicas(world):
     assert world.incidents.lost == {}
     done = world.events(Event.RECOVERY_DONE)[0]
     assert done["standbys"] == {"n2": "s1"} and done["resume_step"] == 10 and done["bytes_moved"] == 600
-    assert set(done["phases_s"]) == {"halt", "warm_up", "plan", "transfer_and_regroup", "total"}
+    assert set(done["phases_s"]) == {"halt", "warm_up", "plan", "transfer_and_regroup", "after_warm_up", "total"}
     d = inc.to_dict()
     assert set(d) == {"id", "state", "reason", "lost_ranks", "failed_nodes", "standbys", "waiting_standby",
                       "resume_step", "generation", "bytes_moved", "phases_s", "rollback_step"}
@@ -200,9 +202,8 @@ def test_without_a_standby_the_incident_waits_then_promotes_one_that_registers(t
     assert world.events(Event.RECOVERY_STANDBY_FOUND)[0]["standbys"] == {"n2": "s9"}
     assert [(ident, msg.rank) for ident, msg in world.sent_of(p.Assign)] == [("s9/0", 2), ("s9/1", 3)]
     assert inc.deadline > 0.0 and not inc.overdue(0.0)  # a fresh deadline from the promotion
-    world.report("s9/0", RecoveryPhase.WARMED)
-    world.report("s9/1", RecoveryPhase.WARMED)
-    assert inc.state == IncidentState.RECOVERING
+    # the survivors halted long ago: the plan goes out with the promotion, the replacements warm meanwhile
+    assert inc.state == IncidentState.RECOVERING and len(world.sent_of(p.Recover)) == 6
 
 
 def test_survivors_more_than_one_step_apart_cannot_recover(world):

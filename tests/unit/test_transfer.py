@@ -5,12 +5,14 @@ import hashlib
 import hmac
 import itertools
 import json
+import os
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from worker import transfer
+from worker import datapath, transfer
 
 pytestmark = pytest.mark.timeout(60)
 _prefix = itertools.count()
@@ -109,7 +111,8 @@ class CorruptingWire:
         return self.pg.send(tensors, dst, tag)
 
 
-def test_corrupt_buffer_is_refused_and_nothing_is_loaded():
+def test_corrupt_buffer_is_refused_and_nothing_is_loaded(monkeypatch):
+    monkeypatch.setenv(datapath.SHM_ENV, "0")  # over the group, where CorruptingWire sits
     src, dst = trained(1), trained(2)
     before = flat_state(dst)
     a, b = pair()
@@ -322,10 +325,11 @@ def sent_header(objects) -> tuple[dict, list]:
             return "gloo"
 
         def send(self, tensors, dst, tag):
-            captured[tag] = tensors[0].clone()
+            captured.setdefault(tag, tensors[0].clone())  # tag 1: the header (the trailer comes later)
             return type("Done", (), {"wait": lambda self: True})()
 
-    transfer.send_state(Capture(), objects, {})
+    with mock.patch.dict(os.environ, {datapath.SHM_ENV: "0"}):  # a capture answers no shared-memory offer
+        transfer.send_state(Capture(), objects, {})
     message = captured[1].numpy().tobytes()
     return json.loads(message[transfer.MAC_BYTES:]), [captured[t] for t in sorted(captured) if t >= 2]
 
@@ -357,3 +361,217 @@ def test_malformed_shard_entries_are_refused_before_any_buffer(mesh, monkeypatch
         with pytest.raises(transfer.TransferRefused, match=match):
             transfer.recv_state(b, 0)
         sent.result(timeout=20)
+
+
+# --- the data path: chunks over the group, or a shared-memory ring on one host ---------------------------------------
+def big(seed, width=64):
+    """Objects whose buffers span several small chunks, with chunks that cross tensor boundaries."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    return {"model": model, "optimizer": opt}
+
+
+def segments_open() -> int:
+    """This process's shared-memory segments (worker.shm): open file descriptors plus mappings."""
+    fds = sum(os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:tm-transfer") for fd in os.listdir("/proc/self/fd")
+              if os.path.exists(f"/proc/self/fd/{fd}"))
+    with open("/proc/self/maps") as f:
+        return fds + sum("memfd:tm-transfer" in line for line in f)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(datapath, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(datapath, "SHM_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(datapath, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(datapath, "SHM_MIN_BYTES", 0)  # these states are small: take the ring anyway
+
+
+def paths_taken(monkeypatch) -> list[str]:
+    taken = []
+    for name in ("recv_shm", "recv_wire"):
+        real = getattr(datapath, name)
+        monkeypatch.setattr(datapath, name, lambda *a, _real=real, _name=name: taken.append(_name) or _real(*a))
+    return taken
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_chunked_round_trip_is_bit_identical_on_both_paths(monkeypatch, small_chunks, shm):
+    monkeypatch.setenv(datapath.SHM_ENV, shm)
+    taken = paths_taken(monkeypatch)
+    src, dst = big(1), big(2)
+    a, b = pair()
+    buffers = transfer.pretouch(transfer.plan_buffers(dst))
+    with cf.ThreadPoolExecutor(1) as ex:
+        sent = ex.submit(transfer.send_state, a, src, {"step": 3})
+        states, extra, moved, _ = transfer.recv_state(b, 0, buffers)
+        assert sent.result()[0] == moved
+    assert taken == (["recv_shm"] if shm == "1" else ["recv_wire"])
+    assert len(datapath.plan([f.numel() * f.element_size() for f in buffers], 4096)) > 8
+    transfer.load_state(dst, states)
+    assert same(flat_state(src), flat_state(dst)) and extra == {"step": 3}
+    assert segments_open() == 0  # the ring is gone on both ends
+
+
+def test_a_small_state_goes_over_the_group_even_with_shared_memory_on(monkeypatch):
+    monkeypatch.setenv(datapath.SHM_ENV, "1")
+    taken = paths_taken(monkeypatch)
+    src = trained(1)  # a few kB: under SHM_MIN_BYTES (a pre-copy's tail is this size)
+    a, b = pair()
+    with cf.ThreadPoolExecutor(1) as ex:
+        sent = ex.submit(transfer.send_state, a, src, {"step": 1})
+        states, _, moved, _ = transfer.recv_state(b, 0)
+        assert sent.result()[0] == moved
+    assert taken == ["recv_wire"] and segments_open() == 0
+
+
+def test_a_corrupt_chunk_in_shared_memory_is_refused_and_the_segment_closed(monkeypatch, small_chunks):
+    real = datapath.fill_slot
+
+    def corrupting(src, slot, start, stop, crc):
+        crc = real(src, slot, start, stop, crc)
+        if start == 4096:  # the second chunk of a buffer, after its checksum was taken: corruption in the ring
+            slot[7] ^= 4
+        return crc
+
+    monkeypatch.setattr(datapath, "fill_slot", corrupting)
+    taken = paths_taken(monkeypatch)
+    src, dst = big(1), big(2)
+    before = flat_state(dst)
+    a, b = pair()
+    with cf.ThreadPoolExecutor(1) as ex:
+        sent = ex.submit(transfer.send_state, a, src, {})
+        with pytest.raises(transfer.ChecksumError, match="failed its checksum"):
+            transfer.recv_state(b, 0)
+        sent.result(timeout=20)
+    assert taken == ["recv_shm"] and same(before, flat_state(dst))
+    assert segments_open() == 0
+
+
+def test_a_forged_trailer_is_refused(monkeypatch):
+    class ForgingTrailer(CorruptingWire):
+        headers = 0
+
+        def send(self, tensors, dst, tag):
+            if tag == 1:
+                self.headers += 1
+                if self.headers == 2:  # the trailer: change a checksum, keep the (now wrong) MAC
+                    t = tensors[0].clone()
+                    t[-1] ^= 1
+                    tensors = [t]
+            return self.pg.send(tensors, dst, tag)
+
+    a, b = pair()
+    with cf.ThreadPoolExecutor(1) as ex:
+        sent = ex.submit(transfer.send_state, ForgingTrailer(a), trained(1), {})
+        with pytest.raises(transfer.TransferRefused, match="trailer refused"):
+            transfer.recv_state(b, 0)
+        sent.result(timeout=20)
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_a_sender_dying_mid_data_makes_the_receiver_raise(monkeypatch, small_chunks, shm):
+    """The sender fails after its second chunk (its process is gone: the group closes); the receiver raises
+    instead of waiting for the rest, loads nothing and keeps no segment."""
+    monkeypatch.setenv(datapath.SHM_ENV, shm)
+
+    class Dying(CorruptingWire):
+        def send(self, tensors, dst, tag):
+            if tag == datapath.FIRST_CHUNK_TAG + 2:
+                raise RuntimeError("sender died")
+            return self.pg.send(tensors, dst, tag)
+
+    real = datapath.fill_slot
+
+    def dying_fill(src, slot, start, stop, crc):
+        if start == 2 * 4096:
+            raise RuntimeError("sender died")
+        return real(src, slot, start, stop, crc)
+
+    monkeypatch.setattr(datapath, "fill_slot", dying_fill)
+    src = big(1)
+    a, b = pair()
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(transfer.recv_state, b, 0)
+        try:
+            transfer.send_state(Dying(a), src, {})
+            raise AssertionError("the sender did not fail")
+        except RuntimeError as e:  # not pytest.raises: its traceback would keep the sender's group alive
+            assert "sender died" in str(e)
+        del a
+        import gc; gc.collect()
+        with pytest.raises(Exception):
+            fut.result(timeout=30)
+    assert segments_open() == 0
+
+
+def test_a_receiver_dying_mid_data_makes_the_sender_raise(monkeypatch, small_chunks):
+    """On the shared-memory path the sender waits for free slots: a receiver gone raises there."""
+    monkeypatch.setattr(datapath, "RING_SLOTS", 2)
+
+    class Failed:
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            raise RuntimeError("receiver died")
+
+    class Dying(CorruptingWire):
+        def recv(self, tensors, src, tag):  # the receiver's watch on the sender fails: it stops mid-ring
+            return Failed() if tag == datapath.FIRST_CHUNK_TAG else self.pg.recv(tensors, src, tag)
+
+    src = big(1)
+    a, b = pair()
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(transfer.send_state, a, src, {})
+        try:
+            transfer.recv_state(Dying(b), 0)
+            raise AssertionError("the receiver did not fail")
+        except RuntimeError as e:  # not pytest.raises: its traceback would keep the receiver's group alive
+            assert "receiver died" in str(e)
+        del b
+        import gc; gc.collect()
+        with pytest.raises(Exception):
+            fut.result(timeout=30)
+    assert segments_open() == 0
+
+
+def test_a_segment_of_another_host_or_nonce_is_not_opened():
+    from worker import shm
+
+    segment, offer = shm.Segment.create(2, 4096)
+    try:
+        assert shm.Segment.open(dict(offer, host="another-host")) is None
+        assert shm.Segment.open(dict(offer, nonce="00" * shm.NONCE_BYTES)) is None
+        assert shm.Segment.open(dict(offer, slot_bytes=8192)) is None  # not the offered size
+        assert shm.Segment.open(dict(offer, fd=0)) is None  # stdin: not a regular file of that size
+        other = shm.Segment.open(offer)
+        assert other is not None
+        segment.slots[1, 5] = 42
+        assert int(other.slots[1, 5]) == 42
+        other.close()
+    finally:
+        segment.close()
+    assert segments_open() == 0
+
+
+def test_a_receiver_that_cannot_map_the_ring_gets_the_bytes_over_the_group(monkeypatch, small_chunks):
+    """An offer the receiver cannot take (another host, another pid namespace): it says so and the sender, which
+    filled the ring meanwhile, sends every chunk over the group instead."""
+    from worker import shm
+
+    monkeypatch.setattr(shm.Segment, "open", classmethod(lambda cls, offer: None))
+    taken = paths_taken(monkeypatch)
+    src, dst = big(1), big(2)
+    a, b = pair()
+    with cf.ThreadPoolExecutor(1) as ex:
+        sent = ex.submit(transfer.send_state, a, src, {"step": 1})
+        states, extra, moved, _ = transfer.recv_state(b, 0)
+        assert sent.result()[0] == moved
+    assert taken == ["recv_wire"]
+    transfer.load_state(dst, states)
+    assert same(flat_state(src), flat_state(dst))
+    assert segments_open() == 0

@@ -14,6 +14,7 @@ import math
 import os
 import pickle
 import socket
+from unittest import mock
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from tests.unit.test_transfer import flat_state, same, trained
 from tmd.protocol.keys import KEYS_ENV, JobKeys, KeysUnavailable
 from tmd.store import host_store
-from worker import backend, job_keys, transfer
+from worker import backend, datapath, job_keys, transfer
 
 pytestmark = pytest.mark.timeout(90)
 _prefix = itertools.count()
@@ -82,10 +83,11 @@ def header_of(objects, extra, keys) -> tuple[dict, bytes]:
             return "gloo"
 
         def send(self, tensors, dst, tag):
-            captured[tag] = tensors[0].clone()
+            captured.setdefault(tag, tensors[0].clone())  # tag 1: the header (the trailer comes later)
             return type("Done", (), {"wait": lambda self: True})()
 
-    transfer.send_state(Capture(), objects, extra, keys=keys)
+    with mock.patch.dict(os.environ, {datapath.SHM_ENV: "0"}):  # a capture answers no shared-memory offer
+        transfer.send_state(Capture(), objects, extra, keys=keys)
     message = captured[1].numpy().tobytes()
     return json.loads(message[transfer.MAC_BYTES:]), message
 
@@ -262,9 +264,19 @@ def _set(path, value):
     (_set(("buffers", 0, "dtype"), "torch.float32"), "unknown dtype"),
     (_set(("buffers", 0, "device"), "meta"), "bad device"),
     (_set(("buffers", 0, "device"), "cuda:0/../x"), "bad device"),
-    (_set(("buffers", 0, "crc32"), 1 << 32), "bad buffer entry"),
+    (_set(("buffers", 0, "crc32"), 1), "bad buffer entry"),  # checksums travel in the trailer
+    (_set(("data", "chunk"), 1), "bad data entry"),
+    (lambda h: h["buffers"][0].update(numel=1 << 50, shapes=[[1 << 50]]), "more than"),  # no plan of 2^40 chunks
+    (_set(("data", "chunk"), 1 << 40), "bad data entry"),
+    (_set(("data", "extra_field"), 1), "bad data entry"),
+    (_set(("data", "shm"), {"host": "x"}), "bad shared-memory offer"),
+    (_set(("data", "shm"), {"host": "x", "pid": 1, "fd": 3, "nonce": "zz" * 32, "slots": 1,
+                            "slot_bytes": 1 << 20}), "bad shared-memory offer"),
+    (_set(("data", "shm"), {"host": "x", "pid": 1, "fd": 3, "nonce": "00" * 32, "slots": 1000,
+                            "slot_bytes": 1 << 20}), "bad shared-memory offer"),
     (_set(("buffers", 0, "extra_field"), 1), "bad buffer entry"),
-    (_set(("format",), 2), "unknown layout"),
+    (_set(("format",), transfer.FORMAT + 1), "unknown layout"),
+    (_set(("format",), 1), "unknown layout"),  # the previous wire format (CRC32s in the header)
     (_set(("pickle",), "x"), "unknown layout"),
     (_set(("extra",), {"__reduce__": ["os.system", "touch x"]}), "unknown value tag"),
     (_set(("extra",), ["a raw list"]), "encode never makes"),
@@ -297,8 +309,10 @@ def test_deep_nesting_is_refused(keys):
     refused(keys.mac(data) + data, keys, match="not valid JSON|unknown layout")
 
 
-def test_forged_buffer_is_caught_by_the_authenticated_checksum(keys):
+def test_forged_buffer_is_caught_by_the_authenticated_checksum(keys, monkeypatch):
     from tests.unit.test_transfer import CorruptingWire
+
+    monkeypatch.setenv(datapath.SHM_ENV, "0")  # the bytes travel over the group, where CorruptingWire sits
 
     src, dst = trained(1), trained(2)
     before = flat_state(dst)

@@ -1,8 +1,11 @@
 """The rank side of recovery on its own (worker.recovery.Recovery): the per-step exchange blob, replica classes
 learned from the first exchange's fingerprints, the fingerprint check within a class, buddy snapshots taken at
-the agreed steps, and a survivor's rollback to its own snapshot. No processes: the world's all-gather is a stub
+the agreed steps, a survivor's rollback to its own snapshot, and a replacement's plan carried out during its
+shadow iterations. No processes: the world's all-gather is a stub
 that answers with every rank's blob, and the groups are a stub that builds nothing."""
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -268,3 +271,100 @@ def test_a_rollback_to_a_snapshot_not_held_is_refused():
     rec.control.on_recover(p.Recover(incident_id=1, generation=1, resume_step=5, sends=[], rollback_step=4))
     with pytest.raises(RuntimeError, match="holds no complete snapshot of it"):
         rec._carry_out(rec.control.plan, 7, None)
+
+
+# --- a replacement's plan carried out during its shadow iterations (Recovery.prefetch) ------------------------------
+class JoinerGroups(Groups):
+    """Groups of a joiner: the mode and tolerance it takes when it becomes active, and every build counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.built = []
+        self.modes = []
+
+    def build_all(self, generation, store):
+        self.built.append(generation)
+        return {"world": f"gen{generation}"}
+
+    def set_mode(self, mode):
+        self.modes.append(mode)
+
+    def set_tolerant(self):
+        pass
+
+
+def replacement(monkeypatch, rank=2):
+    """A joiner replacing lost rank ``rank`` of incident 1, managing a small model; its state transfers are
+    stubs that hand over ``sent_state`` (and count the receptions)."""
+    from worker import recovery as wr
+
+    control = Control()
+    control.start(p.Assign(role=p.WorkerRole.JOINER, rank=rank, world_size=4, store_host="h", store_port=1,
+                           generation=0, record_steps=3, record_dir="/r", migration_id=0, incident_id=1))
+    control.attach(JoinerGroups())
+    sent = []
+    rec = Recovery(control, Reporter(sent.append, lambda: control.rank), lambda kind, error: None)
+    model = torch.nn.Linear(3, 2)
+    rec.manage({"model": model}, rank_local=False)
+    source = torch.nn.Linear(3, 2)
+    received = []
+
+    def recv_state(pg, src):
+        received.append(pg)
+        return {"model": {k: v.clone() for k, v in source.state_dict().items()}}, \
+            {"step": 8, "rng": None, "rank_state": None}, 100, 0.0
+
+    monkeypatch.setattr(wr.mb, "build_inner", lambda *a, **k: object())
+    monkeypatch.setattr(wr.mb, "release_in_background", lambda pg: None)
+    monkeypatch.setattr(wr.transfer, "recv_state", recv_state)
+    rec.sent, rec.received, rec.model, rec.source = sent, received, model, source
+    return rec
+
+
+def plan(incident_id=1, generation=1, sends=((0, 2),)):
+    return p.Recover(incident_id=incident_id, generation=generation, resume_step=8, sends=[list(s) for s in sends],
+                     rollback_step=-1)
+
+
+def test_a_plan_that_comes_during_the_shadow_iterations_is_carried_out_meanwhile_then_loaded(monkeypatch):
+    rec = replacement(monkeypatch)
+    rec.prefetch()
+    rec.control.on_recover(plan())
+    assert rec.control.wait_until(lambda: rec.control.groups.built == [1], 5.0)  # while the shadow runs
+    assert len(rec.received) == 1
+    assert not torch.equal(rec.model.weight, rec.source.weight)  # loaded only after the shadow iterations
+    assert rec.replace(1) == 8
+    assert len(rec.received) == 1 and rec.control.groups.built == [1]  # no second attempt
+    assert torch.equal(rec.model.weight, rec.source.weight) and rec.control.groups.installed == [{"world": "gen1"}]
+    assert [m.phase for m in rec.sent] == [p.RecoveryPhase.WARMED, p.RecoveryPhase.RECOVERED]
+    assert rec.control.role == p.WorkerRole.ACTIVE and rec.control.plan is None
+
+
+def test_a_plan_that_comes_after_the_shadow_iterations_is_carried_out_once(monkeypatch):
+    rec = replacement(monkeypatch)
+    rec.prefetch()
+    timer = threading.Timer(0.2, rec.control.on_recover, (plan(),))
+    timer.start()
+    assert rec.replace(1) == 8  # the plan came while replace() waited: the prefetch launched nothing
+    timer.join()
+    assert len(rec.received) == 1 and rec.control.groups.built == [1]
+    assert torch.equal(rec.model.weight, rec.source.weight)
+
+
+def test_a_prefetched_plan_superseded_by_a_newer_one_is_dropped(monkeypatch):
+    rec = replacement(monkeypatch)
+    rec.prefetch()
+    rec.control.on_recover(plan(incident_id=1, generation=1))
+    assert rec.control.wait_until(lambda: rec.control.groups.built == [1], 5.0)
+    rec.control.on_recover(plan(incident_id=2, generation=2, sends=((1, 2),)))  # a second failure's plan
+    assert rec.replace(1) == 8
+    assert rec.control.groups.built == [1, 2] and rec.control.groups.installed == [{"world": "gen2"}]
+    assert rec.sent[-1].phase == p.RecoveryPhase.RECOVERED and rec.sent[-1].incident_id == 2
+
+
+def test_a_replacement_is_never_prefetched_into_sending_its_live_state(monkeypatch):
+    rec = replacement(monkeypatch)
+    rec.prefetch()
+    rec.control.on_recover(plan(sends=((2, 3), (0, 2))))  # (no plan tmd makes: a replacement is no source)
+    time.sleep(0.2)
+    assert rec.control.groups.built == [] and rec.received == []

@@ -93,7 +93,9 @@ class PhaseDone(Message, sender=Sender.WORKER):
     ``sent`` (leaver: state sent, ``seconds`` is the send time), ``transferred`` (joiner: state received and
     checksums verified, ``bytes_moved`` and ``seconds`` set),
     ``committed`` (phase 2 done at the switch step; a stayer's ``seconds`` is how long it stood at the switch
-    step). ``ok`` false means the phase failed; ``error`` says why.
+    step). ``ok`` false means the phase failed; ``error`` says why. A leaver's ``sent`` also says how:
+    ``precopy_step`` is the step whose boundary its pre-copy started at (-1: the whole state moved at the switch
+    step) and ``kept_tensors`` how many tensors its tail sent as references (worker.precopy).
     """
 
     migration_id: int
@@ -105,6 +107,8 @@ class PhaseDone(Message, sender=Sender.WORKER):
     bytes_moved: int
     seconds: float
     groups: list  # ``prepared``: the names of the groups this rank rebuilt (delta-based: only those with a leaver)
+    precopy_step: int = -1
+    kept_tensors: int = 0
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -432,7 +436,7 @@ MAX_HOST_CHARS = 255  # a host name (RFC 1035's limit on a full domain name)
 INT_RANGE = (-2 ** 63, 2 ** 63 - 1)  # every integer, anywhere in a frame (beyond: OverflowError in float math)
 NAME_FIELDS = frozenset({"node", "job_id"})
 HOST_FIELDS = frozenset({"host"})
-NON_NEGATIVE_FIELDS = frozenset({"step_time_s", "seconds", "bytes_moved", "bytes_per_copy", "copy_s"})
+NON_NEGATIVE_FIELDS = frozenset({"step_time_s", "seconds", "bytes_moved", "bytes_per_copy", "copy_s", "kept_tensors"})
 MAX_COUNTER_KEYS = 64  # keys of Heartbeat.counters and of its ``gpu`` sample
 MAX_GROUPS = 4096  # PhaseDone.groups entries
 MAX_LABEL_CHARS = 256  # a counter's text value (mode), a GPU uuid or throttle reason, a group name

@@ -298,6 +298,7 @@ class Event(StrEnum):
     MIGRATION_COMMITTED = "migration_committed"
     MIGRATION_ABORTED = "migration_aborted"
     MIGRATION_PHASE = "migration_phase"
+    MIGRATION_SENT = "migration_sent"  # a leaver sent its state: how (pre-copy or not), bytes, seconds
     MIGRATION_DOWNTIME = "migration_downtime"
     SWITCH_STEP_CHOSEN = "switch_step_chosen"
     # failure recovery

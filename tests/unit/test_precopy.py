@@ -1,0 +1,192 @@
+"""Pre-copy with optimizer replay (worker.precopy) over a real 2-rank gloo group: the leaver trains on one
+thread while the joiner follows on another; at the switch step both hold bit-identical state."""
+import concurrent.futures as cf
+import time
+
+import pytest
+import torch
+
+from tests.unit.test_transfer import Stream, flat_state, pair, same
+from worker import precopy, transfer
+
+pytestmark = pytest.mark.timeout(60)
+
+WARM, START, SWITCH = 3, 3, 6  # steps 0..2 before the pre-copy, 3..5 followed, switch at 6
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 32)
+        self.norm = torch.nn.BatchNorm1d(32)  # buffers change in forward
+        self.drop = torch.nn.Dropout(0.3)  # draws from the RNG
+        self.b = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.b(self.drop(torch.relu(self.norm(self.a(x)))))
+
+
+def build(seed, opt_cls=torch.optim.AdamW):
+    torch.manual_seed(seed)
+    model, ema = Net(), Net()
+    opt = opt_cls(model.parameters(), lr=0.05, weight_decay=0.01) if opt_cls is torch.optim.AdamW \
+        else opt_cls(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    data = Stream()
+    return {"model": model, "optimizer": opt, "scheduler": sched, "ema": ema, "data": data}
+
+
+def train_step(objs, step, zero_in_place=False, clamp=False):
+    model, opt = objs["model"], objs["optimizer"]
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step()
+    opt.zero_grad(set_to_none=not zero_in_place)
+    objs["scheduler"].step()
+    if clamp:
+        with torch.no_grad():
+            model.a.weight.clamp_(-0.2, 0.2)  # an in-place change outside the step: seen by version counters
+    with torch.no_grad():
+        for e, p in zip(objs["ema"].parameters(), model.parameters()):
+            e.data.mul_(0.9).add_(p.data, alpha=0.1)  # through .data: no version bump, so always sent
+    objs["data"].next_step = step + 1
+
+
+def migrate(opt_cls=torch.optim.AdamW, hook=None, pre_hook=False, late_hook=None, **step_kw):
+    """Train the leaver to the switch step with a pre-copy at START; return (leaver, joiner, precopy, extra,
+    tail bytes)."""
+    leaver, joiner = build(1, opt_cls), build(2, opt_cls)
+    if hook is not None:
+        opt = leaver["optimizer"]
+        (opt.register_step_pre_hook if pre_hook else opt.register_step_post_hook)(hook)
+    a, b = pair()
+
+    def leave():
+        for step in range(WARM):
+            train_step(leaver, step, **step_kw)
+        pc = precopy.Precopy(a, 7, leaver)
+        pc.start(START)
+        if late_hook is not None:
+            leaver["optimizer"].register_step_pre_hook(late_hook)
+        for step in range(START, SWITCH):
+            train_step(leaver, step, **step_kw)
+        full = pc.moved
+        moved, seconds = pc.finish(SWITCH, torch.get_rng_state())
+        return pc, moved - full
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        left = ex.submit(leave)
+        joined = ex.submit(precopy.follow, b, joiner)
+        pc, tail = left.result(timeout=50)
+        extra, moved, _ = joined.result(timeout=50)
+    assert moved == pc.moved
+    return leaver, joiner, pc, extra, tail
+
+
+def test_followed_joiner_is_bit_identical_and_the_tail_is_small():
+    leaver, joiner, pc, extra, tail = migrate()
+    assert pc.off == {}
+    assert pc.replayed == {"optimizer": SWITCH - START}
+    assert same(flat_state(leaver), flat_state(joiner))
+    assert extra["step"] == SWITCH and torch.equal(extra["rng"], torch.get_rng_state()) is not None
+    # kept: the model's 6 parameters, AdamW's step, exp_avg and exp_avg_sq of each; sent: the EMA copy (6
+    # parameters, 3 batch-norm buffers) and the model's 3 buffers
+    assert (pc.kept, pc.sent) == (6 + 3 * 6, 6 + 3 + 3)
+    assert joiner["scheduler"].last_epoch == leaver["scheduler"].last_epoch == SWITCH
+
+
+def test_sgd_with_zero_grad_in_place_and_clamping():
+    leaver, joiner, pc, _, tail = migrate(torch.optim.SGD, zero_in_place=True, clamp=True)
+    # the clamp changes a parameter outside the step: SGD's tensors then travel in the tail, and it is still exact
+    assert "outside its step" in pc.off["optimizer"]
+    assert pc.kept == 0
+    assert same(flat_state(leaver), flat_state(joiner))
+
+
+def test_the_scripts_step_hooks_run_around_the_replay_and_stay_exact():
+    calls = []
+
+    def count(opt, args, kwargs):  # a pre-hook that only reads: replay stays on
+        calls.append(len(opt.param_groups))
+
+    leaver, joiner, pc, _, _ = migrate(hook=count, pre_hook=True)
+    assert pc.off == {} and len(calls) == SWITCH and pc.kept > 0
+    assert same(flat_state(leaver), flat_state(joiner))
+
+    def shrink(opt, args, kwargs):  # a post-hook that changes the parameters in place, after the update
+        with torch.no_grad():
+            for p in (q for g in opt.param_groups for q in g["params"]):
+                p.mul_(0.999)
+
+    leaver, joiner, pc, _, _ = migrate(hook=shrink)
+    # the post-hook here runs first, so the change shows in the version counters: replay turns off and the
+    # parameters and moments travel in the tail
+    assert "outside its step" in pc.off["optimizer"]
+    assert same(flat_state(leaver), flat_state(joiner))
+
+
+def test_a_hook_registered_after_the_precopy_started_turns_replay_off():
+    leaver, joiner, pc, _, _ = migrate(late_hook=lambda opt, args, kwargs: None)
+    assert "registered after the pre-copy" in pc.off["optimizer"]
+    assert same(flat_state(leaver), flat_state(joiner))
+
+
+def test_a_tail_that_does_not_fit_is_refused():
+    own = precopy._Own({"model": Net()})
+    with pytest.raises(transfer.TransferRefused):
+        own.resolve("model", transfer.Kept(0, "float32", (1, 2)))
+    with pytest.raises(transfer.TransferRefused):
+        own.resolve("model", transfer.Kept(10_000, "float32", (32, 8)))
+    with pytest.raises(transfer.TransferRefused):
+        own.resolve("other", transfer.Kept(0, "float32", (32, 8)))
+    assert own.resolve("model", transfer.Kept(0, "float32", (32, 8))).shape == (32, 8)
+
+
+def test_gradients_for_a_non_optimizer_are_refused():
+    objs = build(3)
+    with pytest.raises(transfer.TransferRefused):
+        precopy._replay(objs, "model", {"grads": [], "groups": []})
+    with pytest.raises(transfer.TransferRefused):
+        precopy._replay(objs, "optimizer", {"grads": [None], "groups": [{}]})
+    n = len(list(objs["model"].parameters()))
+    with pytest.raises(transfer.TransferRefused):  # a group's hyperparameters missing
+        precopy._replay(objs, "optimizer", {"grads": [None] * n, "groups": [{"lr": 1.0}]})
+
+
+def test_without_a_precopy_one_full_message_is_loaded():
+    leaver, joiner = build(1), build(2)
+    for step in range(WARM):
+        train_step(leaver, step)
+    a, b = pair()
+    with cf.ThreadPoolExecutor(2) as ex:
+        sent = ex.submit(transfer.send_state, a, leaver, {"kind": precopy.Kind.FULL.value, "step": WARM})
+        extra, moved, _ = precopy.follow(b, joiner)
+        assert sent.result(timeout=20)[0] == moved
+    assert extra["step"] == WARM
+    assert same(flat_state(leaver), flat_state(joiner))
+
+
+def test_a_first_message_that_is_not_a_state_is_refused():
+    leaver, joiner = build(1), build(2)
+    a, b = pair()
+    with cf.ThreadPoolExecutor(2) as ex:
+        ex.submit(transfer.send_state, a, leaver, {"kind": precopy.Kind.TAIL.value, "step": 1})
+        with pytest.raises(transfer.TransferRefused, match="first message"):
+            precopy.follow(b, joiner)
+
+
+def test_a_sender_that_falls_behind_turns_replay_off_instead_of_stalling(monkeypatch):
+    monkeypatch.setattr(precopy, "PACK_TIMEOUT_S", 0.05)
+    slow = precopy.Precopy._send_grads
+
+    def late(self, job, name, grads, groups):
+        time.sleep(0.3)  # still busy when the post-hook waits
+        slow(self, job, name, grads, groups)
+
+    monkeypatch.setattr(precopy.Precopy, "_send_grads", late)
+    leaver, joiner, pc, _, _ = migrate()
+    assert "not packed within" in pc.off["optimizer"]
+    assert same(flat_state(leaver), flat_state(joiner))

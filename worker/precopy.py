@@ -1,0 +1,432 @@
+"""Pre-copy with optimizer replay: a planned migration whose switch step moves only what the joiner cannot
+compute itself.
+
+In TrainMover (arXiv 2412.12636, section 5) the leaver sends its whole state at the switch step S while the
+stayers wait for it (0.1-0.2 s for the demo GPT's 80 MB here). Here the leaver sends it earlier, while training
+goes on, and the joiner then follows the leaver's optimizer steps, so at S only a small tail moves:
+
+1. **Pre-copy** (leaver, at the first step boundary b < S once S is armed; tmd chooses S at least three steps
+   ahead): the training thread takes every managed object's state_dict (references, no copy; FSDP2 must not be
+   asked from another thread while its forward runs), then a sender thread packs those tensors with
+   :func:`worker.transfer.send_state` (a copy, during the forward and backward passes, which change no parameter
+   or optimizer state) and sends them. The joiner loads them.
+2. **Optimizer replay** (every managed optimizer step of steps b .. S-1): the leaver's step pre-hook waits for
+   the pre-copy's packing, checks that the optimizer's parameters and state are exactly what the joiner holds
+   (torch's per-tensor version counters: unchanged since sent or last replayed), and queues the step's gradients
+   (what the optimizer reads: after DDP's all-reduce, after clipping). Its post-hook waits until they are packed,
+   so a ``zero_grad`` after the step cannot tear them (at most ``PACK_TIMEOUT_S``: a sender still busy with an
+   earlier message turns that optimizer's replay off instead of stalling training). The joiner sets them as its parameters' ``.grad`` and runs
+   the same optimizer's step function with hooks bypassed: the same inputs, code and thread count give
+   bit-identical outputs.
+3. **Tail** (leaver, at the boundary before S once the queue drained): every managed object's state_dict again.
+   A tensor that the joiner's replay made identical travels as a :class:`worker.transfer.Kept` reference;
+   everything else travels by value: every tensor not owned by a replayed optimizer (buffers, an EMA copy:
+   always, because a change through ``.data`` bumps no version counter), optimizer tensors changed outside a
+   replayed step, the non-tensor values (learning rates, a scheduler's or sampler's position) and the RNG state.
+   The joiner resolves the references to its own tensors, loads only what differs and reports ``transferred``.
+
+Only ``torch.optim`` optimizers are replayed (a third-party optimizer's step may issue collectives), and only
+when their parameters and gradients are plain dense tensors (not DTensors) and their step takes no closure;
+otherwise their tensors travel in the tail: the old cost, still exact. The script's own step hooks may stay:
+the pre-hook here runs after every other pre-hook (it sees what they changed, and the arguments they passed on)
+and the post-hook here before every other post-hook (what they change afterwards shows in the version counters
+at the tail); a hook registered after the pre-copy started turns replay off. One change is invisible to version
+counters: an in-place write through ``.data`` to an optimizer's parameter or state outside its step (in the
+loop or in a hook). The replica check after every switch (worker.recovery ``verify_next``) compares the
+joiner's state with a data-parallel replica's and fails the job (``state_mismatch``) if they differ.
+
+Wire: each message is one worker.transfer message over the migration's 2-rank transfer group (leaver rank 0);
+``extra["kind"]`` says which (:class:`Kind`). Without a pre-copy (the switch step came too soon, or the sender
+failed) the leaver sends one ``full`` message at S, the original protocol.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from worker import transfer
+from worker.transfer import Kept, TransferRefused
+
+log = logging.getLogger("worker.precopy")
+
+PACK_TIMEOUT_S = 2.0  # a post-hook waits this long for its gradients to be packed, then stops replaying that optimizer
+
+
+class Kind(enum.StrEnum):
+    """What a transfer message of a migration carries (``extra["kind"]``)."""
+    FULL = "full"  # the whole state at the switch step (no pre-copy)
+    PRECOPY = "precopy"  # the whole state at an earlier boundary
+    GRADS = "grads"  # one optimizer step's gradients, to replay
+    TAIL = "tail"  # at the switch step: what the replay does not give the joiner
+
+
+def replayable_class(obj: Any) -> bool:
+    """Whether ``obj`` is an optimizer whose step the joiner may run itself: one of ``torch.optim``'s own
+    (their steps issue no collective; a hooked class ``step`` exposes the unhooked function)."""
+    return isinstance(obj, torch.optim.Optimizer) and type(obj).__module__.startswith("torch.optim.") \
+        and getattr(type(obj).step, "__wrapped__", None) is not None
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` (a state_dict) with every tensor ``t`` replaced by ``fn(t)``, visited in a fixed order (mapping
+    values in order, sequence items in order): both ends count :class:`Kept` indices with it."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        out = type(value)() if type(value) in (dict, collections.OrderedDict) else {}
+        for k, v in value.items():
+            out[k] = map_tensors(v, fn)
+        metadata = getattr(value, "_metadata", None)
+        if metadata is not None:
+            out._metadata = metadata  # type: ignore[attr-defined]
+        return out
+    if type(value) in (list, tuple):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value
+
+
+def _key(t: torch.Tensor) -> tuple:
+    """Where a tensor's values live: a state_dict's detached view of a parameter has the parameter's key."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+            str(t.device))
+
+
+def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """An optimizer's parameters and every tensor of its per-parameter state."""
+    out = _params(opt)
+    for p in list(out):
+        for v in opt.state.get(p, {}).values():
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+    return out
+
+
+def _plain(t: Any) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+
+
+@dataclasses.dataclass
+class _Seen:
+    tensor: torch.Tensor  # held, so its memory cannot hold another tensor while tracked
+    version: int
+    owner: str  # the managed optimizer's name
+
+
+class _Fixed:
+    """A state that is already a state_dict (what send_state asks ``state_dict()`` of)."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state: Any) -> None:  # never loaded: only sent
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class _Job:
+    run: Callable[["_Job"], None]  # sends; sets ``packed`` once the tensors it reads may change
+    packed: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+class Precopy:
+    """The leaver's side (see the module docstring): :meth:`start` at a boundary before the switch step,
+    :meth:`finish` at it, :meth:`cancel` when the migration was aborted first. ``objects``: the managed objects
+    by name; ``keys``: the job's keys (default: env ``TM_KEYS``)."""
+
+    def __init__(self, pg: Any, migration_id: int, objects: dict[str, Any], keys: Any = None) -> None:
+        self.pg = pg
+        self.migration_id = migration_id
+        self.objects = objects
+        self.keys = keys
+        self.off: dict[str, str] = {}  # optimizer name -> why its tensors travel in the tail
+        self.optimizers = {}
+        for name, o in objects.items():
+            if isinstance(o, torch.optim.Optimizer):
+                why = "" if replayable_class(o) else "not one of torch.optim's optimizers"
+                why = why or ("" if all(_plain(p) for p in _params(o)) else "its parameters are not plain tensors "
+                                                                           "(DTensors: sharded)")
+                if why:
+                    self._turn_off(name, why)
+                else:
+                    self.optimizers[name] = o
+        self._names = {id(o): name for name, o in self.optimizers.items()}
+        self.seen: dict[tuple, _Seen] = {}
+        self.replayed: dict[str, int] = {name: 0 for name in self.optimizers}  # steps queued for replay
+        self.moved = 0  # bytes
+        self.kept = 0  # tensors the tail sent as references
+        self.sent = 0  # tensors the tail sent by value
+        self.error: Optional[BaseException] = None
+        self._snapshot = _Job(lambda job: None)  # the pre-copy's (set by start)
+        self._grads: Optional[_Job] = None  # the current step's
+        self._jobs: queue.Queue = queue.Queue()
+        self._hooks: dict[int, tuple] = {}  # id(optimizer) -> (pre-hook handle, post-hook handle)
+        self._thread = threading.Thread(target=self._run, name="tm-precopy", daemon=True)
+
+    # --- the training thread ---------------------------------------------------------------------------------------
+    def start(self, step: int) -> None:
+        """At the boundary before ``step`` (< the switch step): queue the pre-copy and hook the optimizers."""
+        self.step = step
+        for opt in self.optimizers.values():
+            pre, post = opt.register_step_pre_hook(self._before_step), opt.register_step_post_hook(self._after_step)
+            opt._optimizer_step_post_hooks.move_to_end(post.id, last=False)  # first: see the module docstring
+            self._hooks[id(opt)] = (pre, post)
+        for name, opt in self.optimizers.items():  # before packing: a change during it shows in the versions
+            self._track(name, opt)
+        # state_dict() here, on the training thread (FSDP2's switches its module between sharded and unsharded
+        # parameters: not while the forward pass runs); the sender thread packs the tensors it references
+        states = {name: _Fixed(obj.state_dict()) for name, obj in self.objects.items()}
+        self._snapshot = _Job(lambda job: self._send_state(job, states))
+        self._thread.start()
+        self._jobs.put(self._snapshot)
+
+    def finish(self, step: int, rng: torch.Tensor) -> tuple[int, float]:
+        """At the boundary before the switch step ``step``: wait for what is queued, send the tail (with
+        ``rng``, the CPU RNG state). Returns (bytes moved in all, seconds this call took: the stayers' wait).
+        Raises what the sender thread or the send raised (RuntimeError when the joiner died)."""
+        t0 = time.perf_counter()
+        self._jobs.join()
+        self._unhook()
+        try:
+            if self.error is not None:
+                raise self.error
+            tail = {name: _Fixed(self._tail_state(name, obj)) for name, obj in self.objects.items()}
+            moved, _ = transfer.send_state(self.pg, tail, {"kind": Kind.TAIL.value, "step": step, "rng": rng},
+                                           keys=self.keys)
+            self.moved += moved
+        finally:
+            self._jobs.put(None)
+        log.info("pre-copy of migration %d: tail of %d bytes in %.1f ms (%d tensors kept, %d sent; not replayed: "
+                 "%s)", self.migration_id, moved, (time.perf_counter() - t0) * 1e3, self.kept, self.sent,
+                 self.off or "none")
+        return self.moved, time.perf_counter() - t0
+
+    def cancel(self) -> None:
+        """The migration ended without a switch (aborted): unhook; the sender thread stops on its own (a send to
+        a joiner that exited fails)."""
+        self._unhook()
+        self._jobs.put(None)
+
+    def _unhook(self) -> None:
+        for pre, post in self._hooks.values():
+            pre.remove()
+            post.remove()
+        self._hooks = {}
+
+    def _before_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        name = self._names[id(opt)]
+        self._snapshot.packed.wait()  # normally long done: the forward and backward passes ran since
+        self._grads = None
+        if name in self.off or self.error is not None:
+            return
+        why = self._unreplayable(name, opt, args, kwargs)
+        if why:
+            self._turn_off(name, why)
+            return
+        grads = [p.grad for p in _params(opt)]
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]  # a scheduler's lr...
+        job = self._grads = _Job(lambda job: self._send_grads(job, name, grads, groups))
+        self.replayed[name] += 1
+        self._jobs.put(job)
+
+    def _after_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        name = self._names[id(opt)]
+        job, self._grads = self._grads, None
+        if job is None:
+            return
+        # Once the gradients are copied the script may zero them. The sender packs them right away unless it is
+        # still sending something earlier (a slow link, a stopped joiner): then stop replaying, never stall here.
+        if not job.packed.wait(PACK_TIMEOUT_S):
+            self._turn_off(name, f"its gradients were not packed within {PACK_TIMEOUT_S:.0f} s (the sender is "
+                                 "behind)")
+        if name not in self.off:
+            self._track(name, opt)
+
+    def _turn_off(self, name: str, why: str) -> None:
+        self.off[name] = why
+        log.warning("migration %d: optimizer %r is not replayed by the joiner (%s): its tensors move at the switch "
+                    "step", self.migration_id, name, why)
+
+    def _unreplayable(self, name: str, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> str:
+        if any(a is not None for a in args[1:]) or any(v is not None for v in kwargs.values()):  # args[0]: opt
+            return "its step takes a closure"
+        pre, post = self._hooks[id(opt)]
+        if next(reversed(opt._optimizer_step_pre_hooks)) != pre.id \
+                or next(iter(opt._optimizer_step_post_hooks)) != post.id:
+            return "a step hook was registered after the pre-copy started"
+        for p in _params(opt):
+            if not _plain(p) or (p.grad is not None and (not _plain(p.grad) or p.grad.shape != p.shape)):
+                return "a parameter or gradient is not a plain dense tensor"
+        for t in _optimizer_tensors(opt):
+            seen = self.seen.get(_key(t)) if _plain(t) else None
+            if seen is None or seen.owner != name or seen.version != t._version:
+                return "its parameters or state changed outside its step"
+        return ""
+
+    def _track(self, name: str, opt: torch.optim.Optimizer) -> None:
+        for t in _optimizer_tensors(opt):
+            if _plain(t):  # (a DTensor's state would make the next check fail: its optimizer is then not replayed)
+                self.seen[_key(t)] = _Seen(t, t._version, name)
+
+    def _tail_state(self, name: str, obj: Any) -> Any:
+        index = 0
+
+        def ref(t: torch.Tensor) -> Any:
+            nonlocal index
+            i, index = index, index + 1
+            seen = self.seen.get(_key(t)) if _plain(t) else None
+            if seen is not None and seen.owner not in self.off and seen.version == t._version:
+                self.kept += 1
+                return Kept(i, transfer.dtype_name(t.dtype), tuple(t.shape))
+            self.sent += 1
+            return t
+
+        return map_tensors(obj.state_dict(), ref)
+
+    # --- the sender thread -----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                if self.error is None:
+                    job.run(job)
+            except BaseException as e:  # noqa: BLE001 - finish() raises it on the training thread
+                self.error = e
+                log.warning("pre-copy of migration %d failed: %s: %s", self.migration_id, type(e).__name__, e)
+            finally:
+                if job is not None:
+                    job.packed.set()
+                self._jobs.task_done()
+
+    def _send_state(self, job: _Job, states: dict[str, _Fixed]) -> None:
+        moved, _ = transfer.send_state(self.pg, states, {"kind": Kind.PRECOPY.value, "step": self.step},
+                                       keys=self.keys, on_packed=job.packed.set)
+        self.moved += moved
+
+    def _send_grads(self, job: _Job, name: str, grads: list, groups: list) -> None:
+        moved, _ = transfer.send_state(self.pg, {"grads": _Fixed({"grads": grads, "groups": groups})},
+                                       {"kind": Kind.GRADS.value, "optimizer": name}, keys=self.keys,
+                                       on_packed=job.packed.set)
+        self.moved += moved
+
+
+# --- the joiner ----------------------------------------------------------------------------------------------------
+class _Own:
+    """The joiner's own tensors, by object and :class:`Kept` index, for resolving a tail's references."""
+
+    def __init__(self, objects: dict[str, Any]) -> None:
+        self.objects = objects
+        self.states: dict[str, Any] = {}
+        self.tensors: dict[str, list] = {}
+
+    def resolve(self, name: str, ref: Kept) -> torch.Tensor:
+        if name not in self.objects:
+            raise TransferRefused(f"kept tensor of unknown object {name!r}")
+        if name not in self.tensors:
+            found: list = []
+            self.states[name] = map_tensors(self.objects[name].state_dict(), lambda t: found.append(t) or t)
+            self.tensors[name] = found
+        own = self.tensors[name]
+        t = own[ref.index] if ref.index < len(own) else None
+        if t is None or not _plain(t) or transfer.dtype_name(t.dtype) != ref.dtype or tuple(t.shape) != ref.shape:
+            raise TransferRefused(f"{name}: kept tensor {ref.index} ({ref.dtype} {list(ref.shape)}) is not what "
+                                  "this joiner holds there; state refused")
+        return t
+
+    def load(self, states: dict[str, Any]) -> None:
+        """Load ``states`` (a tail, references resolved), skipping what is this joiner's already."""
+        if set(states) != set(self.objects):
+            raise KeyError(f"managed objects differ: local {sorted(self.objects)}, received {sorted(states)}")
+        for name, obj in self.objects.items():
+            state, own = states[name], self.states.get(name)
+            if own is not None and _same(state, own):
+                continue
+            if own is not None and isinstance(obj, torch.nn.Module) and isinstance(state, dict):
+                if set(state) != set(own):
+                    raise KeyError(f"{name}: state_dict keys differ from this joiner's")
+                placed = transfer.place_shards(name, obj, state)
+                obj.load_state_dict({k: v for k, v in placed.items() if v is not own[k]}, strict=False)
+            else:
+                transfer.load_state({name: obj}, {name: state})
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values with tensors compared by identity."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if type(a) in (list, tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _replay(objects: dict[str, Any], name: Any, state: Any) -> None:
+    """Run managed optimizer ``name``'s step with the leaver's gradients ``state["grads"]`` (one per parameter,
+    in param_groups order, None where the leaver had none) and hyperparameters ``state["groups"]`` (each param
+    group's values but its parameters: what a scheduler changed since), hooks bypassed. Raises
+    TransferRefused."""
+    opt = objects.get(name) if type(name) is str else None
+    if opt is None or not replayable_class(opt):
+        raise TransferRefused(f"gradients for {name!r}, which is not a replayable managed optimizer")
+    params = _params(opt)
+    grads = state.get("grads") if type(state) is dict else None
+    groups = state.get("groups") if type(state) is dict else None
+    if type(grads) is not list or len(grads) != len(params):
+        raise TransferRefused(f"{name}: gradients for {len(params)} parameters expected")
+    if type(groups) is not list or len(groups) != len(opt.param_groups) or any(
+            type(new) is not dict or set(new) != set(g) - {"params"} for new, g in zip(groups, opt.param_groups)):
+        raise TransferRefused(f"{name}: hyperparameters of {len(opt.param_groups)} parameter groups expected")
+    for p, g in zip(params, grads):
+        if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape or g.dtype != p.dtype):
+            raise TransferRefused(f"{name}: a gradient does not fit its parameter ({list(p.shape)} {p.dtype})")
+    for p, g in zip(params, grads):
+        p.grad = g
+    for new, g in zip(groups, opt.param_groups):
+        g.update(new)
+    type(opt).step.__wrapped__(opt)
+
+
+def follow(pg: Any, objects: dict[str, Any], buffers: Optional[list[torch.Tensor]] = None,
+           keys: Any = None) -> tuple[dict, int, float]:
+    """The joiner's side: receive the leaver's messages until the last one (a ``full`` state, or a pre-copy,
+    its replayed optimizer steps and the tail), loading and replaying as they come. ``buffers``: pre-touched
+    receive buffers for the first message. Returns (the last message's extra: ``step``, ``rng``; bytes moved in
+    all; seconds the last message took from its first byte). Raises TransferRefused (a message out of order,
+    a reference or gradient that does not fit), the errors of worker.transfer.recv_state and load_state, and
+    RuntimeError when the leaver died."""
+    states, extra, moved, seconds = transfer.recv_state(pg, 0, buffers, keys=keys)
+    kind = extra.get("kind") if type(extra) is dict else None
+    if kind not in (Kind.FULL, Kind.PRECOPY):
+        raise TransferRefused(f"a migration's first message must be a full state or a pre-copy, not {kind!r}")
+    transfer.load_state(objects, states)
+    del states
+    while kind != Kind.FULL:
+        own = _Own(objects)
+        states, extra, m, seconds = transfer.recv_state(pg, 0, keys=keys, kept=own.resolve)
+        moved += m
+        kind = extra.get("kind") if type(extra) is dict else None
+        if kind == Kind.GRADS:
+            _replay(objects, extra.get("optimizer"), states.get("grads"))
+        elif kind == Kind.TAIL:
+            own.load(states)
+            break
+        else:
+            raise TransferRefused(f"unexpected message {kind!r} after a pre-copy")
+    return extra, moved, seconds
