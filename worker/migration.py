@@ -38,6 +38,7 @@ log = logging.getLogger("worker.migration")
 AGENT_THREAD = "tm-agent"  # worker.agent's thread name
 DECISION_TIMEOUT_S = 300.0  # a party waiting at the switch step for tmd's decision gives up (keeps old groups)
 PRECOPY_ENV = "TM_PRECOPY"  # "0": the leaver sends its whole state at the switch step (no pre-copy)
+PRECOPY_LEAD_STEPS = 1  # the pre-copy starts at the boundary this many steps before the switch step (or later)
 
 
 def flush_sent(timeout_s: float = 2.0) -> None:
@@ -152,14 +153,15 @@ class Migration:
 
     # --- leaver and stayers ------------------------------------------------------------------------------------------
     def before_switch(self, step: int) -> None:
-        """At a boundary before ``step`` that is not a switch step: a leaver with a switch step armed ahead starts
-        its pre-copy (worker.precopy) here, once; one whose migration ended without a switch drops it."""
+        """At a boundary before ``step`` that is not a switch step: a leaver whose switch step is armed at most
+        ``PRECOPY_LEAD_STEPS`` ahead starts its pre-copy (worker.precopy) here, once (a later start means fewer
+        optimizer steps for the joiner to replay); one whose migration ended without a switch drops it."""
         control = self.control
         switch, pc = control.switch, self.precopy
         if pc is not None and (switch is None or switch.migration_id != pc.migration_id):
             pc.cancel()
             self.precopy = None
-        if self.precopy is not None or switch is None or switch.step <= step \
+        if self.precopy is not None or switch is None or not 0 < switch.step - step <= PRECOPY_LEAD_STEPS \
                 or control.migration_role != p.MigrationRole.LEAVER or os.environ.get(PRECOPY_ENV) == "0":
             return
         try:

@@ -5,8 +5,8 @@ In TrainMover (arXiv 2412.12636, section 5) the leaver sends its whole state at 
 stayers wait for it (0.1-0.2 s for the demo GPT's 80 MB here). Here the leaver sends it earlier, while training
 goes on, and the joiner then follows the leaver's optimizer steps, so at S only a small tail moves:
 
-1. **Pre-copy** (leaver, at the first step boundary b < S once S is armed; tmd chooses S at least three steps
-   ahead): the training thread takes every managed object's state_dict (references, no copy; FSDP2 must not be
+1. **Pre-copy** (leaver, at the step boundary b = S - 1, worker.migration ``PRECOPY_LEAD_STEPS``; tmd arms S at
+   least three steps ahead): the training thread takes every managed object's state_dict (references, no copy; FSDP2 must not be
    asked from another thread while its forward runs), then a sender thread packs those tensors with
    :func:`worker.transfer.send_state` (a copy, during the forward and backward passes, which change no parameter
    or optimizer state) and sends them. The joiner loads them.
