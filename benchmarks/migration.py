@@ -8,16 +8,20 @@ Workload: the demo's (byte-level GPT, DDP, 2 nodes x 2 ranks, AdamW, Shakespeare
   by tmd from a stayer's step reports), with the phase times (prepare runs in the background), the state bytes and
   transfer GB/s, and the stayers' RSS just before the request and after the downtime window. On a shared 2-core
   machine the step-time window is noisy (+-0.3 s), so ``stayer_pause_s`` also reports the time the stayers stood
-  still at the switch step, measured directly around the wait. ``pre_switch_excess_s``: the extra wall time of the
+  still at the switch step, measured directly around the wait, and ``joiner_lag_s`` how much later the last joiner
+  was ready to run the switch step than the last stayer (tmd's ``joiner_lag_s``: the stayers' first collective of
+  S waits that long). ``switch_stall_s`` = pause + lag is what target 1's "stayer pause" is judged on: with the
+  pre-copy, tmd decides the commit during step S - 1, so the stayers only swap their groups at S and wait for the
+  joiner's tail in their first collective instead. ``pre_switch_excess_s``: the extra wall time of the
   3 steps before the switch step (where the pre-copy and the joiner's replay run; on this machine the joiner shares
   the stayers' 2 cores).
 - **Both switch paths**: ``live_migration`` with the pre-copy and optimizer replay (worker.precopy: only a tail
   moves at the switch step) and ``live_migration_full_transfer`` with ``TM_PRECOPY=0`` (the whole state moves at
-  the switch step), each in its own job of the same run; ``pause_ratio_full_over_precopy`` compares them.
+  the switch step), each in its own job of the same run; ``stall_ratio_full_over_precopy`` compares their switch stalls.
 - **Cold baseline** (same run): checkpoint every rank with torch.distributed.checkpoint, stop the processes, restart
   them with the node replaced, load, continue (benchmarks/cold_restart.py). Its downtime and the ratio to ours.
 
-Targets here (issues 2 and 12): downtime <= 0.05 s, stayer pause <= 0.02 s, ratio >= 30x, stayer RSS growth
+Targets here (issues 2 and 12): downtime <= 0.05 s, switch stall <= 0.02 s, ratio >= 30x, stayer RSS growth
 <= 1%. They are reported, not asserted:
 the machine is shared and noisy, and ratios within one run are what compare.
 """
@@ -89,7 +93,10 @@ def run_live(steps: int, migrate_at: int, tiny: bool, run_dir: str, tmd_args: tu
     return {
         "precopy": precopy,
         "state": m["state"], "exit_code": rc, "switch_step": S, "median_step_s": median,
-        "downtime_s": m["downtime_s"], "stayer_pause_s": m["pause_s"], "phases_s": m["phases_s"],
+        "downtime_s": m["downtime_s"], "stayer_pause_s": m["pause_s"], "joiner_lag_s": m.get("joiner_lag_s"),
+        "switch_stall_s": round(m["pause_s"] + (m.get("joiner_lag_s") or 0.0), 6) if m["pause_s"] is not None
+        else None,
+        "phases_s": m["phases_s"],
         "pre_switch_excess_s": round(sum(t - median for t in before), 6)
         if median is not None and before and None not in before else None,
         "bytes_moved": m["bytes_moved"],
@@ -116,13 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {"model": "tiny" if args.tiny else "gpt-256x4", "nodes": 2, "ranks_per_node": 2, "steps": args.steps},
         "live_migration": live,
         "live_migration_full_transfer": full,
-        "pause_ratio_full_over_precopy": round(full["stayer_pause_s"] / max(live["stayer_pause_s"], 1e-4), 1)
-        if live["stayer_pause_s"] and full["stayer_pause_s"] else None,
+        "stall_ratio_full_over_precopy": round(full["switch_stall_s"] / max(live["switch_stall_s"], 1e-4), 1)
+        if live["switch_stall_s"] and full["switch_stall_s"] else None,
         "cold_restart": cold,
-        "ratio_cold_over_live": round(cold["downtime_s"] / max(ours, 1e-3), 1) if ours is not None else None,
-        "ratio_cold_over_pause": round(cold["downtime_s"] / max(live["stayer_pause_s"], 1e-3), 1)
-        if live["stayer_pause_s"] else None,
-        "targets": {"downtime_s_max": 0.05, "stayer_pause_s_max": 0.02, "ratio_min": 30,
+        # a downtime under the window's noise is clipped to 0.0: no ratio then
+        "ratio_cold_over_live": round(cold["downtime_s"] / ours, 1) if ours else None,
+        "ratio_cold_over_stall": round(cold["downtime_s"] / max(live["switch_stall_s"], 1e-3), 1)
+        if live["switch_stall_s"] else None,
+        "targets": {"downtime_s_max": 0.05, "switch_stall_s_max": 0.02, "ratio_min": 30,
                     "stayer_rss_growth_max": 0.01},
     }
     print(json.dumps(result), flush=True)

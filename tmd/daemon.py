@@ -43,7 +43,7 @@ from tmd.migration import Migration, MigrationError, Migrations
 from tmd.protocol.keys import KEYS_ENV, Authenticator, JobKeys, limit, role_of_frame
 from tmd.protocol.layout import RunDir
 from tmd.protocol.vocab import (
-    ErrorCode, Event, ExitCode, FailureSignal, Health, MigrationPhase, NodeRole, Sender,
+    ErrorCode, Event, ExitCode, FailureSignal, Health, MigrationPhase, MigrationState, NodeRole, Sender,
     WorkerRole,
 )
 from tmd.recovery import Incident, Incidents, RecoveryError
@@ -468,7 +468,8 @@ class Daemon:
         if msg.shadow:
             return
         w.step_time_s = msg.step_time_s
-        if self.registry.rank_owner.get(msg.rank) is w:
+        owner = self.registry.rank_owner.get(msg.rank)
+        if owner is w or (w.rank == msg.rank and self.migrations.leaver_step(w, msg.step)):
             self.registry.record_step(msg.rank, msg.step, msg.step_time_s)
             self.steplog.report(msg.rank, msg.step, msg.step_time_s)
             if self.steplog.ready >= STEP_TIMES_MAX:  # fast steps: keep each journal line well under its bound
@@ -477,9 +478,11 @@ class Daemon:
 
     def _phase_done(self, w: Worker, msg: p.PhaseDone) -> None:
         m = self.migrations.current
-        if m is not None and not msg.ok and msg.phase == MigrationPhase.TRANSFERRED and w.node in m.targets:
+        if m is not None and not msg.ok and msg.phase == MigrationPhase.TRANSFERRED and w.node in m.targets \
+                and m.state != MigrationState.TRANSFERRED:
             # A joiner's transfer broke: if its leaver is dead, that is a node failure (the warm joiners are kept
-            # and get their state from a replica), not merely an aborted migration.
+            # and get their state from a replica), not merely an aborted migration. (After the commit decision
+            # the joiner exits instead: its own node's failure.)
             source, leavers = m.leaver_side(w)
             failure = self.detector.broken_transfer(self.registry.nodes[source], leavers)
             if failure is not None:
@@ -597,7 +600,21 @@ class Daemon:
             return
         # A leaver that died mid-migration: its pair's joiners are warm for exactly these ranks; their state
         # will come from a data-parallel replica instead (``adopt``).
+        stranded, leavers = self.migrations.stranded_by(node.name)
         adopt = self.migrations.on_node_failed(node.name, reason)
+        for name in leavers:  # they hold no rank any more and their last step failed with this node
+            for w in self.registry.nodes[name].workers.values():
+                w.fenced = True
+            self._stonith(self.registry.nodes[name])
+        for name in stranded:  # decided joiners whose state cannot be completed: lost with this node
+            other = self.registry.nodes[name]
+            why = f"its joiners had not finished their state when {node.name} was lost"
+            self.journal.record(Event.NODE_FAILED, node=name, reason=why, signal=signal, ranks=other.ranks,
+                                silent_s=None)
+            for w in other.workers.values():
+                w.fenced = True
+            self._stonith(other)
+            self.incidents.lose(name, why)
         self.incidents.on_node_failed(node.name, reason, adopt)
 
     def _stonith(self, n: Node) -> None:

@@ -24,6 +24,9 @@ metric (labels besides ``job``)                    type       source and meaning
                                                               job lost to a committed migration
 ``trainmover_migration_stayer_pause_seconds``      histogram  ``migration_downtime``'s ``pause_s``: the longest time a
                                                               stayer stood at the switch step
+``trainmover_migration_joiner_lag_seconds``        histogram  ``migration_downtime``'s ``joiner_lag_s``: how much later
+                                                              than the last stayer the last joiner was ready to run
+                                                              the switch step
 ``trainmover_recoveries_total{state}``             counter    ``recovery_done`` / ``recovery_failed`` /
                                                               ``recovery_superseded``: finished incidents, ``state``
                                                               recovered, failed or superseded
@@ -213,6 +216,8 @@ class Metrics:
                                   "(seconds).", DOWNTIME_BUCKETS_S)
         self.pause = histogram("migration_stayer_pause_seconds", "Longest time a stayer stood at a migration's "
                                "switch step (seconds).", DOWNTIME_BUCKETS_S)
+        self.joiner_lag = histogram("migration_joiner_lag_seconds", "How much later than the last stayer the last "
+                                    "joiner was ready to run a migration's switch step (seconds).", DOWNTIME_BUCKETS_S)
         self.recoveries = counter("recoveries", "Finished failure recoveries (incidents) by final state.", ("state",))
         self.recovery_phase = histogram("recovery_phase_seconds", "Durations of recovered incidents' phases "
                                         "(seconds).", PHASE_BUCKETS_S, ("phase",))
@@ -265,7 +270,8 @@ class Metrics:
                 self._phases(self.migration_phase, MIGRATION_PHASES, e.get("phases_s"))
                 self._moved(MOVED_MIGRATION, e.get("bytes_moved"))
         elif ev == Event.MIGRATION_DOWNTIME:
-            for histogram, key in ((self.downtime, "downtime_s"), (self.pause, "pause_s")):
+            for histogram, key in ((self.downtime, "downtime_s"), (self.pause, "pause_s"),
+                                   (self.joiner_lag, "joiner_lag_s")):
                 value = seconds(e.get(key))
                 if value is not None:
                     histogram.labels(job).observe(value)

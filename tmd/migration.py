@@ -9,16 +9,23 @@ nodes (the joiners), all in one prepare and one switch step.
 - warming:     joiners run shadow iterations, replaying the recorded collectives (no communication).
 - prepared:    phase 1 done: every party built the next generation of the groups that contain a leaver, in the
                background, while training went on. (Entered after every ``prepared`` ack.)
-- switching:   a switch step S was chosen and every party armed it; at the boundary before S the leaver sends
-               its state peer to peer to its joiner, and the stayers wait for the decision.
-- transferred: every joiner (of every pair) received its state and verified the checksums.
+- switching:   a switch step S was chosen and every party armed it; the leaver sends its state peer to peer to
+               its joiner: the whole state at the boundary before S, or (worker.precopy) a pre-copy one step
+               earlier followed by replayed optimizer steps and a small tail at S.
+- transferred: every joiner (of every pair) received its state and verified the checksums, or loaded its
+               pre-copy (the rest follows by replay). tmd decides the commit here and takes the ranks from the
+               leaver nodes to the standbys (the point of no return); with a pre-copy this happens during step
+               S - 1, so the stayers find the decision waiting at S and only swap their groups.
 - committed:   phase 2: every party swapped in the new groups at S; the joiners run step S in the leavers' ranks.
 
-Any failure (a party exiting, a refused switch step, a checksum mismatch, a phase deadline) in any pair aborts
-the whole migration: every party drops what it staged, every standby comes back fresh, and training goes on with
-the old groups. A leaver node lost after phase 1 started hands its pair's warm joiners to failure recovery
-(:meth:`Migrations.on_node_failed`). Each transition is journalled with its time and the lists ``sources`` and
-``targets``.
+Any failure (a party exiting, a refused switch step, a checksum mismatch, a phase deadline) in any pair before
+the decision aborts the whole migration: every party drops what it staged, every standby comes back fresh, and
+training goes on with the old groups. A leaver node lost after phase 1 started and before the decision hands its
+pair's warm joiners to failure recovery (:meth:`Migrations.on_node_failed`). After the decision nothing aborts:
+the migration commits, and a joiner that is lost (or cannot finish its state because its leaver died) is a
+failure of the node that now holds its rank, which failure recovery (tmd.recovery) repairs from a replica; a
+stayer's node lost then takes the undecided joiners' nodes with it (:meth:`Migrations.stranded_by`). Each
+transition is journalled with its time and the lists ``sources`` and ``targets``.
 The flow follows TrainMover (arXiv 2412.12636), sections 4-5: two-phase delta-based group setup, sandboxed
 shadow iterations, and peer-to-peer state transfer.
 """
@@ -101,6 +108,9 @@ class Migration(Episode):
     downtime_s: Optional[float] = None
     median_step_s: Optional[float] = None
     pause_s: Optional[float] = None  # longest time a stayer stood at the switch step (seconds)
+    ready_unix_s: dict[bytes, float] = dataclasses.field(default_factory=dict)  # party -> ready at S (committed)
+    joiner_lag_s: Optional[float] = None  # last joiner ready at S - last stayer ready at S (seconds; see on_phase)
+    lost: str = ""  # after the decision: why a party was lost (failure recovery repairs it)
 
     @property
     def source(self) -> str:
@@ -162,6 +172,7 @@ class Migration(Episode):
                                     else self.switch_step + DOWNTIME_WINDOW_STEPS - 1),
             "median_step_s": self.median_step_s,
             "pause_s": self.pause_s,
+            "joiner_lag_s": self.joiner_lag_s,
             "bytes_moved": self.bytes_moved,
             "transfer_s": self.transfer_s,
             "rebuilt": self.rebuilt,
@@ -307,6 +318,8 @@ class Migrations(Episodes[Migration]):
         """A party reports a phase. Out-of-date or unexpected reports are journalled and ignored."""
         if msg.phase == MigrationPhase.COMMITTED and msg.ok:
             done = self.find(msg.migration_id) if msg.migration_id >= 0 else None
+            if done is not None and done.role_of(w) in (MigrationRole.STAYER, MigrationRole.JOINER):
+                self._note_ready(done, w, msg.ready_unix_s)
             if done is not None and any(w is s for s in done.stayers.values()):
                 # how long training stood still on this stayer at the switch step (it may report after commit)
                 done.pause_s = round(max(done.pause_s or 0.0, msg.seconds), 6)
@@ -337,20 +350,19 @@ class Migrations(Episodes[Migration]):
                 return
             if len(acks) == len(m.parties()):
                 self._enter(m, MigrationState.SWITCHING)
+                self._decide_if_transferred(m)  # pre-copies may have been loaded before the last ack came
         elif msg.phase == MigrationPhase.SENT and m.state in (MigrationState.SWITCHING, MigrationState.TRANSFERRED):
             self._mark_transfer_start(m, msg.seconds)  # may trail the joiner's report
             self.journal.record(Event.MIGRATION_SENT, migration_id=m.id, rank=msg.rank, bytes_moved=msg.bytes_moved,
                                 seconds=msg.seconds, precopy_step=msg.precopy_step, kept_tensors=msg.kept_tensors)
-        elif msg.phase == MigrationPhase.TRANSFERRED and m.state == MigrationState.SWITCHING:
+        elif msg.phase == MigrationPhase.TRANSFERRED and m.state in (MigrationState.PREPARED,
+                                                                    MigrationState.SWITCHING):
             m.bytes_moved += msg.bytes_moved
             m.transfer_s = max(m.transfer_s, msg.seconds)
             self._mark_transfer_start(m, msg.seconds)
-            if len(acks) == len(m.joiners):
-                self._enter(m, MigrationState.TRANSFERRED)
-                self._broadcast(m, p.Decide(migration_id=m.id, commit=True, reason="transferred"))
-                for leaver in m.leavers.values():
-                    leaver.done = True  # from here on a leaver exiting is the plan, whether or not its Done arrives
+            self._decide_if_transferred(m)
         elif msg.phase == MigrationPhase.COMMITTED and m.state == MigrationState.TRANSFERRED:
+            m.bytes_moved += msg.bytes_moved  # a joiner's replayed gradients and tail, after its pre-copy
             if all(j.identity in acks for j in m.joiners.values()):
                 self._commit(m)
         else:
@@ -373,6 +385,20 @@ class Migrations(Episodes[Migration]):
         self.abort(m, f"node {node} lost during {m.state}: {reason}")
         return None
 
+    def stranded_by(self, node: str) -> tuple[list[str], list[str]]:
+        """(standby nodes, leaver nodes) that node ``node``'s loss strands: after the commit decision and before
+        every joiner committed, the loss of a stayer's node leaves the joiners without a complete state (the
+        leavers' step S - 1 fails with it, so their tail never comes, and a joiner is nobody's replica until it
+        ran the switch step) and the leavers, which hold no rank any more, without a part. The standbys must fail
+        with ``node`` (their ranks are recovered from replicas like its own) and the leavers be fenced. Empty
+        lists otherwise."""
+        m = self.current
+        if m is None or m.state != MigrationState.TRANSFERRED or node in m.targets or node in m.sources:
+            return [], []
+        committed = m.acks.get(MigrationPhase.COMMITTED, set())
+        targets = [t for t in m.targets if any(j.identity not in committed for j in m.joiners_on(t).values())]
+        return targets, list(m.sources) if targets else []
+
     def on_worker_lost(self, w: Worker, why: str) -> None:
         """A process exited or stopped heartbeating: abort the migration it takes part in, if any."""
         m = self.current
@@ -391,6 +417,13 @@ class Migrations(Episodes[Migration]):
         if m is not None and m.overdue(now_mono):
             self.abort(m, f"timed out in state {m.state} after {m.deadline_s:.0f} s")
 
+    def leaver_step(self, w: Worker, step: int) -> bool:
+        """Whether ``w``'s report of ``step`` still counts for its rank although the rank passed to a joiner: a
+        leaver's steps before the switch step (the commit is decided while it runs step S - 1)."""
+        return any(m.switch_step is not None and step < m.switch_step and any(w is x for x in m.leavers.values())
+                   and m.state in (MigrationState.TRANSFERRED, MigrationState.COMMITTED)
+                   for m in self.all[-DOWNTIME_PENDING_MAX:])
+
     def on_step(self, rank: int, step: int) -> None:
         """Fill in the downtime of every committed migration whose window is complete with ``rank``'s ``step``
         (back-to-back migrations each get their own; see :func:`downtime_s`)."""
@@ -408,14 +441,21 @@ class Migrations(Episodes[Migration]):
             m.downtime_s = downtime_s(window, median)
             m.median_step_s = round(median, 6)
             self.journal.record(Event.MIGRATION_DOWNTIME, migration_id=m.id, downtime_s=m.downtime_s,
-                                median_step_s=median, window_s=[round(t, 6) for t in window], pause_s=m.pause_s)
+                                median_step_s=median, window_s=[round(t, 6) for t in window], pause_s=m.pause_s,
+                                joiner_lag_s=m.joiner_lag_s)
 
     # ---------------------------------------------------------------------------------------------------------
     def abort(self, m: Migration, reason: str, spare: Optional[str] = None) -> None:
         """Abort ``m`` as a whole: stayers and leavers keep their groups. The joiners of every pair are told too
         (they exit and each standby is restarted fresh), except those of standby ``spare``: failure recovery
-        then takes them over."""
+        then takes them over. After the commit decision (state ``transferred``) nothing aborts: ``m`` commits
+        with ``reason`` journalled as ``lost`` (the parties may be past the switch step already; a lost joiner
+        is its node's failure, which failure recovery repairs)."""
         if m.finished:
+            return
+        if m.state == MigrationState.TRANSFERRED:
+            m.lost = reason
+            self._commit(m)
             return
         m.reason = reason
         self._enter(m, MigrationState.ABORTED, reason=reason)
@@ -457,13 +497,39 @@ class Migrations(Episodes[Migration]):
         self.journal.record(Event.SWITCH_STEP_CHOSEN, migration_id=m.id, switch_step=m.switch_step, current_step=step)
         self._broadcast(m, p.Switch(migration_id=m.id, step=m.switch_step))
 
-    def _commit(self, m: Migration) -> None:
+    def _decide_if_transferred(self, m: Migration) -> None:
+        """Once every party armed S (state ``switching``) and every joiner reported ``transferred``: decide the
+        commit. The leavers' ranks pass to the standbys now (the point of no return, see the module docstring);
+        every party is told, and from here on a leaver exiting is the plan, whether or not its Done arrives."""
+        if m.state != MigrationState.SWITCHING or \
+                not all(j.identity in m.acks.get(MigrationPhase.TRANSFERRED, ()) for j in m.joiners.values()):
+            return
+        self._enter(m, MigrationState.TRANSFERRED)
         reg = self.registry
         for source, target in m.pairs():
             reg.hand_over(reg.nodes[source], reg.nodes[target], m.joiners_on(target),
                           f"ranks handed over to {target} in migration {m.id}")
+        self._broadcast(m, p.Decide(migration_id=m.id, commit=True, reason="transferred"))
+        for leaver in m.leavers.values():
+            leaver.done = True
+
+    def _commit(self, m: Migration) -> None:
+        extra = {"lost": m.lost} if m.lost else {}
         self._enter(m, MigrationState.COMMITTED, switch_step=m.switch_step, bytes_moved=m.bytes_moved,
-                    phases_s=m.phases_s())
+                    phases_s=m.phases_s(), **extra)
+
+    @staticmethod
+    def _note_ready(m: Migration, w: Worker, ready_unix_s: float) -> None:
+        """Keep when stayer or joiner ``w`` was ready to run the switch step; once both kinds reported, the
+        joiners' lag behind the stayers (seconds, >= 0): how long the stayers' first collective of S waits for
+        the last joiner beyond their own pause. Same host: one clock; across hosts it includes their skew."""
+        if ready_unix_s <= 0:
+            return
+        m.ready_unix_s[w.identity] = ready_unix_s
+        joiners = [m.ready_unix_s[j.identity] for j in m.joiners.values() if j.identity in m.ready_unix_s]
+        stayers = [m.ready_unix_s[x.identity] for x in m.stayers.values() if x.identity in m.ready_unix_s]
+        if joiners and stayers:
+            m.joiner_lag_s = round(max(0.0, max(joiners) - max(stayers)), 6)
 
     def _enter(self, m: Migration, state: MigrationState, **fields) -> None:
         """Move ``m`` to ``state``: mark it, reset that phase's acks, set the state's deadline, journal it."""

@@ -41,6 +41,7 @@ from tmd.protocol.vocab import Event, IncidentMark, IncidentState, NodeRole, Rec
 from tmd.registry import Node, Registry, Worker
 
 RECOVERY_TIMEOUT_S = 300.0  # an incident stuck this long (standby waits aside) fails the job
+MAX_FAILED_RECOVERIES = 3  # incidents in a row whose parties failed to recover (none finished between) end the job
 
 
 class RecoveryError(RuntimeError):
@@ -122,6 +123,7 @@ class Incidents(Episodes[Incident]):
         self.keepers: dict[int, int] = {}  # rank -> the rank keeping its snapshot, once snapshots are on
         self.regroup_after_s = regroup_after_s
         self._unexplained: Optional[tuple[float, str]] = None  # (monotonic, what) of a collective failure
+        self.failed_recoveries = 0  # incidents in a row that a party failed to recover from
 
     # ---------------------------------------------------------------------------------------------------------
     def on_node_failed(self, node_name: str, reason: str,
@@ -129,10 +131,15 @@ class Incidents(Episodes[Incident]):
         """An active node is lost. Marks it failed and starts an incident (superseding one in progress).
         ``adopt``: (standby node, {rank: joiner}) of a planned migration whose leaver this node was: those warm
         joiners become the replacements. Raises RecoveryError if no replica is left."""
+        self.lose(node_name, reason)
+        self.start(f"{node_name}: {reason}", (node_name, *adopt) if adopt else None)
+
+    def lose(self, node_name: str, reason: str) -> None:
+        """Mark node ``node_name`` failed and its ranks lost, for the incident the next :meth:`on_node_failed`
+        starts (a node that fails together with that one)."""
         reg = self.registry
         for rank in reg.fail_node(reg.nodes[node_name], reason):
             self.lost[rank] = node_name
-        self.start(f"{node_name}: {reason}", (node_name, *adopt) if adopt else None)
 
     def on_replacement_lost(self, node: Node, reason: str) -> None:
         """A standby taking over lost ranks failed before the incident finished: it is out, the incident
@@ -248,7 +255,8 @@ class Incidents(Episodes[Incident]):
         """A worker's recovery report. A collective failure with no incident running starts a regroup after
         ``regroup_after_s`` unless a node failure explains it first; reports of another incident, or in the
         wrong state, are journalled and ignored. Raises RecoveryError as :meth:`start` does (a party that
-        failed to recover starts a new incident)."""
+        failed to recover starts a new incident), and when ``MAX_FAILED_RECOVERIES`` incidents in a row failed
+        that way (the same error each time would otherwise loop forever)."""
         inc = self.current
         if msg.phase == RecoveryPhase.COLLECTIVE_FAILED:
             self.journal.record(Event.COLLECTIVE_FAILED, node=w.node, local_rank=w.local_rank, rank=msg.rank,
@@ -275,7 +283,12 @@ class Incidents(Episodes[Incident]):
         elif msg.phase == RecoveryPhase.RECOVERED and msg.incident_id == inc.id and \
                 inc.state == IncidentState.RECOVERING:
             if not msg.ok:
-                self.start(f"rank {msg.rank} failed to recover: {msg.error}")
+                # a party that fails the same way every time would start incidents forever: give up after a few
+                self.failed_recoveries += 1
+                why = f"rank {msg.rank} failed to recover: {msg.error}"
+                if self.failed_recoveries >= MAX_FAILED_RECOVERIES:
+                    self._fail(inc, f"{why} ({self.failed_recoveries} incidents in a row failed to recover)")
+                self.start(why)
                 return
             inc.recovered.add(msg.rank)
             inc.bytes_moved += msg.bytes_moved
@@ -397,6 +410,7 @@ class Incidents(Episodes[Incident]):
             reg.take_over(node, {r: w for r, w in inc.replacements.items() if w.node == standby})
         for rank in inc.replacements:
             self.lost.pop(rank, None)
+        self.failed_recoveries = 0
         inc.state = IncidentState.RECOVERED
         inc.mark(IncidentMark.RECOVERED)
         self.journal.record(Event.RECOVERY_DONE, incident_id=inc.id, resume_step=inc.resume_step,

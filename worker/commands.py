@@ -106,6 +106,10 @@ class Commands:
         joiner_aborted = self.control.on_decide(msg)
         if msg.commit:
             return
+        if joiner_aborted is None:
+            log.warning("abort of migration %d ignored: its commit was decided already (%s)", msg.migration_id,
+                        msg.reason)
+            return
         groups = self.control.groups
         if groups is not None:
             groups.discard(msg.migration_id)

@@ -36,7 +36,8 @@ Rules decided here (unit-tested in tests/unit/test_worker_control.py):
 - a newer ``Halt`` (higher incident id) supersedes an older one; an older one is ignored;
 - a ``Switch`` for a step an active rank already reached is refused as late (a joiner is never late: it has not
   started the rank's steps yet);
-- ``Decide(commit=False)`` disarms that migration's switch step; a ``Prepare`` forgets the previous decision;
+- ``Decide(commit=False)`` disarms that migration's switch step, unless that migration's commit was decided
+  already (a commit is final); a ``Prepare`` forgets the previous decision;
 - a ``Release`` of a standby, a joiner or a fenced process (``ExitCode.FENCED``) must end the process at once.
 
 What must happen at once on the agent thread (failing movers, exiting, starting phase 1, switching the store) is
@@ -219,10 +220,15 @@ class Control:
                 self._cv.notify_all()
             return Armed(not late, f"already at step {self._step}" if late else "", -1 if joiner else self._step)
 
-    def on_decide(self, msg: p.Decide) -> bool:
-        """Keep tmd's decision; an abort disarms that migration's switch step. Returns True when this process is
-        a joiner whose migration was aborted (its sandboxed process must exit at once)."""
+    def on_decide(self, msg: p.Decide) -> Optional[bool]:
+        """Keep tmd's decision; an abort disarms that migration's switch step. A commit is final: an abort of a
+        migration already decided as committed is ignored (returns None; tmd never sends one, but parties past
+        the switch step already run in the new groups). Otherwise returns True when this process is a joiner
+        whose migration was aborted (its sandboxed process must exit at once), else False."""
         with self._cv:
+            prev = self._decision
+            if not msg.commit and prev is not None and prev.commit and prev.migration_id == msg.migration_id:
+                return None
             self._decision = msg
             if not msg.commit and self._switch is not None and self._switch.migration_id == msg.migration_id:
                 self._switch = None

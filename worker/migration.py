@@ -120,12 +120,21 @@ class Migration:
             self.drop_buffers()
             return None
         switch = control.switch
+        early: list[int] = []  # the pre-copy's bytes, once reported
+
+        def precopied(moved: int, seconds: float) -> None:
+            # A pre-copy is loaded: the rest (replayed gradients, the tail) follows step by step. Reporting
+            # ``transferred`` now lets tmd decide the commit before the switch step (see the module docstring).
+            early.append(moved)
+            self.reports.report(mid, p.MigrationPhase.TRANSFERRED, bytes_moved=moved, seconds=seconds)
+
         try:
             pg = groups.transfer_group(mid, DECISION_TIMEOUT_S)
             # Load before the decision: on an abort this sandboxed process is thrown away. A state that does not
             # fit (other keys, shards of another layout) is refused here, tmd aborts and training goes on.
-            extra, moved, seconds = precopy.follow(pg, self.objects, self.prealloc)
-        except Exception as e:  # noqa: BLE001 - reported; tmd aborts, or falls back to a replica
+            extra, moved, seconds = precopy.follow(pg, self.objects, self.prealloc, on_precopy=precopied)
+        except Exception as e:  # noqa: BLE001 - reported; tmd aborts, or falls back to a replica (after an
+            # early ``transferred`` the commit may be decided already: this rank is then lost, see below)
             self.reports.report(mid, p.MigrationPhase.TRANSFERRED, ok=False, error=e)
             control.wait_until(lambda: control.decision is not None or control.plan is not None, DECISION_TIMEOUT_S)
             if control.plan is not None:
@@ -136,7 +145,8 @@ class Migration:
                                             f"failed ({type(e).__name__}: {e}) and no recovery plan came")
         self.prealloc = None
         torch.set_rng_state(extra["rng"])
-        self.reports.report(mid, p.MigrationPhase.TRANSFERRED, bytes_moved=moved, seconds=seconds)
+        if not early:
+            self.reports.report(mid, p.MigrationPhase.TRANSFERRED, bytes_moved=moved, seconds=seconds)
         control.wait_until(lambda: control.decision is not None, DECISION_TIMEOUT_S)
         decision = control.decision
         if decision is None or not decision.commit:
@@ -148,7 +158,8 @@ class Migration:
         groups.set_tolerant()
         control.clear_switch(mid)  # acted on here: the switch step is where this rank's steps begin
         control.become_active()
-        self.reports.report(mid, p.MigrationPhase.COMMITTED, step=switch.step)
+        self.reports.report(mid, p.MigrationPhase.COMMITTED, step=switch.step,
+                            bytes_moved=moved - early[0] if early else 0, ready_unix_s=time.time())
         return extra["step"]
 
     # --- leaver and stayers ------------------------------------------------------------------------------------------
@@ -211,6 +222,12 @@ class Migration:
             return
         if role == p.MigrationRole.LEAVER:
             pg = None  # the traceback of LeaverExit keeps this frame alive: hold no group in it
+            if pc is not None and pc.migration_id == mid:
+                try:  # the commit may have been decided before the tail left: exit only once it is loaded
+                    pc.delivered()
+                except RuntimeError as e:  # the joiner is lost: tmd treats that as its node's failure
+                    log.warning("rank %d: migration %d's tail was not confirmed: %s", control.rank, mid, e)
+            pc = None
             groups.finish_transfer(mid)
             control.enter(Stage.LEFT)
             self.reports.done(switch.step - 1, left=True)
@@ -225,4 +242,5 @@ class Migration:
             raise LeaverExit()
         groups.commit(mid)
         control.enter(Stage.TRAINING)
-        self.reports.report(mid, p.MigrationPhase.COMMITTED, step=switch.step, seconds=time.perf_counter() - paused)
+        self.reports.report(mid, p.MigrationPhase.COMMITTED, step=switch.step, seconds=time.perf_counter() - paused,
+                            ready_unix_s=time.time())

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import enum
 import logging
 import queue
@@ -57,6 +58,10 @@ from worker.transfer import Kept, TransferRefused
 
 log = logging.getLogger("worker.precopy")
 
+LEAVER, JOINER = 0, 1  # ranks in a migration's 2-rank transfer group
+DELIVERED_TAG = 2  # the joiner's 1-byte confirmation that it loaded the tail (worker.transfer uses tags 0 and 1)
+DELIVERY_TIMEOUT_S = 60.0  # a leaver waits this long for the joiner's confirmation that it loaded the tail
+CONFIRM_TIMEOUT_S = 5.0  # a joiner waits this long for the leaver to take that confirmation
 PACK_TIMEOUT_S = 2.0  # a post-hook waits this long for its gradients to be packed, then stops replaying that optimizer
 
 
@@ -176,6 +181,7 @@ class Precopy:
         self._jobs: queue.Queue = queue.Queue()
         self._hooks: dict[int, tuple] = {}  # id(optimizer) -> (pre-hook handle, post-hook handle)
         self._thread = threading.Thread(target=self._run, name="tm-precopy", daemon=True)
+        self._delivery: Any = None  # the pending receive of the joiner's confirmation (see delivered())
 
     # --- the training thread ---------------------------------------------------------------------------------------
     def start(self, step: int) -> None:
@@ -208,12 +214,23 @@ class Precopy:
             moved, _ = transfer.send_state(self.pg, tail, {"kind": Kind.TAIL.value, "step": step, "rng": rng},
                                            keys=self.keys)
             self.moved += moved
+            self._delivery = self.pg.recv([torch.zeros(1, dtype=torch.uint8)], JOINER, DELIVERED_TAG)  # delivered()
         finally:
             self._jobs.put(None)
         log.info("pre-copy of migration %d: tail of %d bytes in %.1f ms (%d tensors kept, %d sent; not replayed: "
                  "%s)", self.migration_id, moved, (time.perf_counter() - t0) * 1e3, self.kept, self.sent,
                  self.off or "none")
         return self.moved, time.perf_counter() - t0
+
+    def delivered(self, timeout_s: float = DELIVERY_TIMEOUT_S) -> None:
+        """After :meth:`finish`: block until the joiner says it loaded the tail (a 1-byte message it sends once
+        loaded), at most ``timeout_s`` seconds. A leaver calls this before it exits: the commit may be decided
+        before the tail left (worker.migration), and a process that exits while its last bytes are still in
+        flight can lose them. Raises RuntimeError when the joiner died or did not answer in time."""
+        if self._delivery is None:
+            raise RuntimeError("no tail was sent")
+        if not self._delivery.wait(datetime.timedelta(seconds=timeout_s)):
+            raise RuntimeError(f"the joiner did not confirm the tail within {timeout_s:.0f} s")
 
     def cancel(self) -> None:
         """The migration ended without a switch (aborted): unhook; the sender thread stops on its own (a send to
@@ -403,29 +420,44 @@ def _replay(objects: dict[str, Any], name: Any, state: Any) -> None:
     type(opt).step.__wrapped__(opt)
 
 
+def _confirm(pg: Any, timeout_s: float = CONFIRM_TIMEOUT_S) -> None:
+    """Tell the leaver the tail is loaded (it may now exit; :meth:`Precopy.delivered`). Only the leaver waits
+    for this: a leaver that never takes it (it failed after sending the tail) costs the joiner ``timeout_s``
+    seconds at most, then a warning."""
+    try:
+        pg.send([torch.ones(1, dtype=torch.uint8)], LEAVER, DELIVERED_TAG).wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        log.warning("the leaver did not take the tail's confirmation: %s", e)
+
+
 def follow(pg: Any, objects: dict[str, Any], buffers: Optional[list[torch.Tensor]] = None,
-           keys: Any = None) -> tuple[dict, int, float]:
+           keys: Any = None, on_precopy: Optional[Callable[[int, float], None]] = None) -> tuple[dict, int, float]:
     """The joiner's side: receive the leaver's messages until the last one (a ``full`` state, or a pre-copy,
     its replayed optimizer steps and the tail), loading and replaying as they come. ``buffers``: pre-touched
-    receive buffers for the first message. Returns (the last message's extra: ``step``, ``rng``; bytes moved in
-    all; seconds the last message took from its first byte). Raises TransferRefused (a message out of order,
-    a reference or gradient that does not fit), the errors of worker.transfer.recv_state and load_state, and
-    RuntimeError when the leaver died."""
-    states, extra, moved, seconds = transfer.recv_state(pg, 0, buffers, keys=keys)
+    receive buffers for the first message. ``on_precopy(bytes, seconds)`` is called once a pre-copy is loaded
+    (its size and receive time; not for a ``full`` state). After the tail, the leaver is told it was loaded
+    (:meth:`Precopy.delivered`). Returns (the last message's extra: ``step``, ``rng``; bytes moved in all; seconds
+    the last message took from its first byte). Raises TransferRefused (a message out of order, a reference or
+    gradient that does not fit), the errors of worker.transfer.recv_state and load_state, and RuntimeError when
+    the leaver died."""
+    states, extra, moved, seconds = transfer.recv_state(pg, LEAVER, buffers, keys=keys)
     kind = extra.get("kind") if type(extra) is dict else None
     if kind not in (Kind.FULL, Kind.PRECOPY):
         raise TransferRefused(f"a migration's first message must be a full state or a pre-copy, not {kind!r}")
     transfer.load_state(objects, states)
     del states
+    if kind == Kind.PRECOPY and on_precopy is not None:
+        on_precopy(moved, seconds)
     while kind != Kind.FULL:
         own = _Own(objects)
-        states, extra, m, seconds = transfer.recv_state(pg, 0, keys=keys, kept=own.resolve)
+        states, extra, m, seconds = transfer.recv_state(pg, LEAVER, keys=keys, kept=own.resolve)
         moved += m
         kind = extra.get("kind") if type(extra) is dict else None
         if kind == Kind.GRADS:
             _replay(objects, extra.get("optimizer"), states.get("grads"))
         elif kind == Kind.TAIL:
             own.load(states)
+            _confirm(pg)
             break
         else:
             raise TransferRefused(f"unexpected message {kind!r} after a pre-copy")

@@ -177,3 +177,25 @@ def test_network_partition_of_a_node(tmp_path, reference):
     assert job.events("node_fenced")  # on this host tmd can make sure they never come back
     ns.heal()
     assert_recovered(job, reference, job.finish())
+
+
+@pytest.mark.timeout(300)
+def test_leaver_killed_after_the_commit_decision_is_a_failure_of_the_joiners_node(tmp_path, reference):
+    """The commit is decided once the joiners loaded their pre-copy, during the step before the switch step S
+    (steps padded to 0.4 s here, so the leaver's tail at S is hundreds of ms away). Killing the leaver then leaves
+    the joiners without their tail: they exit, tmd never aborts a decided migration (some stayers may already
+    train in the new groups), and the loss of s1, which now holds the ranks, is repaired from a replica by s2."""
+    job = Job(tmp_path, 2, "--min-step-time-s", "0.4")
+    job.wait_training(5)
+    wait_until(lambda: all(n["warm"] for n in job.status().nodes if n["role"] == "standby"), 120, "two warm standbys")
+    assert job.tmctl("migrate", "--from", "n2", "--to", "s1", "--no-wait").returncode == 0
+    job.wait_event("migration_transferred")
+    for pid in job.pids("n2"):
+        os.kill(pid, signal.SIGKILL)
+    rc = job.finish()
+    assert not job.events("migration_aborted")
+    committed = job.events("migration_committed")
+    assert committed and "lost" in committed[0], committed
+    assert not job.events("migration_sent")  # the tail never left: the kill landed inside the window
+    done = assert_recovered(job, reference, rc)
+    assert done[0]["standbys"] == {"s1": "s2"}

@@ -146,6 +146,13 @@ def test_cold_standby_is_busy_then_a_second_migration_commits(job):
     sent = [e for e in events(job["run_dir"]) if e["event"] == "migration_sent" and e["migration_id"] == m["id"]]
     assert sorted(e["rank"] for e in sent) == [2, 3], sent
     assert all(0 <= e["precopy_step"] < m["switch_step"] and e["kept_tensors"] > 0 for e in sent), sent
+    # the commit was decided once the joiners loaded the pre-copy, before the tail left at S: the stayers found
+    # the decision waiting at S (a pause of a group swap), and the joiners' lag behind them was measured
+    order = [e["event"] for e in events(job["run_dir"]) if e.get("migration_id") == m["id"]]
+    assert order.index("migration_transferred") < order.index("migration_sent") < order.index("migration_committed")
+    down = wait_until(lambda: next((e for e in events(job["run_dir"]) if e["event"] == "migration_downtime"
+                                    and e["migration_id"] == m["id"]), None), 30, "the downtime window")
+    assert down["pause_s"] is not None and down["joiner_lag_s"] is not None, down
     # delta-based setup: stayers rebuilt only the world group (n1's node group has no leaver); n2's node group
     # [2, 3] was rebuilt by the joiners alone; the leavers built no group
     assert m["rebuilt"] == {"n1/0": ["world"], "n1/1": ["world"], "n2/0": [], "n2/1": [],
@@ -164,6 +171,10 @@ def test_final_state_is_bit_identical_to_an_uninterrupted_run(job):
     assert names.count("migration_committed") == 1 and names.count("migration_aborted") == 1
     left = [e for e in events(job["run_dir"]) if e["event"] == "process_exit" and e["node"] == "n2"]
     assert [e["returncode"] for e in left] == [0, 0] and all(e["expected"] for e in left)
+    # every step has its time, the switch step's neighbours included (the leavers' step S - 1 counts although
+    # the commit was decided while they ran it)
+    timed = {s for e in events(job["run_dir"]) if e["event"] == "step_times" for s, _, _ in e["steps"]}
+    assert timed == set(range(STEPS)), sorted(set(range(STEPS)) - timed)
 
 
 # SIGTERM to tmd stopping a local job and all its processes: test_stragglers.py (its job ends that way)

@@ -6,7 +6,10 @@ import pytest
 from tmd import protocol as p
 from tmd.daemon import CRASH_AFTER_TICK_ERRORS, Daemon, TmdCrashed
 from tmd.detection import Failure, ProcessExited
-from tmd.protocol.vocab import Event, FailureSignal, IncidentState, MigrationMark, MigrationState, NodeRole
+from tmd.protocol.vocab import (
+    Event, FailureSignal, IncidentState, MigrationMark, MigrationPhase, MigrationState, NodeRole,
+)
+from tmd.recovery import RecoveryError
 from tmd.registry import Worker
 
 pytestmark = pytest.mark.timeout(30)
@@ -120,3 +123,33 @@ def test_a_tick_that_keeps_failing_ends_the_loop_as_a_crash_and_leaves_the_ranks
     assert names.count(Event.INTERNAL_ERROR) == 1 and names[-1] == Event.TMD_CRASHED
     assert Event.TMD_STOPPED not in names and d.internal_errors == CRASH_AFTER_TICK_ERRORS
     assert not d.launcher.terminated, "tmd's own crash must not take the ranks down"
+
+
+def test_a_stayer_lost_after_the_commit_decision_takes_the_undecided_joiners_with_it(daemon):
+    """After the decision (the joiner loaded its pre-copy, during step S - 1) the stayer's node n1 dies: the
+    leaver's step S - 1 fails with it, so the joiner's tail never comes. Nothing aborts (the rank already passed
+    to s1): s1 fails with n1 and the leaver is fenced; here no replica is left, so the job ends with that."""
+    d = daemon
+    m = d.migrations.request("n2", "s1")
+    by = d.registry.by_identity
+
+    def ack(who, phase, **kw):
+        d.migrations.on_phase(by[who], p.PhaseDone(migration_id=m.id, rank=by[who].rank if by[who].rank is not None
+                                                   else -1, phase=phase, ok=True, error="", step=kw.get("step", -1),
+                                                   bytes_moved=0, seconds=0.0, groups=[]))
+
+    ack(b"s1/0", MigrationPhase.WARMED)
+    for who in (b"n1/0", b"n2/0", b"s1/0"):
+        ack(who, MigrationPhase.PREPARED)
+    for who in (b"n1/0", b"n2/0", b"s1/0"):
+        ack(who, MigrationPhase.ARMED, step=6)
+    ack(b"s1/0", MigrationPhase.TRANSFERRED)
+    assert m.state == MigrationState.TRANSFERRED and d.registry.nodes["s1"].role == NodeRole.ACTIVE
+    n1 = d.registry.nodes["n1"]
+    with pytest.raises(RecoveryError, match="every rank is lost"):
+        d._apply(Failure(n1, "n1/0 exited with code -9", FailureSignal.PROCESS_EXIT))  # noqa: SLF001
+    assert m.state == MigrationState.COMMITTED and m.lost.startswith("node n1 lost during transferred")
+    assert d.registry.nodes["s1"].role == NodeRole.FAILED and d.registry.nodes["n2"].workers[0].fenced
+    failed = [e for e in d.journal.since(0, 1000) if e["event"] == Event.NODE_FAILED]
+    assert [e["node"] for e in failed] == ["n1", "s1"] and failed[1]["ranks"] == [1]
+    assert not any(isinstance(msg, p.Decide) and not msg.commit for _, msg in d.sent)

@@ -431,3 +431,25 @@ def test_a_rollback_is_refused_at_start_when_a_replicated_rank_s_keeper_is_lost(
         world.incidents.on_node_failed("n2", "exited")  # rank 2 has none: a rollback, but 0's keeper is gone
     assert str(e.value) == ("rank 2's state has no surviving replica (n2: exited): the job must roll back, but rank "
                             "2, which kept rank 0's snapshot, is lost too")
+
+
+def test_a_party_failing_to_recover_again_and_again_ends_the_job(world):
+    """A party whose recovery fails the same way every time would start incidents forever: after
+    MAX_FAILED_RECOVERIES in a row the job fails with the error; one that finishes resets the count."""
+    from tmd.recovery import MAX_FAILED_RECOVERIES
+
+    world.incidents.on_node_failed("n2", "exited")
+    world.report("s1/0", RecoveryPhase.WARMED)
+    world.report("s1/1", RecoveryPhase.WARMED)
+    for n in range(1, MAX_FAILED_RECOVERIES + 1):
+        inc = world.incidents.current
+        world.halt_all({ident: 9 for ident in SURVIVORS}, incident_id=inc.id)
+        assert inc.state == IncidentState.RECOVERING
+        if n < MAX_FAILED_RECOVERIES:
+            world.report("n3/1", RecoveryPhase.RECOVERED, ok=False, error="ValueError: same every time",
+                         incident_id=inc.id)
+            assert world.incidents.current.id == inc.id + 1
+    with pytest.raises(RecoveryError, match=f"same every time \\({MAX_FAILED_RECOVERIES} incidents in a row"):
+        world.report("n3/1", RecoveryPhase.RECOVERED, ok=False, error="ValueError: same every time",
+                     incident_id=inc.id)
+    assert inc.state == IncidentState.FAILED and world.events()[-1]["event"] == Event.RECOVERY_FAILED

@@ -47,7 +47,7 @@ def journal() -> list[dict]:
               bytes_moved=1_000_000, phases_s={"warm_up": 1.5, "prepare": 0.2, "switch_wait": 0.04,
                                                "transfer": 0.3, "commit": 0.005, "total": 2.2}),
         entry(6, Event.MIGRATION_DOWNTIME, migration_id=1, downtime_s=0.12, median_step_s=0.02,
-              window_s=[0.1, 0.02, 0.02], pause_s=0.08),
+              window_s=[0.1, 0.02, 0.02], pause_s=0.08, joiner_lag_s=0.03),
         entry(7, Event.MIGRATION_ABORTED, migration_id=2, sources=["n1"], targets=["s2"], reason="joiner lost"),
         entry(8, Event.STRAGGLER_DETECTED, rank=1, node="s1", lateness=0.4),
         entry(9, Event.STRAGGLER_DETECTED, rank=1, node="s1", lateness=0.5),
@@ -80,6 +80,7 @@ def test_counters_and_histograms_from_the_journal():
     assert value(m, "trainmover_migration_downtime_seconds_sum") == pytest.approx(0.12)
     assert value(m, "trainmover_migration_downtime_seconds_count") == 1
     assert value(m, "trainmover_migration_stayer_pause_seconds_sum") == pytest.approx(0.08)
+    assert value(m, "trainmover_migration_joiner_lag_seconds_sum") == pytest.approx(0.03)
     assert value(m, "trainmover_recoveries_total", state="recovered") == 1
     assert value(m, "trainmover_recoveries_total", state="failed") == 1
     assert value(m, "trainmover_recoveries_total", state="superseded") == 1
@@ -121,7 +122,7 @@ MALFORMED = [
     {"event": Event.MIGRATION_COMMITTED, "phases_s": {"total": "2", "transfer": None, "bogus": 1.0, 3: 4},
      "bytes_moved": "1000"},
     {"event": Event.MIGRATION_DOWNTIME, "downtime_s": "0.1", "pause_s": None},
-    {"event": Event.MIGRATION_DOWNTIME, "downtime_s": float("nan"), "pause_s": -1},
+    {"event": Event.MIGRATION_DOWNTIME, "downtime_s": float("nan"), "pause_s": -1, "joiner_lag_s": "x"},
     {"event": Event.NODE_FAILED, "node": ["n1"], "signal": "telepathy", "silent_s": "3"},
     {"event": Event.NODE_FAILED, "node": None, "signal": None, "silent_s": float("-inf")},
     {"event": Event.RECOVERY_DONE, "phases_s": [1, 2], "bytes_moved": float("inf")},
@@ -144,7 +145,8 @@ def test_malformed_entries_are_skipped_without_raising():
     assert value(m, "trainmover_moved_bytes_total", kind="recovery") == 0
     names = {name for name, _ in s}
     for absent in ("trainmover_migration_phase_seconds_count", "trainmover_migration_downtime_seconds_count",
-                   "trainmover_migration_stayer_pause_seconds_count", "trainmover_detection_latency_seconds_count",
+                   "trainmover_migration_stayer_pause_seconds_count", "trainmover_migration_joiner_lag_seconds_count",
+                   "trainmover_detection_latency_seconds_count",
                    "trainmover_node_failures_total", "trainmover_stragglers_total",
                    "trainmover_recovery_phase_seconds_count"):
         assert absent not in names

@@ -169,7 +169,7 @@ def test_episode_shape_ids_events_and_durations(world):
     assert set(d) == {"id", "sources", "targets", "source", "target", "generation", "state", "reason",
                       "switch_step", "ranks", "phases",
                       "downtime_after_step",
-                      "phases_s", "downtime_s", "median_step_s", "pause_s", "bytes_moved", "transfer_s", "rebuilt"}
+                      "phases_s", "downtime_s", "median_step_s", "pause_s", "joiner_lag_s", "bytes_moved", "transfer_s", "rebuilt"}
     assert d["state"] == MigrationState.COMMITTED and d["ranks"] == [2, 3] and d["id"] == 4
     assert (d["sources"], d["targets"], d["source"], d["target"]) == (["n2"], ["s1"], "n2", "s1")
     assert all(e["sources"] == ["n2"] and e["targets"] == ["s1"] for e in journal.since(0, 100) if "sources" in e)
@@ -187,18 +187,61 @@ def test_phase_one_has_the_prepared_deadline(world):
     assert m.state == MigrationState.ABORTED and m.reason == "timed out in state warming after 60 s"
 
 
-def test_a_lost_joiner_aborts_but_a_leaver_leaving_after_the_decision_does_not(world):
+def test_a_lost_joiner_aborts_before_the_decision(world):
     reg, migs, sent, _ = world
     m = migs.request("n2", "s1")
     ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.WARMED)
     ack(migs, reg, ALL, MigrationPhase.PREPARED)
     ack(migs, reg, ALL, MigrationPhase.ARMED, step=11)
-    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.TRANSFERRED)
-    migs.on_worker_lost(reg.by_identity[b"n2/0"], "exited with code 0")
-    assert m.state == MigrationState.TRANSFERRED  # the leaver leaving is the plan once commit was decided
+    ack(migs, reg, ["s1/0"], MigrationPhase.TRANSFERRED)  # s1/1 has not loaded its state yet
     migs.on_worker_lost(reg.by_identity[b"s1/1"], "exited with code 1")
-    assert m.state == MigrationState.ABORTED and m.reason == "joiner s1/1 exited with code 1 during transferred"
+    assert m.state == MigrationState.ABORTED and m.reason == "joiner s1/1 exited with code 1 during switching"
     assert reg.nodes["s1"].role == NodeRole.STANDBY and reg.nodes["s1"].health == Health.UNKNOWN
+    assert reg.nodes["n2"].role == NodeRole.ACTIVE and reg.rank_owner[3] is reg.by_identity[b"n2/1"]
+
+
+def test_the_decision_is_the_point_of_no_return(world):
+    """Once every joiner reported ``transferred`` (a pre-copy loaded: before the switch step), the ranks pass to
+    the standby and every party hears the commit; a party lost afterwards never turns it into an abort (some
+    parties may run in the new groups already): the migration commits, and the lost joiner is its node's failure."""
+    reg, migs, sent, journal = world
+    m = migs.request("n2", "s1")
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.WARMED)
+    ack(migs, reg, ALL, MigrationPhase.PREPARED)
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.TRANSFERRED)  # early: a stayer's ARMED ack is still missing
+    assert m.state == MigrationState.PREPARED
+    assert migs.stranded_by("n1") == ([], [])  # before the decision a stayer's loss merely aborts
+    sent.clear()
+    ack(migs, reg, ALL, MigrationPhase.ARMED, step=11)
+    assert m.state == MigrationState.TRANSFERRED  # decided as soon as the last party armed S
+    assert {w for w, msg in sent if isinstance(msg, p.Decide) and msg.commit} == set(ALL)
+    assert reg.nodes["s1"].role == NodeRole.ACTIVE and reg.nodes["n2"].role == NodeRole.LEFT
+    assert reg.rank_owner[2] is reg.by_identity[b"s1/0"] and reg.rank_owner[3] is reg.by_identity[b"s1/1"]
+    # a stayer's node lost now takes the undecided joiners' state with it: s1 fails too, n2's leavers are fenced
+    assert migs.stranded_by("n1") == (["s1"], ["n2"]) and migs.stranded_by("s1") == ([], [])
+    leaver, stayer = reg.by_identity[b"n2/0"], reg.by_identity[b"n1/0"]
+    # the leaver still runs step S - 1 in rank 2: its report of it counts, not one of S
+    assert migs.leaver_step(leaver, m.switch_step - 1) and not migs.leaver_step(leaver, m.switch_step)
+    assert not migs.leaver_step(stayer, m.switch_step - 1)
+    migs.on_worker_lost(leaver, "exited with code 0")
+    assert m.state == MigrationState.TRANSFERRED  # the leaver leaving is the plan once commit was decided
+    sent.clear()
+    migs.on_worker_lost(reg.by_identity[b"s1/1"], "exited with code 1")
+    assert m.state == MigrationState.COMMITTED and m.lost == "joiner s1/1 exited with code 1 during transferred"
+    assert not [msg for _, msg in sent if isinstance(msg, p.Decide)]  # no abort after a commit decision
+    committed = [e for e in journal.since(0, 100) if e["event"] == Event.MIGRATION_COMMITTED]
+    assert committed[-1]["lost"] == m.lost
+    assert reg.nodes["s1"].role == NodeRole.ACTIVE  # s1 holds ranks 2, 3: failure recovery repairs them
+
+
+def test_joiner_lag_behind_the_stayers_at_the_switch_step(world):
+    reg, migs, _, journal = world
+    m = commit_migration(migs, reg)
+    for who, ready in (("n1/0", 100.010), ("n1/1", 100.020), ("s1/0", 100.050)):
+        migs.on_phase(reg.by_identity[who.encode()], p.PhaseDone(
+            migration_id=m.id, rank=0, phase=MigrationPhase.COMMITTED, ok=True, error="", step=m.switch_step,
+            bytes_moved=0, seconds=0.001, groups=[], ready_unix_s=ready))
+    assert m.joiner_lag_s == pytest.approx(0.030)  # the last joiner against the last stayer
 
 
 def test_downtime_of_the_window_after_the_switch_step(world):

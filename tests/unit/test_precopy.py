@@ -75,14 +75,17 @@ def migrate(opt_cls=torch.optim.AdamW, hook=None, pre_hook=False, late_hook=None
             train_step(leaver, step, **step_kw)
         full = pc.moved
         moved, seconds = pc.finish(SWITCH, torch.get_rng_state())
+        pc.delivered(20)  # returns once the joiner loaded the tail
         return pc, moved - full
 
+    precopied = []  # (bytes, seconds) of the pre-copy, reported by the joiner before the tail
     with cf.ThreadPoolExecutor(2) as ex:
         left = ex.submit(leave)
-        joined = ex.submit(precopy.follow, b, joiner)
+        joined = ex.submit(precopy.follow, b, joiner, on_precopy=lambda *a: precopied.append(a))
         pc, tail = left.result(timeout=50)
         extra, moved, _ = joined.result(timeout=50)
     assert moved == pc.moved
+    assert len(precopied) == 1 and 0 < precopied[0][0] < moved
     return leaver, joiner, pc, extra, tail
 
 
@@ -163,7 +166,7 @@ def test_without_a_precopy_one_full_message_is_loaded():
     a, b = pair()
     with cf.ThreadPoolExecutor(2) as ex:
         sent = ex.submit(transfer.send_state, a, leaver, {"kind": precopy.Kind.FULL.value, "step": WARM})
-        extra, moved, _ = precopy.follow(b, joiner)
+        extra, moved, _ = precopy.follow(b, joiner, on_precopy=lambda *a: pytest.fail("not a pre-copy"))
         assert sent.result(timeout=20)[0] == moved
     assert extra["step"] == WARM
     assert same(flat_state(leaver), flat_state(joiner))

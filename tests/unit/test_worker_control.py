@@ -170,11 +170,15 @@ def test_a_commit_keeps_the_armed_switch():
     assert c.switch is not None and c.decision.commit is True
 
 
-def test_an_aborted_joiner_must_exit():
+def test_an_aborted_joiner_must_exit_but_a_commit_is_final():
+    c = Control()
+    c.start(assign(p.WorkerRole.JOINER, migration_id=1))
+    assert c.on_decide(decide(False)) is True
     c = Control()
     c.start(assign(p.WorkerRole.JOINER, migration_id=1))
     assert c.on_decide(decide(True)) is False
-    assert c.on_decide(decide(False)) is True
+    assert c.on_decide(decide(False)) is None  # ignored: tmd never aborts after deciding the commit
+    assert c.decision.commit is True
 
 
 def test_prepare_forgets_the_previous_decision_and_a_decision_wakes_a_waiter():

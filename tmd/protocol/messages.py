@@ -95,7 +95,9 @@ class PhaseDone(Message, sender=Sender.WORKER):
     ``committed`` (phase 2 done at the switch step; a stayer's ``seconds`` is how long it stood at the switch
     step). ``ok`` false means the phase failed; ``error`` says why. A leaver's ``sent`` also says how:
     ``precopy_step`` is the step whose boundary its pre-copy started at (-1: the whole state moved at the switch
-    step) and ``kept_tensors`` how many tensors its tail sent as references (worker.precopy).
+    step) and ``kept_tensors`` how many tensors its tail sent as references (worker.precopy). A ``committed``
+    report of a stayer or joiner carries ``ready_unix_s``: when (Unix time, seconds) that rank was ready to run the
+    switch step in the new groups (0.0: not given); tmd compares the joiners' with the stayers'.
     """
 
     migration_id: int
@@ -109,6 +111,7 @@ class PhaseDone(Message, sender=Sender.WORKER):
     groups: list  # ``prepared``: the names of the groups this rank rebuilt (delta-based: only those with a leaver)
     precopy_step: int = -1
     kept_tensors: int = 0
+    ready_unix_s: float = 0.0
 
 
 @dataclasses.dataclass(kw_only=True)
