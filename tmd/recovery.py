@@ -76,6 +76,7 @@ class Incident(Episode):
     generation: int = 0
     resume_step: Optional[int] = None
     bytes_moved: int = 0
+    shadow_steps: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> shadow iterations its replacement ran
     waiting_standby: bool = False
     snapshots: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # rank -> snapshot steps it holds
     rollback_step: Optional[int] = None  # the snapshot step the job rolled back to (None: no rollback)
@@ -270,6 +271,7 @@ class Incidents(Episodes[Incident]):
             return
         if msg.phase == RecoveryPhase.WARMED and any(w is x for x in inc.replacements.values()):
             w.warm_for = w.rank  # valid across incidents: it warmed for this rank
+            inc.shadow_steps[w.rank] = msg.shadow_steps
             self._mark_warmed(inc)
             self._maybe_plan(inc)
         elif msg.phase == RecoveryPhase.HALTED and msg.incident_id == inc.id and inc.survivors.get(msg.rank) is w:
@@ -414,4 +416,5 @@ class Incidents(Episodes[Incident]):
         inc.state = IncidentState.RECOVERED
         inc.mark(IncidentMark.RECOVERED)
         self.journal.record(Event.RECOVERY_DONE, incident_id=inc.id, resume_step=inc.resume_step,
-                            standbys=inc.standbys, bytes_moved=inc.bytes_moved, phases_s=inc.phases_s())
+                            standbys=inc.standbys, bytes_moved=inc.bytes_moved, phases_s=inc.phases_s(),
+                            shadow_steps={str(r): n for r, n in sorted(inc.shadow_steps.items())})

@@ -80,12 +80,15 @@ class Migration:
         self.finish_agent = finish_agent
         self.migration_id = 0  # a joiner's migration (from its Assign; 0 for a failure's replacement)
         self.prealloc: Optional[list[torch.Tensor]] = None  # a joiner's pre-touched receive buffers
+        self.shadow_steps = 0  # shadow iterations this joiner ran
 
     # --- joiner ------------------------------------------------------------------------------------------------------
-    def shadow(self, n: int, report_warmed: bool, pretouch: bool = True) -> Iterator[int]:
+    def shadow(self, n: int, report_warmed: bool, pretouch: bool = True,
+               enough_after_one: Optional[Callable[[], bool]] = None) -> Iterator[int]:
         """Yield the ``n`` shadow steps ``0 .. n-1`` (stage SHADOW: collectives replayed, results thrown away),
         then free the recordings, pre-touch the receive buffers (if ``pretouch``: a failure's replacement receives
-        into fresh ones) and, if ``report_warmed``, report ``warmed``."""
+        into fresh ones) and, if ``report_warmed``, report ``warmed``. ``enough_after_one``: called (still in
+        SHADOW) after the first step; True ends the shadow iterations there."""
         groups = self.control.groups
         self.control.enter(Stage.SHADOW)
         prev = time.perf_counter()
@@ -95,6 +98,9 @@ class Migration:
             now = time.perf_counter()
             self.reports.step_time(step, now - prev, shadow=True)
             prev = now
+            self.shadow_steps = step + 1
+            if step == 0 and n > 1 and enough_after_one is not None and enough_after_one():
+                break
         self.control.enter(Stage.JOINING)
         for g in groups.groups.values():
             g.mover.load_recording([])  # free the recordings

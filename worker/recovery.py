@@ -14,7 +14,8 @@ Then, on every survivor:
    ``recovered`` and redoes the interrupted step with the same data.
 
 A replacement (a standby given a lost rank) runs ``REPLACEMENT_SHADOW_STEPS`` shadow iterations, fewer than a
-migration's joiner: its warm-up is on the failure's critical path. tmd sends the plan once every survivor halted,
+migration's joiner: its warm-up is on the failure's critical path; one only, when :func:`regroup_ddp_buckets` can do
+the second iteration's only one-time collective work itself. tmd sends the plan once every survivor halted,
 without waiting for that warm-up, and the replacement carries its part out (receive the replicated state from a
 replica, build the next generation of every group) on a helper thread during the shadow iterations
 (:meth:`Recovery.prefetch`); after them it reports ``warmed``, loads what it received and swaps the groups in
@@ -73,13 +74,46 @@ RECOVERY_TIMEOUT_S = 600.0  # a halted rank that hears nothing from tmd this lon
 # all record_steps, in the background). The replacement's warm-up is on the failure's critical path, so it runs the
 # fewest that leave its process doing what the survivors do at the redone step: two, because DDP regroups its
 # gradient buckets in the forward of a process's second iteration with a broadcast from rank 0 (a replacement
-# that skipped it would make that broadcast live, where the survivors make none). What the later steps would
-# warm (the allocator's steady state) the redone step warms at a small cost.
+# that skipped it would make that broadcast live, where the survivors make none), or one when
+# regroup_ddp_buckets can do that regrouping itself after the first. What the later steps would warm (the
+# allocator's steady state) the redone step warms at a small cost.
 REPLACEMENT_SHADOW_STEPS = 2
 # Compare the replicas' fingerprints at every step, not only at the first step after a migration or recovery. Off:
 # a fingerprint costs ~10 ms on the demo GPT (~3 % of its step on this machine).
 VERIFY_EVERY_STEP = False
 NO_FINGERPRINT = bytes(32)  # sent in place of a fingerprint by a rank that does not verify this step
+
+
+def regroup_ddp_buckets() -> bool:
+    """A replacement after its first shadow iteration: do what the forward of its second iteration would do
+    first, DDP's one-time regrouping of its gradient buckets (torch's ``Reducer::rebuild_buckets``: the bucket
+    assignment of the first backward pass's gradient order, broadcast from rank 0; replayed here from the
+    recording like any shadow collective), without that iteration's compute (one step of the failure's
+    critical path). Returns True when the second shadow iteration is no longer needed: exactly one
+    DistributedDataParallel in this process still had to regroup, with the plain C++ reducer (no static graph,
+    no Join, no unused-parameter search), and it did. Returns False otherwise (none, or several, whose order in
+    the recording is the script's; a regrouping whose broadcast is not the next recorded op, which the replay
+    refuses without consuming it): the caller runs the second iteration, which does it the usual way."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    pending = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)
+               and not getattr(o, "_has_rebuilt_buckets", True) and not o.find_unused_parameters]
+    if len(pending) != 1:
+        return False
+    ddp = pending[0]
+    if ddp.static_graph or getattr(ddp, "_use_python_reducer", False) or \
+            getattr(ddp, "_delay_all_reduce_all_params", False) or ddp._join_config.enable:
+        return False
+    try:
+        rebuilt = ddp.reducer._rebuild_buckets()
+    except RuntimeError as e:  # the replay refused it (the script's own collective comes first): no harm done
+        log.info("DDP buckets not regrouped after the first shadow iteration (%s): running a second one", e)
+        return False
+    if rebuilt:
+        ddp._has_rebuilt_buckets = True
+    return rebuilt
 
 
 def pack(fingerprint: bytes, meta: dict, state: bytes) -> bytes:
@@ -337,14 +371,14 @@ class Recovery:
             mb.release_in_background(inner)
         return None
 
-    def replace(self, incident_id: int) -> int:
-        """Joiner replacing a failed rank: report warmed, wait for the plan, receive state (or take what
-        :meth:`prefetch` received), return the step to resume at. ``incident_id`` 0: a migration's joiner whose
-        leaver died (tmd knows it is warm). Exits the process (ExitCode.FAILED) when the recovery fails (a fresh
+    def replace(self, incident_id: int, shadow_steps: int = 0) -> int:
+        """Joiner replacing a failed rank: report warmed (with the ``shadow_steps`` it ran), wait for the plan,
+        receive state (or take what :meth:`prefetch` received), return the step to resume at. ``incident_id`` 0: a
+        migration's joiner whose leaver died (tmd knows it is warm). Exits the process (ExitCode.FAILED) when the recovery fails (a fresh
         standby takes over) or after ``RECOVERY_TIMEOUT_S`` seconds without a plan."""
         self.control.enter(Stage.RECOVERING)
         if incident_id:
-            self.reports.report(incident_id, p.RecoveryPhase.WARMED, step=-1)
+            self.reports.report(incident_id, p.RecoveryPhase.WARMED, step=-1, shadow_steps=shadow_steps)
         while True:
             self._wait(lambda: self.control.plan is not None, "a recovery plan")
             plan = self.control.plan

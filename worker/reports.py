@@ -33,7 +33,7 @@ class Reporter:
     def report(self, episode_id: int, phase: Phase, *, ok: bool = True, error: Union[str, BaseException] = "",
                step: int = -1, bytes_moved: int = 0, seconds: float = 0.0,
                groups: Optional[Sequence[str]] = None, snapshots: Sequence[int] = (), precopy_step: int = -1,
-               kept_tensors: int = 0, ready_unix_s: float = 0.0) -> None:
+               kept_tensors: int = 0, ready_unix_s: float = 0.0, shadow_steps: int = 0) -> None:
         """Report ``phase`` of migration or incident ``episode_id`` (0: no incident known yet).
 
         ``ok`` false: the phase failed and ``error`` (a string or the exception) says why. ``step``: for a
@@ -42,7 +42,8 @@ class Reporter:
         ``seconds`` measure a transfer or a wait; ``groups`` (migration ``prepared`` only) names the groups this
         rank rebuilt; ``snapshots`` (recovery ``halted`` only) the steps of the complete snapshots this rank
         holds (worker.snapshot); ``precopy_step`` and ``kept_tensors`` (migration ``sent`` only): see
-        :class:`tmd.protocol.messages.PhaseDone`, as is ``ready_unix_s`` (migration ``committed`` only). Raises TypeError for a phase of neither kind and ValueError for ``groups`` on a recovery
+        :class:`tmd.protocol.messages.PhaseDone`, as is ``ready_unix_s`` (migration ``committed`` only); ``shadow_steps``: a replacement's
+        shadow iterations (recovery ``warmed`` only). Raises TypeError for a phase of neither kind and ValueError for ``groups`` on a recovery
         phase."""
         if isinstance(phase, p.MigrationPhase):
             self.send(p.PhaseDone(migration_id=episode_id, rank=self.rank(), phase=phase, ok=ok,
@@ -54,7 +55,7 @@ class Reporter:
                 raise ValueError("a recovery report carries no groups")
             self.send(p.RecoveryReport(incident_id=episode_id, rank=self.rank(), phase=phase, ok=ok,
                                        error=describe_error(error), committed_step=step, bytes_moved=bytes_moved,
-                                       seconds=seconds, snapshots=list(snapshots)))
+                                       seconds=seconds, snapshots=list(snapshots), shadow_steps=shadow_steps))
         else:
             raise TypeError(f"not a migration or recovery phase: {phase!r}")
 

@@ -41,7 +41,9 @@ from worker.exit import exit_process
 from worker.gpu_health import probe_from_env
 from worker.groups import GroupManager
 from worker.migration import DECISION_TIMEOUT_S, LeaverExit, Migration
-from worker.recovery import RECOVERY_TIMEOUT_S, REPLACEMENT_SHADOW_STEPS, Recovery, StepAborted
+from worker.recovery import (
+    RECOVERY_TIMEOUT_S, REPLACEMENT_SHADOW_STEPS, Recovery, StepAborted, regroup_ddp_buckets,
+)
 from worker.reports import Reporter
 from worker.snapshot import Snapshots
 
@@ -262,14 +264,15 @@ class Session:
                 recovery.prefetch()
                 shadow_steps = min(shadow_steps, REPLACEMENT_SHADOW_STEPS)
             planned = a.incident_id == 0
-            yield from self._migration.shadow(min(shadow_steps, total), report_warmed=planned, pretouch=planned)
+            yield from self._migration.shadow(min(shadow_steps, total), report_warmed=planned, pretouch=planned,
+                                              enough_after_one=None if planned else regroup_ddp_buckets)
             if a.incident_id == 0:
                 joined = self._migration.join()
                 step = joined if joined is not None else recovery.replace(0)  # None: its leaver died
                 recovery.snapshots.want = True  # the leaver's snapshots left with it: a fresh round
             else:
                 self._migration.drop_buffers()
-                step = recovery.replace(a.incident_id)
+                step = recovery.replace(a.incident_id, self._migration.shadow_steps)
             recovery.verify_next = True
         first = step
         prev = None

@@ -98,6 +98,9 @@ def test_kill_node_during_a_step(tmp_path, reference, phase):
     assert done[0]["standbys"] == {"n2": "s1"}
     plan = job.events("recovery_plan")[0]
     assert sorted(dst for _, dst in plan["sends"]) == [2, 3]  # the replacements get state from replicas
+    # one shadow iteration each: the replacements regrouped their DDP buckets themselves after it
+    # (worker.recovery.regroup_ddp_buckets) instead of running a second one on the critical path
+    assert done[0]["shadow_steps"] == {"2": 1, "3": 1}, done[0]
 
 
 # A SIGSTOP hang, then SIGCONT: test_fidelity.test_sigstop_hang_then_sigcont_is_fenced_and_bit_identical

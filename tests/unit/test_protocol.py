@@ -55,7 +55,7 @@ def frame(type_, **fields):
 
 def recovery_report(**overrides):
     fields = dict(incident_id=1, rank=0, phase="halted", ok=True, error="", committed_step=9, bytes_moved=0,
-                  seconds=0.0, snapshots=[4, 9])
+                  seconds=0.0, snapshots=[4, 9], shadow_steps=0)
     fields.update(overrides)
     return frame("RecoveryReport", **fields)
 

@@ -135,6 +135,7 @@ class RecoveryReport(Message, sender=Sender.WORKER):
     bytes_moved: int
     seconds: float
     snapshots: list = dataclasses.field(default_factory=list)  # halted: steps of the complete snapshots held
+    shadow_steps: int = 0  # warmed (a replacement): how many shadow iterations it ran
 
 
 @dataclasses.dataclass(kw_only=True)
