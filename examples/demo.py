@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         "migrations": [{
             "from": m["source"], "to": m["target"], "state": m["state"], "reason": m["reason"],
             "switch_step": m["switch_step"], "phases_s": m["phases_s"], "downtime_s": m["downtime_s"],
-            "stayer_pause_s": m["pause_s"],
+            "stayer_pause_s": m["pause_s"], "joiner_lag_s": m.get("joiner_lag_s"),
             "bytes_moved": m["bytes_moved"],
         }],
         "bit_identical": identical,

@@ -425,8 +425,9 @@ class Migrations(Episodes[Migration]):
                    for m in self.all[-DOWNTIME_PENDING_MAX:])
 
     def on_step(self, rank: int, step: int) -> None:
-        """Fill in the downtime of every committed migration whose window is complete with ``rank``'s ``step``
-        (back-to-back migrations each get their own; see :func:`downtime_s`)."""
+        """Fill in the downtime of every committed migration whose window ends with ``rank``'s ``step``
+        (back-to-back migrations each get their own; see :func:`downtime_s`). A window step whose time never came
+        (its rank's process died before reporting it) is left out and journalled in ``missing_steps``."""
         for m in self.all[-DOWNTIME_PENDING_MAX:]:
             if m.state != MigrationState.COMMITTED or m.downtime_s is not None or not m.stayers:
                 continue
@@ -436,13 +437,18 @@ class Migrations(Episodes[Migration]):
             times = self.registry.step_times.get(ref, {})
             window = [times.get(s) for s in range(S, S + DOWNTIME_WINDOW_STEPS)]
             median = self.registry.median_step_s(ref, before=max(m.request_step, 2))
-            if median is None or any(t is None for t in window):
+            if median is None:
                 continue
-            m.downtime_s = downtime_s(window, median)
+            # ``ref`` reports its steps in order: one still missing now came from a process that died before its
+            # report left (a failure inside the window) and never comes. The downtime covers the steps that did.
+            missing = [S + i for i, t in enumerate(window) if t is None]
+            present = [t for t in window if t is not None]
+            m.downtime_s = downtime_s(present, median)
             m.median_step_s = round(median, 6)
+            extra = {"missing_steps": missing} if missing else {}
             self.journal.record(Event.MIGRATION_DOWNTIME, migration_id=m.id, downtime_s=m.downtime_s,
-                                median_step_s=median, window_s=[round(t, 6) for t in window], pause_s=m.pause_s,
-                                joiner_lag_s=m.joiner_lag_s)
+                                median_step_s=median, window_s=[None if t is None else round(t, 6) for t in window],
+                                pause_s=m.pause_s, joiner_lag_s=m.joiner_lag_s, **extra)
 
     # ---------------------------------------------------------------------------------------------------------
     def abort(self, m: Migration, reason: str, spare: Optional[str] = None) -> None:

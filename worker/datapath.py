@@ -22,19 +22,31 @@ with a memory barrier between the bytes and the counter. The group stays the con
 receive posted for the other's last message ("all filled" on tag ``FIRST_CHUNK_TAG`` from the sender, "all
 read" back from the receiver) and looks at it while it polls, so a peer that dies mid-transfer (gloo reports the
 closed connection) or hangs past the group's timeout makes it raise, never wait forever. The sender returns once
-the receiver read everything; the segment is closed on both ends before either returns or raises.
+the receiver read everything. While the receiver waits for the sender's next chunk it runs steps of its own
+work (worker.transfer builds the received states then), so that work costs no transfer time.
+
+**One ring per transfer group.** Making and populating a ring costs ~1 ms per MB, more than moving a small
+state: the sender keeps its ring for the group's next message (pre-copy, gradients, tail of one migration) and
+offers it again with its counters reset; the receiver keeps its mapping and uses it again when the next
+(authenticated) offer names the same segment and the segment still holds the offer's nonce. Both are closed when
+the group is collected (the cache holds it weakly), by :func:`forget`, or as soon as a message fails or is
+refused on that end.
 
 CRC32 is zlib's (``zlib-ng``'s SIMD implementation where the ``zlib-ng`` package is installed: the same values,
 ~5x faster; :data:`CRC_IMPL` says which).
 """
 from __future__ import annotations
 
+import bisect
+import collections
 import dataclasses
 import os
 import threading
 import time
-from typing import Callable, Optional, Sequence
+import weakref
+from typing import Callable, Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 
 from worker import shm
@@ -82,6 +94,18 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _array_bytes(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as a flat numpy uint8 array (a view where numpy knows the dtype and ``t`` is
+    contiguous: two numpy calls instead of four tensor ops; else through :func:`as_bytes`)."""
+    if t.dtype in _NUMPY_DTYPES and t.is_contiguous():
+        return t.detach().numpy().reshape(-1).view(np.uint8)
+    return as_bytes(t).numpy()
+
+
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                 torch.uint8, torch.bool, torch.complex64, torch.complex128}
+
+
 @dataclasses.dataclass(frozen=True)
 class Chunk:
     """Chunk ``index`` (tag ``FIRST_CHUNK_TAG + index``): bytes ``[start, stop)`` of buffer ``buffer``."""
@@ -104,10 +128,30 @@ class Source:
     """A buffer's bytes as the sender holds them: its tensors' bytes, back to back."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.parts = [as_bytes(t) for t in tensors]
+        self._tensors = list(tensors)
+        self._parts: Optional[list[torch.Tensor]] = None
+        self._arrays: Optional[list[np.ndarray]] = None
         self.offsets = [0]
-        for p in self.parts:
-            self.offsets.append(self.offsets[-1] + p.numel())
+        for t in self._tensors:
+            self.offsets.append(self.offsets[-1] + t.numel() * t.element_size())
+
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        """Each tensor's bytes as a flat uint8 tensor (see :func:`as_bytes`)."""
+        if self._parts is None:
+            self._parts = [as_bytes(t) for t in self._tensors]
+        return self._parts
+
+    def arrays(self, start: int, stop: int):
+        """Yield the range's bytes in order as numpy uint8 views of the (CPU) tensors that hold them."""
+        if self._arrays is None:
+            self._arrays = [_array_bytes(t) for t in self._tensors]
+        i = max(0, bisect.bisect_right(self.offsets, start) - 1)
+        while i < len(self._arrays) and self.offsets[i] < stop:
+            lo, hi = self.offsets[i], self.offsets[i + 1]
+            if hi > start:
+                yield self._arrays[i][max(start, lo) - lo:min(stop, hi) - lo]
+            i += 1
 
     @property
     def nbytes(self) -> int:
@@ -190,22 +234,102 @@ def shm_enabled() -> bool:
     return os.environ.get(SHM_ENV, "1") != "0" and shm.supported()
 
 
-def offer_ring(sizes: Sequence[int], device: torch.device,
-               devices: Sequence[str]) -> tuple[int, Optional[shm.Segment], Optional[dict]]:
+class _Rings:
+    """Segments kept for the next message of the same transfer group, one per group, held weakly by the group: a
+    segment is closed when its group is collected (or with :func:`forget`). :meth:`take` hands the kept segment
+    out (it is then in use by one message: a second message at the same time makes its own), :meth:`keep`
+    stores it back (closing it instead when another one was kept meanwhile)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_group: dict[int, tuple[weakref.ref, shm.Segment]] = {}
+
+    def take(self, group) -> Optional[shm.Segment]:
+        with self._lock:
+            entry = self._by_group.get(id(group))
+            if entry is None or entry[0]() is not group:
+                return None
+            del self._by_group[id(group)]
+            return entry[1]
+
+    def keep(self, group, segment: shm.Segment) -> None:
+        key = id(group)
+
+        def collected(_ref, key=key) -> None:
+            with self._lock:
+                entry = self._by_group.get(key)
+                if entry is None or entry[0] is not _ref:
+                    return
+                del self._by_group[key]
+            entry[1].close()
+
+        try:
+            ref = weakref.ref(group, collected)
+        except TypeError:  # a group that takes no weak reference: nothing would close the segment
+            segment.close()
+            return
+        with self._lock:
+            old = self._by_group.get(key)
+            if old is not None and old[0]() is group:
+                extra = segment  # another message kept its segment meanwhile: that one stays
+            else:
+                self._by_group[key], extra = (ref, segment), None
+        if extra is not None:
+            extra.close()
+
+    def forget(self, group) -> None:
+        segment = self.take(group)
+        if segment is not None:
+            segment.close()
+
+
+_SENDING = _Rings()  # the sender's rings, by transfer group
+_RECEIVING = _Rings()  # the receiver's mappings of its sender's ring, by transfer group
+
+
+def forget(group) -> None:
+    """Close the segments kept for ``group`` on this end (both roles) now, instead of when ``group`` is
+    collected."""
+    _SENDING.forget(group)
+    _RECEIVING.forget(group)
+
+
+def offer_ring(sizes: Sequence[int], device: torch.device, devices: Sequence[str],
+               group=None) -> tuple[int, Optional[shm.Segment], Optional[dict]]:
     """The chunk size for buffers of ``sizes`` bytes and, where shared memory applies, a ring of ``RING_SLOTS``
     slots of it and its offer: (chunk, segment, offer), or (CHUNK_BYTES, None, None) where it does not (disabled,
     a CUDA group or buffer, under ``SHM_MIN_BYTES`` to move (a small message, e.g. a pre-copy's tail, is faster
-    over the wire than through a ring made for it), or the segment cannot be made)."""
+    over the wire than through a ring), or the segment cannot be made). With ``group``, the ring kept for that
+    group by the previous message (:func:`done_sending`) is offered again, its counters reset: making and
+    populating a ring costs ~8 ms per 8 MB, paid once per group instead of once per message."""
     if sum(sizes) < SHM_MIN_BYTES or device.type != "cpu" or any(d != "cpu" for d in devices) \
             or not shm_enabled():
         return CHUNK_BYTES, None, None
+    segment = _SENDING.take(group) if group is not None else None
+    if segment is not None and (segment.nslots, segment.slot_bytes) == (RING_SLOTS, SHM_CHUNK_BYTES):
+        segment.reset()
+        return SHM_CHUNK_BYTES, segment, segment.offer
+    if segment is not None:  # made for other settings
+        segment.close()
     chunks = plan(sizes, SHM_CHUNK_BYTES)
-    slot = max(c.stop - c.start for c in chunks)
+    slots = RING_SLOTS if group is not None else min(RING_SLOTS, len(chunks))
+    slot = SHM_CHUNK_BYTES if group is not None else max(c.stop - c.start for c in chunks)
     try:
-        segment, offer = shm.Segment.create(min(RING_SLOTS, len(chunks)), slot)
+        segment, offer = shm.Segment.create(slots, slot)
     except (OSError, ValueError):
         return CHUNK_BYTES, None, None
     return SHM_CHUNK_BYTES, segment, offer
+
+
+def done_sending(group, segment: Optional[shm.Segment], ok: bool) -> None:
+    """The sender is done with ``segment`` (None: there was none): keep it for ``group``'s next message when the
+    message went through (``ok``) and there is a group, else close it."""
+    if segment is None:
+        return
+    if ok and group is not None:
+        _SENDING.keep(group, segment)
+    else:
+        segment.close()
 
 
 def check_offer(offer, chunks: Sequence[Chunk]) -> bool:
@@ -229,11 +353,18 @@ def check_offer(offer, chunks: Sequence[Chunk]) -> bool:
 
 
 def accept(pg, src: int, offer: Optional[dict]) -> Optional[shm.Segment]:
-    """Receiver: open the offered segment (None: none offered, or not this host's) and tell the sender which path
-    the bytes take (only when one was offered). Raises RuntimeError if the peer dies."""
+    """Receiver: map the offered segment (None: none offered, or not this host's) and tell the sender which path
+    the bytes take (only when one was offered). The mapping kept for ``pg`` by the previous message
+    (:func:`done_receiving`) is used again when the offer names the same segment (same offer, and the segment
+    still holds the offer's nonce); any other kept mapping is closed. Raises RuntimeError if the peer dies."""
     if offer is None:
         return None
-    segment = shm.Segment.open(offer)
+    segment = _RECEIVING.take(pg)
+    if segment is not None and not segment.matches(offer):
+        segment.close()
+        segment = None
+    if segment is None:
+        segment = shm.Segment.open(offer)
     try:
         pg.send([torch.tensor([int(segment is not None)], dtype=torch.int64)], src, REPLY_TAG).wait()
     except BaseException:
@@ -243,17 +374,45 @@ def accept(pg, src: int, offer: Optional[dict]) -> Optional[shm.Segment]:
     return segment
 
 
-def fill_slot(src: Source, slot: torch.Tensor, start: int, stop: int, crc: int) -> int:
-    """Copy bytes ``[start, stop)`` of ``src`` into ``slot`` and return ``crc`` continued over them (read back
-    from the slot while in cache)."""
-    at = 0
-    for s in src.spans(start, stop):
-        for lo in range(0, s.numel(), PIECE_BYTES):
-            piece = s[lo:lo + PIECE_BYTES]
-            out = slot[at:at + piece.numel()]
-            out.copy_(piece)
-            crc = crc32(out, crc)
-            at += piece.numel()
+def done_receiving(pg, segment: Optional[shm.Segment], ok: bool) -> None:
+    """The receiver is done with ``segment`` (None: there was none): keep the mapping for ``pg``'s next message
+    when the data path went through (``ok``), else close it."""
+    if segment is None:
+        return
+    if ok:
+        _RECEIVING.keep(pg, segment)
+    else:
+        segment.close()
+
+
+def fill_slot(src: Source, slot: np.ndarray, start: int, stop: int, crc: int) -> int:
+    """Copy bytes ``[start, stop)`` of ``src`` into ``slot`` (a numpy uint8 array of at least ``stop - start``
+    bytes) and return ``crc`` continued over them, read back from the slot ``PIECE_BYTES`` at a time while they
+    are in cache (small tensors are checksummed together, once a piece's worth was copied)."""
+    at = done = 0
+    for s in src.arrays(start, stop):
+        n, lo = s.shape[0], 0
+        while lo < n:
+            take = min(n - lo, PIECE_BYTES - (at - done))
+            np.copyto(slot[at:at + take], s[lo:lo + take])
+            at += take
+            lo += take
+            if at - done >= PIECE_BYTES:
+                crc = _crc32(slot[done:at], crc)
+                done = at
+    if at > done:
+        crc = _crc32(slot[done:at], crc)
+    return crc
+
+
+def drain_slot(slot: np.ndarray, dest: np.ndarray, crc: int) -> int:
+    """Copy ``slot``'s first ``len(dest)`` bytes into ``dest`` and return ``crc`` continued over what was written
+    there, ``PIECE_BYTES`` at a time while it is in cache."""
+    n = dest.shape[0]
+    for lo in range(0, n, PIECE_BYTES):
+        out = dest[lo:lo + PIECE_BYTES]
+        np.copyto(out, slot[lo:lo + out.shape[0]])
+        crc = _crc32(out, crc)
     return crc
 
 
@@ -328,11 +487,13 @@ def _failed(watch: Optional[_Watch]) -> None:
         watch.raise_failure()
 
 
-def send_shm(pg, dst: int, segment: shm.Segment, sources: Sequence[Source],
-             chunks: Sequence[Chunk]) -> Optional[list[int]]:
-    """Send ``chunks`` through ``segment``'s ring, filling it while the receiver's answer to the offer is on its
-    way. Returns each buffer's CRC32, or None when the receiver did not take the segment (send over the group
-    then). Returns once the receiver has read every chunk. Raises RuntimeError if the peer dies."""
+def send_shm(pg, dst: int, segment: shm.Segment, sources: Sequence[Source], chunks: Sequence[Chunk],
+             on_filled: Optional[Callable[[list[int]], None]] = None) -> Optional[list[int]]:
+    """Send ``chunks`` of ``sources`` (CPU tensors) through ``segment``'s ring, filling it while the receiver's
+    answer to the offer is on its way. ``on_filled(crcs)`` is called once every chunk is in the ring, before the
+    receiver has read the last ones (worker.transfer sends its trailer then). Returns each buffer's CRC32, or None
+    when the receiver did not take the segment (send over the group then; ``on_filled`` was not called). Returns
+    once the receiver has read every chunk. Raises RuntimeError if the peer dies."""
     crcs = [0] * len(sources)
     nslots = segment.nslots
     reply = torch.full((1,), -1, dtype=torch.int64)
@@ -353,52 +514,59 @@ def send_shm(pg, dst: int, segment: shm.Segment, sources: Sequence[Source],
         _failed(state["done"])
 
     poll = _Poll(watch)
-    freed = segment.freed
+    freed, ready, ring = segment.freed, segment.ready, segment.ring
     for c in chunks:
-        poll.until(lambda: c.index - int(freed.item()) < nslots or answer() is False)
+        if c.index - int(freed[0]) >= nslots:
+            poll.until(lambda: c.index - int(freed[0]) < nslots or answer() is False)
         if state["taken"] is False:
             return None
-        crcs[c.buffer] = fill_slot(sources[c.buffer], segment.slots[c.index % nslots], c.start, c.stop,
-                                   crcs[c.buffer])
+        crcs[c.buffer] = fill_slot(sources[c.buffer], ring[c.index % nslots], c.start, c.stop, crcs[c.buffer])
         _fence()
-        segment.ready.fill_(c.index + 1)
+        ready[0] = c.index + 1
     if not answer(block=True):
         return None
     filled = torch.tensor([len(chunks)], dtype=torch.int64)
     sent = pg.send([filled], dst, FIRST_CHUNK_TAG)  # "all filled": the receiver watches for it (or its failure)
+    if on_filled is not None:
+        on_filled(crcs)
     state["done"].wait()
     sent.wait()
     return crcs
 
 
-def recv_shm(pg, src: int, segment: shm.Segment, dests: Sequence[torch.Tensor], chunks: Sequence[Chunk]) -> list[int]:
-    """Receive ``chunks`` through ``segment``'s ring into ``dests`` (flat uint8 tensors, one per buffer), then
-    tell the sender all was read. Returns each buffer's CRC32 of the bytes written there. Raises RuntimeError if
-    the peer dies."""
+def recv_shm(pg, src: int, segment: shm.Segment, dests: Sequence[torch.Tensor], chunks: Sequence[Chunk],
+             idle: Optional[Iterator[None]] = None) -> list[int]:
+    """Receive ``chunks`` through ``segment``'s ring into ``dests`` (flat uint8 CPU tensors, one per buffer), then
+    tell the sender all was read. ``idle``: steps of other work (each ``next()`` runs one; short, ~1 ms), run
+    while the next chunk is not in the ring yet, the rest once the sender was told; what a step raises is
+    raised here. Returns each buffer's CRC32 of the bytes written there. Raises RuntimeError if the peer dies."""
     crcs = [0] * len(dests)
     nslots = segment.nslots
     # the sender's "all filled" message: a receive failing before it came is the sender's death
     watch = _Watch(pg.recv([torch.zeros(1, dtype=torch.int64)], src, FIRST_CHUNK_TAG))
     poll = _Poll(lambda: _failed(watch))
-    ready = segment.ready
+    ready, freed, ring = segment.ready, segment.freed, segment.ring
+    arrays = [d.numpy() for d in dests]
     for c in chunks:
         _failed(watch)
-        poll.until(lambda: int(ready.item()) > c.index)
+        while idle is not None and int(ready[0]) <= c.index:
+            if next(idle, _NO_STEP) is _NO_STEP:
+                idle = None
+        if int(ready[0]) <= c.index:
+            poll.until(lambda: int(ready[0]) > c.index)
         _fence()
-        slot = segment.slots[c.index % nslots]
-        dest = dests[c.buffer]
-        crc = crcs[c.buffer]
-        for lo in range(c.start, c.stop, PIECE_BYTES):
-            hi = min(c.stop, lo + PIECE_BYTES)
-            out = dest[lo:hi]
-            out.copy_(slot[lo - c.start:hi - c.start])
-            crc = crc32(out, crc)
-        crcs[c.buffer] = crc
+        crcs[c.buffer] = drain_slot(ring[c.index % nslots], arrays[c.buffer][c.start:c.stop], crcs[c.buffer])
         _fence()
-        segment.freed.fill_(c.index + 1)
-    pg.send([torch.tensor([len(chunks)], dtype=torch.int64)], src, FIRST_CHUNK_TAG).wait()  # "all read"
+        freed[0] = c.index + 1
+    sent = pg.send([torch.tensor([len(chunks)], dtype=torch.int64)], src, FIRST_CHUNK_TAG)  # "all read"
+    if idle is not None:
+        collections.deque(idle, maxlen=0)  # the steps left, while the sender goes on to its trailer
+    sent.wait()
     watch.wait()
     return crcs
+
+
+_NO_STEP = object()
 
 
 def nbytes_of(chunks: Sequence[Chunk]) -> int:

@@ -39,6 +39,7 @@ AGENT_THREAD = "tm-agent"  # worker.agent's thread name
 DECISION_TIMEOUT_S = 300.0  # a party waiting at the switch step for tmd's decision gives up (keeps old groups)
 PRECOPY_ENV = "TM_PRECOPY"  # "0": the leaver sends its whole state at the switch step (no pre-copy)
 PRECOPY_LEAD_STEPS = 1  # the pre-copy starts at the boundary this many steps before the switch step (or later)
+EARLY_COMMIT_ENV = "TM_EARLY_COMMIT"  # "0": a joiner reports ``transferred`` only once it loaded the tail at S
 
 
 def flush_sent(timeout_s: float = 2.0) -> None:
@@ -138,7 +139,9 @@ class Migration:
             pg = groups.transfer_group(mid, DECISION_TIMEOUT_S)
             # Load before the decision: on an abort this sandboxed process is thrown away. A state that does not
             # fit (other keys, shards of another layout) is refused here, tmd aborts and training goes on.
-            extra, moved, seconds = precopy.follow(pg, self.objects, self.prealloc, on_precopy=precopied)
+            early_ok = os.environ.get(EARLY_COMMIT_ENV) != "0"
+            extra, moved, seconds = precopy.follow(pg, self.objects, self.prealloc,
+                                                   on_precopy=precopied if early_ok else None)
         except Exception as e:  # noqa: BLE001 - reported; tmd aborts, or falls back to a replica (after an
             # early ``transferred`` the commit may be decided already: this rank is then lost, see below)
             self.reports.report(mid, p.MigrationPhase.TRANSFERRED, ok=False, error=e)

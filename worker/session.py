@@ -21,6 +21,7 @@ worker.exit (the one way to end the process early), worker.groups, worker.sandbo
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -310,7 +311,11 @@ class Session:
 
     def finish(self, note: Optional[str] = None) -> None:
         """Report the end of training to tmd (``note``, e.g. a final state hash, goes to the log) and close:
-        waits for the recording writer, flushes the agent (up to 2 s) and destroys the default process group."""
+        waits for the recording writer, flushes the agent (up to 2 s) and destroys the default process group.
+        Then freezes the garbage collector's view of every object alive (``gc.freeze``): the interpreter's
+        teardown then skips its cycle search over torch's and the model's objects (~1 s of CPU per rank on this
+        class of machine, taken from ranks that share the host); cyclic garbage among those objects is only
+        reclaimed at exit from then on."""
         if self._record_writer is not None:
             self._record_writer.join()
         if note:
@@ -320,6 +325,7 @@ class Session:
         self.agent.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        gc.freeze()
 
 
 def init(coordinator: Optional[str] = None, store_timeout_s: float = 120.0) -> Session:

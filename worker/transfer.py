@@ -11,7 +11,12 @@ Wire layout over a 2-rank process group (sender = rank 0, receiver = rank 1; glo
    in chunks of ``chunk`` bytes, over the group or, when the header offers a shared-memory ring and the receiver
    is on the same host, through it (worker.datapath: the chunk messages, the ring and its control messages);
 4. ``uint8[MAC_BYTES + 4 * buffers]`` (tag 1): the trailer: HMAC-SHA256 of ``b"trailer"`` + the header's MAC +
-   the CRC32s, then each buffer's CRC32 (little-endian uint32) of the bytes the sender sent.
+   the CRC32s, then each buffer's CRC32 (little-endian uint32) of the bytes the sender sent. The receiver posts
+   its receive for it before the data, the sender sends it as soon as its last chunk left (on the shared-memory
+   path: once the ring was filled, while the receiver still empties it), so no round trip follows the data.
+
+The sender does not wait for its header to arrive: it readies its data path (and starts filling the ring) while
+the receiver parses the header.
 
 **Sharded state.** A DTensor (FSDP2 and tensor-parallel parameters, their optimizer state) travels as its local
 shard only: the sender takes ``to_local()`` (no collective) and its skeleton entry is ``{"s": {"r": [buffer,
@@ -21,7 +26,7 @@ into a DTensor on the joiner's own mesh and placements (those of the DTensor the
 for optimizer state not created yet, those of the parameter it belongs to) with ``DTensor.from_local``, after
 checking that global shape, placements, mesh shape and local shape all match. Nothing in send, receive or load
 issues a collective: the 2-rank transfer group is the only thing that talks, so the leaver and joiner move state
-while the other ranks wait at their switch step.
+while the other ranks train (a pre-copy) or wait at their switch step.
 
 A value is encoded by :func:`encode` (a small tagged encoding that round-trips exactly what state_dicts and the
 callers' ``extra`` hold: None, bool, int, float with inf/nan, str, bytes, dict / OrderedDict with any such keys,
@@ -31,10 +36,12 @@ devices are ``cpu`` or ``cuda[:i]``.
 
 The receiver checks the MAC before it parses a byte of the header, then the header's structure (the shared-memory
 offer included: only a regular file of this host with the offer's random nonce is ever mapped, see worker.shm),
-every buffer's numel against the shapes it lists, and once every buffer arrived the trailer's MAC (bound to this
-header's) and each buffer's CRC32 against the trailer's, computed as the bytes arrived (so a forged buffer is
-refused too). The CRC32s travel after the bytes so that checksumming overlaps the movement on both ends. Any
-failure raises :class:`TransferRefused` (a RuntimeError; a
+every buffer's numel against the shapes it lists, every tensor reference of the skeleton against those shapes
+(in the same single pass that builds the received states as views of the receive buffers: before any data over
+the group; while the receiver waits for the sender's next chunk on the shared-memory path, so that it costs no
+transfer time there), and once every buffer arrived the trailer's MAC (bound to this header's) and each buffer's
+CRC32 against the trailer's, computed as the bytes arrived (so a forged buffer is refused too). The CRC32s travel
+after the bytes so that checksumming overlaps the movement on both ends. Any failure raises :class:`TransferRefused` (a RuntimeError; a
 checksum failure is its subclass :class:`ChecksumError`) and nothing is loaded anywhere. The job secret is read
 from env ``TM_KEYS`` (worker.job_keys) unless keys are passed; without ``TM_KEYS`` (tmd without authentication)
 the MAC is keyed with a public all-zero key: the header is then checked but not authenticated.
@@ -151,17 +158,26 @@ def crc32(t: torch.Tensor) -> int:
 # --- the value encoding ------------------------------------------------------------------------------------------
 def dtype_name(dtype: torch.dtype) -> str:
     """``dtype``'s name on the wire (``float32``). Raises TypeError for a dtype that cannot be sent."""
-    name = str(dtype).removeprefix("torch.")
-    if DTYPES.get(name) != dtype:
+    name = _DTYPE_NAMES_BY_DTYPE.get(dtype)
+    if name is None:
         raise TypeError(f"tensors of dtype {dtype} cannot be sent")
     return name
 
 
+_DTYPE_NAMES_BY_DTYPE = {dtype: name for name, dtype in DTYPES.items()}
+
+
 def _device_name(device: torch.device) -> str:
-    name = str(device)
-    if not _DEVICE.fullmatch(name):
-        raise TypeError(f"tensors on device {name} cannot be sent (only cpu and cuda)")
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = str(device)
+        if not _DEVICE.fullmatch(name):
+            raise TypeError(f"tensors on device {name} cannot be sent (only cpu and cuda)")
+        _DEVICE_NAMES[device] = name
     return name
+
+
+_DEVICE_NAMES: dict[torch.device, str] = {}
 
 
 def encode(value: Any, tensor: Callable[[torch.Tensor], Any], depth: int = 0) -> Any:
@@ -388,11 +404,11 @@ def send_state(pg, objects: dict[str, Any], extra: dict, dst: int = 1,
         tensors = [[torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1).clone()]
                    if ts else ts for ts in tensors]
     encoded_extra = encode(extra, _inline)  # TypeError here: nothing made, nothing sent
-    sources = [datapath.Source(ts) for ts in tensors]
     wire = _wire_device(pg)
-    sizes = [s.nbytes for s in sources]
-    chunk, segment, offer = datapath.offer_ring(sizes, wire, [k[2] for k in order])
+    sizes = [b["numel"] * DTYPES[b["dtype"]].itemsize for b in buffers]
+    chunk, segment, offer = datapath.offer_ring(sizes, wire, [k[2] for k in order], group=pg)
     chunks = datapath.plan(sizes, chunk)
+    ok = False
     try:
         header = json.dumps({
             "format": FORMAT,
@@ -407,17 +423,27 @@ def send_state(pg, objects: dict[str, Any], extra: dict, dst: int = 1,
             on_packed()
         mac = _mac(keys, header)
         head = torch.frombuffer(bytearray(mac + header), dtype=torch.uint8).to(wire)
-        pg.send([torch.tensor([head.numel()], dtype=torch.int64, device=wire)], dst, 0).wait()
-        pg.send([head], dst, 1).wait()
-        crcs = datapath.send_shm(pg, dst, segment, sources, chunks) if segment is not None else None
+        length = torch.tensor([head.numel()], dtype=torch.int64, device=wire)
+        # Not waited for here: the receiver parses the header while this side readies the data path.
+        head_sent = [pg.send([length], dst, 0), pg.send([head], dst, 1)]
+        sources = [datapath.Source(ts) for ts in tensors]
+        tail: list = []  # the trailer's bytes and its send
+
+        def send_trailer(crcs: list[int]) -> None:  # the receiver posted its receive for it before the data
+            data = _trailer(keys, mac, crcs)
+            tail.extend((data, pg.send([torch.frombuffer(bytearray(data), dtype=torch.uint8).to(wire)], dst, 1)))
+
+        crcs = None
+        if segment is not None:  # the trailer goes out once the ring was filled, while the receiver empties it
+            crcs = datapath.send_shm(pg, dst, segment, sources, chunks, on_filled=send_trailer)
         if crcs is None:  # no ring offered, or the receiver did not take it
-            crcs = datapath.send_wire(pg, dst, sources, chunks, wire)
-    finally:
-        if segment is not None:
-            segment.close()
-    tail = _trailer(keys, mac, crcs)
-    pg.send([torch.frombuffer(bytearray(tail), dtype=torch.uint8).to(wire)], dst, 1).wait()
-    return head.numel() + 8 + datapath.nbytes_of(chunks) + len(tail), time.perf_counter() - start
+            send_trailer(datapath.send_wire(pg, dst, sources, chunks, wire))
+        for work in head_sent + tail[1:]:
+            work.wait()
+        ok = True
+    finally:  # the ring is kept for this group's next message, unless this one failed
+        datapath.done_sending(pg, segment, ok)
+    return head.numel() + 8 + datapath.nbytes_of(chunks) + len(tail[0]), time.perf_counter() - start
 
 
 def _trailer(keys: Optional[JobKeys], header_mac: bytes, crcs: list[int]) -> bytes:
@@ -502,12 +528,6 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
     if not datapath.check_offer(header["data"]["shm"], chunks):
         raise TransferRefused(f"bad shared-memory offer {_short(header['data']['shm'])} in state header")
     shapes = [b["shapes"] for b in header["buffers"]]
-    # Every value is checked before a buffer is received (tensor references against the listed shapes): a
-    # malformed header is refused here, not after the receiver allocated and waited for its buffers.
-    for node in header["skeleton"].values():
-        decode(node, lambda tag, payload: (_kept(payload) if tag == "k" and kept is not None
-                                           else _reference(tag, payload, shapes)) and None)
-    extra = decode(header["extra"], lambda tag, payload: _from_inline(tag, payload, wire))
     pool = list(buffers or [])
     received = []
     for b in header["buffers"]:
@@ -520,37 +540,8 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
         else:
             flat = torch.empty(b["numel"], dtype=b["dtype"], device=device)
         received.append((b, flat))
-    dests = [datapath.as_bytes(flat) for _, flat in received]
-    segment = datapath.accept(pg, src, header["data"]["shm"])
-    try:
-        if segment is not None:
-            crcs = datapath.recv_shm(pg, src, segment, dests, chunks)
-        else:
-            crcs = datapath.recv_wire(pg, src, dests, chunks)
-    except ValueError as e:
-        raise TransferRefused(f"state refused: {e}") from None
-    finally:
-        if segment is not None:
-            segment.close()
-    tail = torch.empty(MAC_BYTES + 4 * len(received), dtype=torch.uint8, device=wire)
-    pg.recv([tail], src, 1).wait()
-    moved = head.numel() + 8 + datapath.nbytes_of(chunks) + tail.numel()
-    # Verify only once everything arrived, so the sender is never left blocked in a send nobody receives.
-    tail_bytes = tail.cpu().numpy().tobytes()
-    body = tail_bytes[MAC_BYTES:]
-    if not hmac.compare_digest(_mac(keys, b"trailer" + message[:MAC_BYTES] + body), tail_bytes[:MAC_BYTES]):
-        raise TransferRefused("state trailer refused: its MAC does not match this job's secret and this header")
-    views: list[list[torch.Tensor]] = []
-    for (b, flat), got, sent in zip(received, crcs, struct.unpack(f"<{len(received)}I", body)):
-        if got != sent:
-            raise ChecksumError(f"state buffer {b['key']}/{b['dtype']} failed its checksum "
-                                f"(crc32 {got:#010x}, sender {sent:#010x}); state refused")
-        parts, offset = [], 0
-        for shape in b["shapes"]:
-            count = math.prod(shape)
-            parts.append(flat[offset:offset + count].view(shape))
-            offset += count
-        views.append(parts)
+    views: list[list[torch.Tensor]] = [[] for _ in received]
+    states: dict[str, Any] = {}
 
     def ref(tag: str, payload: Any, name: str) -> Any:
         if tag == "k" and kept is not None:
@@ -561,9 +552,66 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
         return ReceivedShard(views[buffer][index], tuple(payload["shape"]), tuple(payload["placements"]),
                              tuple(payload["mesh"]))
 
-    states = {name: decode(node, lambda tag, payload, name=name: ref(tag, payload, name))
-              for name, node in header["skeleton"].items()}
+    def build():
+        """Each tensor's view of its buffer (the bytes fill them later), then, without ``kept``, the states: one
+        decode pass that also checks every value (tensor references against the listed shapes). A step per
+        buffer and per object, so that the shared-memory path runs them while it waits for the sender."""
+        for i, (b, flat) in enumerate(received):
+            views[i] = _views(flat, b["shapes"])
+            yield
+        if kept is None:
+            for name, node in header["skeleton"].items():
+                states[name] = decode(node, lambda tag, payload, name=name: ref(tag, payload, name))
+                yield
+
+    if kept is not None:  # checked now; ``kept`` (this receiver's own tensors) is asked once all was verified
+        for node in header["skeleton"].values():
+            decode(node, lambda tag, payload: (_kept(payload) if tag == "k" else _reference(tag, payload, shapes))
+                   and None)
+    extra = decode(header["extra"], lambda tag, payload: _from_inline(tag, payload, wire))
+    steps = build()
+    tail = torch.empty(MAC_BYTES + 4 * len(received), dtype=torch.uint8, device=wire)
+    dests = [datapath.as_bytes(flat) for _, flat in received]
+    segment = datapath.accept(pg, src, header["data"]["shm"])
+    ok = False
+    try:
+        try:
+            if segment is None:  # over the group: a malformed header is refused before a byte of data arrives
+                collections.deque(steps, maxlen=0)
+            # the trailer's receive, posted before the data: the sender sends it once the last chunk is on its way
+            tail_received = pg.recv([tail], src, 1)
+            if segment is not None:  # the states are built while the receiver waits on the ring
+                crcs = datapath.recv_shm(pg, src, segment, dests, chunks, idle=steps)
+            else:
+                crcs = datapath.recv_wire(pg, src, dests, chunks)
+        except ValueError as e:
+            raise TransferRefused(f"state refused: {e}") from None
+        tail_received.wait()
+        moved = head.numel() + 8 + datapath.nbytes_of(chunks) + tail.numel()
+        # Verify only once everything arrived, so the sender is never left blocked in a send nobody receives.
+        tail_bytes = tail.cpu().numpy().tobytes()
+        body = tail_bytes[MAC_BYTES:]
+        if not hmac.compare_digest(_mac(keys, b"trailer" + message[:MAC_BYTES] + body), tail_bytes[:MAC_BYTES]):
+            raise TransferRefused("state trailer refused: its MAC does not match this job's secret and this "
+                                  "header")
+        for (b, _), got, sent in zip(received, crcs, struct.unpack(f"<{len(received)}I", body)):
+            if got != sent:
+                raise ChecksumError(f"state buffer {b['key']}/{b['dtype']} failed its checksum "
+                                    f"(crc32 {got:#010x}, sender {sent:#010x}); state refused")
+        ok = True
+    finally:  # the mapping is kept for this group's next message, unless this one failed or was refused
+        datapath.done_receiving(pg, segment, ok)
+    if kept is not None:
+        states = {name: decode(node, lambda tag, payload, name=name: ref(tag, payload, name))
+                  for name, node in header["skeleton"].items()}
     return states, extra, moved, time.perf_counter() - start
+
+
+def _views(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
+    """The tensors of ``shapes`` (each of its listed numel), back to back in the flat buffer ``flat``, as views."""
+    counts = [math.prod(shape) for shape in shapes]
+    parts = flat[:sum(counts)].split(counts) if counts else ()
+    return [part.view(shape) for part, shape in zip(parts, shapes)]
 
 
 def _kept(payload: Any) -> Kept:

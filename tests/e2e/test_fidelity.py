@@ -49,21 +49,15 @@ def assert_identical(job: Job, reference: dict[int, str], rc: int, incidents: in
 
 
 @pytest.mark.timeout(300)
-# (shared seeding is the demo's own: every other e2e job kills nodes with it; per-rank seeds with a kill in the
-# forward pass and in the optimizer step are the two-failures test's two faults)
-@pytest.mark.parametrize("mode,phase", [("per-step", "forward")])
-def test_kill_node_is_bit_identical(tmp_path, reference, mode, phase):
-    expected = reference(mode)  # before the job: never alongside it
-    job = FidelityJob(tmp_path, 1, mode, "--fault", f"n2:8:{phase}")
-    assert_identical(job, expected, job.finish())
-
-
-@pytest.mark.timeout(300)
 def test_sigstop_hang_then_sigcont_is_fenced_and_bit_identical(tmp_path, reference):
     """n2's ranks hang (SIGSTOP): tmd fails the node as stopped, fences it (kills exactly its processes) and
-    recovers onto s1 with per-rank RNG streams; the SIGCONT comes too late, and n2 never finishes as a rank."""
-    expected = reference("per-rank")  # before the job: never alongside it
-    job = FidelityJob(tmp_path, 1, "per-rank")
+    recovers onto s1, reseeding per step from the lost ranks' own (rank, step); the SIGCONT comes too late, and n2
+    never finishes as a rank.
+
+    Also the per-step seed mode's recovery (the only one: shared seeding is every other e2e job's, per-rank RNG
+    streams are the two-failures test's, with a kill in the forward pass and one in the optimizer step)."""
+    expected = reference("per-step")  # before the job: never alongside it
+    job = FidelityJob(tmp_path, 1, "per-step")
     job.wait_training(min_step=6)
     stopped = job.pids("n2")
     for pid in stopped:

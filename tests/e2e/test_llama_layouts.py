@@ -1,6 +1,6 @@
 """The hybrid-parallel layouts of ``examples/train_llama.py`` trained without the runtime (``--plain``: a gloo
 world of 4 processes, 1 thread each, started torchrun-style from the environment): FSDP2 over 4, HSDP 2x2,
-TP 2 x FSDP2 2, PP 2 x FSDP2 2 (1F1B), PP 2 x DDP 2 (GPipe).
+PP 2 x FSDP2 2 (1F1B), PP 2 x DDP 2 (GPipe).
 
 Each layout trains ``--tiny`` for a few steps; the loss must be finite and lower at the end than at the start and
 every rank must write its final JSON; for PP x FSDP2 (not run under the runtime by tests/e2e/test_hybrid.py, which
@@ -76,8 +76,10 @@ def _train(run_dir: str, extra: list[str]) -> tuple[dict[int, dict], list[float]
     return _finals(run_dir, WORLD), losses
 
 
-# FSDP2 over 4 and TP x FSDP2 train under the runtime in tests/e2e/test_hybrid.py (bit for bit against a reference)
+# TP x FSDP2 trains under the runtime in tests/e2e/test_hybrid.py (bit for bit against a reference), and so do
+# HSDP and PP x DDP; FSDP2 over 4 (one mesh dimension) trains only here
 LAYOUTS = {
+    "fsdp4": ["--dp-shard", "4"],
     "hsdp2x2": ["--dp-replicate", "2", "--dp-shard", "2"],
     "pp2_fsdp2_1f1b": ["--pp", "2", "--dp-shard", "2", "--pp-schedule", "1f1b"],
     "pp2_ddp2_gpipe": ["--pp", "2", "--dp-replicate", "2", "--pp-schedule", "gpipe", "--microbatches", "4"],
@@ -98,6 +100,8 @@ def test_layout_trains_and_is_deterministic(layout, tmp_path):
         second, losses2 = _train(str(tmp_path / "b"), LAYOUTS[layout])
         assert losses2 == losses
         assert {r: d["state_sha256"] for r, d in second.items()} == {r: d["state_sha256"] for r, d in first.items()}
+    if layout == "fsdp4":  # every rank holds its own quarter of the parameters and optimizer state
+        assert len({d["state_sha256"] for d in first.values()}) == WORLD
     if layout == "hsdp2x2":  # replicate dim outermost: rank r and r + 2 hold the same shard
         assert first[0]["state_sha256"] == first[2]["state_sha256"]
         assert first[1]["state_sha256"] == first[3]["state_sha256"]

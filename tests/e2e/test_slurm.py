@@ -28,8 +28,10 @@ from tmd.slurm import Poller
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTER_SH = os.path.join(REPO, "slurm", "local-cluster.sh")
-STEPS = 800
-PACE_S = 0.06  # pads each step (numerics unchanged) so the job outlives the tests
+# The job outlives the tests that need it running: 500 x PACE_S = 30 s of steps, against about 10 s from its step 5
+# to the drain migration's end (migrate, a pending standby's 3 s wait, the drain) on a 2-core machine.
+STEPS = 500
+PACE_S = 0.06  # pads each step (numerics unchanged)
 CLIENT_TIMEOUT_S = 20  # every SLURM client call of these tests
 
 

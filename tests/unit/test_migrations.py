@@ -431,3 +431,17 @@ def test_migrate_requests_decode_strictly():
         with pytest.raises(p.ProtocolError):
             p.decode(bad)
     assert p.decode(frame(sources=["n" * 64])).sources == ["n" * 64]
+
+
+def test_a_window_step_lost_with_its_process_is_left_out_of_the_downtime(world):
+    """The stayer holding the window's reference rank dies during the switch step and its report of that step
+    never comes (a recovery redoes the next one): the downtime covers the steps that were reported, once."""
+    reg, migs, _, journal = world
+    m = commit_migration(migs, reg)
+    S = m.switch_step
+    for s in range(S + 1, S + 6):  # step S's report was lost
+        reg.record_step(0, s, 0.2 if s == S + 1 else 0.1)
+        migs.on_step(0, s)
+    assert m.downtime_s == pytest.approx(0.1)
+    downtime = [e for e in journal.since(0, 100) if e["event"] == Event.MIGRATION_DOWNTIME]
+    assert len(downtime) == 1 and downtime[0]["missing_steps"] == [S] and downtime[0]["window_s"][0] is None

@@ -1,6 +1,7 @@
 """State transfer over a real 2-rank gloo group (both ends in one process, on two threads)."""
 import concurrent.futures as cf
 import datetime
+import gc
 import hashlib
 import hmac
 import itertools
@@ -394,7 +395,8 @@ def paths_taken(monkeypatch) -> list[str]:
     taken = []
     for name in ("recv_shm", "recv_wire"):
         real = getattr(datapath, name)
-        monkeypatch.setattr(datapath, name, lambda *a, _real=real, _name=name: taken.append(_name) or _real(*a))
+        monkeypatch.setattr(datapath, name,
+                            lambda *a, _real=real, _name=name, **k: taken.append(_name) or _real(*a, **k))
     return taken
 
 
@@ -413,7 +415,58 @@ def test_chunked_round_trip_is_bit_identical_on_both_paths(monkeypatch, small_ch
     assert len(datapath.plan([f.numel() * f.element_size() for f in buffers], 4096)) > 8
     transfer.load_state(dst, states)
     assert same(flat_state(src), flat_state(dst)) and extra == {"step": 3}
-    assert segments_open() == 0  # the ring is gone on both ends
+    if shm == "1":  # the ring and its mapping are kept for the group's next message
+        assert segments_open() > 0
+    del a, b
+    gc.collect()
+    assert segments_open() == 0  # the ring is gone on both ends with the group
+
+
+def test_the_ring_is_made_once_per_group_and_reused_by_every_message(monkeypatch, small_chunks):
+    """Every message of a group after the first goes through the same ring (no segment made or opened again);
+    the receiver checks the ring's nonce again each time."""
+    from worker import shm
+
+    monkeypatch.setenv(datapath.SHM_ENV, "1")
+    made = []
+    for name in ("create", "open"):
+        real = getattr(shm.Segment, name)
+        monkeypatch.setattr(shm.Segment, name, classmethod(
+            lambda cls, *a, _real=real, _name=name: made.append(_name) or _real.__func__(cls, *a)))
+    matched = []
+    real_matches = shm.Segment.matches
+    monkeypatch.setattr(shm.Segment, "matches", lambda self, offer: matched.append(1) or real_matches(self, offer))
+    taken = paths_taken(monkeypatch)
+    a, b = pair()
+    for step in range(3):
+        src, dst = big(10 + step), big(2)
+        with cf.ThreadPoolExecutor(1) as ex:
+            sent = ex.submit(transfer.send_state, a, src, {"step": step})
+            states, extra, moved, _ = transfer.recv_state(b, 0)
+            assert sent.result()[0] == moved
+        transfer.load_state(dst, states)
+        assert same(flat_state(src), flat_state(dst)) and extra == {"step": step}
+    assert taken == ["recv_shm"] * 3 and made == ["create", "open"] and len(matched) == 2
+    datapath.forget(a)
+    datapath.forget(b)
+    assert segments_open() == 0
+
+
+def test_a_kept_mapping_of_another_segment_is_not_reused(monkeypatch, small_chunks):
+    """The sender's ring was replaced (its previous message failed): the receiver drops the mapping it kept and
+    maps the new one named by the header."""
+    monkeypatch.setenv(datapath.SHM_ENV, "1")
+    a, b = pair()
+    for step in range(2):
+        if step == 1:
+            datapath.forget(a)  # the sender closed its ring: the next message makes a new one
+        with cf.ThreadPoolExecutor(1) as ex:
+            sent = ex.submit(transfer.send_state, a, big(1), {"step": step})
+            _, extra, moved, _ = transfer.recv_state(b, 0)
+            assert sent.result()[0] == moved and extra == {"step": step}
+    del a, b
+    gc.collect()
+    assert segments_open() == 0
 
 
 def test_a_small_state_goes_over_the_group_even_with_shared_memory_on(monkeypatch):
@@ -448,6 +501,8 @@ def test_a_corrupt_chunk_in_shared_memory_is_refused_and_the_segment_closed(monk
             transfer.recv_state(b, 0)
         sent.result(timeout=20)
     assert taken == ["recv_shm"] and same(before, flat_state(dst))
+    del a  # the sender keeps its ring for the group's next message; the refusing receiver kept no mapping
+    gc.collect()
     assert segments_open() == 0
 
 
@@ -574,4 +629,6 @@ def test_a_receiver_that_cannot_map_the_ring_gets_the_bytes_over_the_group(monke
     assert taken == ["recv_wire"]
     transfer.load_state(dst, states)
     assert same(flat_state(src), flat_state(dst))
+    del a, b
+    gc.collect()
     assert segments_open() == 0
