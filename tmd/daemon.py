@@ -592,8 +592,6 @@ class Daemon:
         refused = self.faults.refuse_recovery(node, reason) if self.detector.in_job(node) else None
         if refused is not None:
             raise refused
-        for w in node.workers.values():
-            w.fenced = True  # whatever it sends from now on is answered with a Release
         self._stonith(node)
         if node.role == NodeRole.JOINING and self._replacing(node.name):
             self.incidents.on_replacement_lost(node, reason)
@@ -603,25 +601,23 @@ class Daemon:
         stranded, leavers = self.migrations.stranded_by(node.name)
         adopt = self.migrations.on_node_failed(node.name, reason)
         for name in leavers:  # they hold no rank any more and their last step failed with this node
-            for w in self.registry.nodes[name].workers.values():
-                w.fenced = True
             self._stonith(self.registry.nodes[name])
         for name in stranded:  # decided joiners whose state cannot be completed: lost with this node
             other = self.registry.nodes[name]
             why = f"its joiners had not finished their state when {node.name} was lost"
             self.journal.record(Event.NODE_FAILED, node=name, reason=why, signal=signal, ranks=other.ranks,
                                 silent_s=None)
-            for w in other.workers.values():
-                w.fenced = True
             self._stonith(other)
             self.incidents.lose(name, why)
         self.incidents.on_node_failed(node.name, reason, adopt)
 
     def _stonith(self, n: Node) -> None:
-        """Fence a failed node's processes that run on this host by killing them (SIGKILL works on a stopped
-        process too). A hung or cut-off process that came back could otherwise finish a collective it was in:
+        """Fence a failed node's processes: whatever they send from now on is answered with a Release, and those
+        that run on this host are killed (SIGKILL works on a stopped process too). A hung or cut-off process that came back could otherwise finish a collective it was in:
         gloo cannot cancel an op in flight, and the survivors' abandoned op would write into buffers they reuse.
         Remote processes cannot be reached: they are fenced by the Release they get when they call in."""
+        for w in n.workers.values():
+            w.fenced = True
         killed = [w.pid for w in n.workers.values() if not w.exited and self.processes.kill(w)]
         if killed:
             self.journal.record(Event.NODE_FENCED, node=n.name, killed_pids=killed)
