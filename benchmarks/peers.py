@@ -1,7 +1,7 @@
 """Failure recovery side by side with peers, in one run: this project, torchft 0.2 (async and sync quorum) and
 torchrun + torch.distributed.checkpoint every step, on the same workload and kill point. Prints one JSON object.
 
-    python -m benchmarks.peers [--steps 30] [--kill-at 15] [--tiny] [--peers trainmover,torchft_async,...]
+    python -m benchmarks.peers [--steps 30] [--kill-at 15] [--tiny] [--peers trainmover,trainmover_guarded,...]
 
 Workload (every peer): the demo's byte-level GPT (examples/gpt.py, 3.3 M parameters; ``--tiny``: 40 k), AdamW
 (lr 3e-4, weight decay 0.1), Shakespeare batches that are a function of (seed, rank, step) (examples/data.py), seed
@@ -16,6 +16,10 @@ Peers:
   the kill hits node n4's rank process once s1 is warm. tmd detects it, halts the survivors, promotes s1, copies the
   state from a data-parallel replica and redoes the interrupted step (benchmarks/recovery.py measures the same on 2
   nodes x 2 ranks).
+- ``trainmover_guarded``: the same with ``tmd local --guards 1`` (tmd.guards): s1 warms as one node's rank before
+  the failure, and the kill hits that node (n1 by tmd's choice; the workers are symmetric) once s1 is warm. The
+  recovery adopts s1 with no warm-up left. ``time_to_full_strength_ratio_vs_torchft_async_guarded`` is the headline
+  ratio for this case: what a failure of a guarded node costs.
 - ``torchft_async`` / ``torchft_sync``: torchft 0.2 (``pip install -e .[bench]``), benchmarks/peers/ft_worker.py:
   4 replica groups of 1 rank, one ``torchft.Manager`` each (``use_async_quorum`` True, torchft's default, or
   False), the gradients averaged by ``Manager.allreduce`` (torchft 0.2.0's ``DistributedDataParallel`` kills the
@@ -90,7 +94,7 @@ JOB_TIMEOUT_S = 300.0
 FT_MIN_REPLICAS = 3  # lighthouse min_replicas and Manager min_replica_size: survivors may go on without one
 TARGET_RATIO = 8.0  # trainmover's time to full strength vs torchft_async's
 
-PEERS = ("trainmover", "torchft_async", "torchft_sync", "torchrun_dcp")
+PEERS = ("trainmover", "trainmover_guarded", "torchft_async", "torchft_sync", "torchrun_dcp")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,25 +227,34 @@ def _sleep_into_step(recs: list[dict], before_step: int) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def run_trainmover(work: str, steps: int, kill_at: int, tiny: bool) -> dict:
-    """Reference and kill run under tmd (4 nodes x 1 rank, standby s1 in the kill run)."""
+_references: dict[str, tuple[int, dict]] = {}  # run dir -> (exit code, final hashes): one reference per invocation
+
+
+def run_trainmover(work: str, steps: int, kill_at: int, tiny: bool, guarded: bool = False) -> dict:
+    """Reference and kill run under tmd (4 nodes x 1 rank, standby s1 in the kill run). ``guarded``: tmd runs
+    with ``--guards 1`` (tmd.guards: s1 warms as one node's rank before any failure) and the node s1 guards is
+    killed once s1 is warm; otherwise worker ``VICTIM``'s node, with s1 a general standby."""
     from benchmarks.recovery import StepClock, finish_job, node_pids, read_events
     from tests.support.job import final_hashes, job_client, tmd_command
     from tmctl.client import CoordinatorUnreachable
     from tmd import protocol as p
 
-    def start(run_dir: str, standbys: int) -> subprocess.Popen:
+    def start(run_dir: str, standbys: int, tmd_args: tuple = ()) -> subprocess.Popen:
         shutil.rmtree(run_dir, ignore_errors=True)
         os.makedirs(os.path.dirname(run_dir), exist_ok=True)
         with open(run_dir + ".log", "w") as log:
-            return subprocess.Popen(tmd_command(run_dir, standbys, steps, tiny, True, nodes=WORLD, ranks_per_node=1),
+            return subprocess.Popen(tmd_command(run_dir, standbys, steps, tiny, True, tmd_args=tmd_args, nodes=WORLD,
+                                                ranks_per_node=1),
                                     stdout=log, stderr=subprocess.STDOUT, env=_env())
 
-    ref_dir, kill_dir = os.path.join(work, "tm_reference"), os.path.join(work, "tm_kill")
-    ref_rc = finish_job(start(ref_dir, 0))
-    ref = final_hashes(ref_dir)
+    ref_dir = os.path.join(work, "tm_reference")
+    kill_dir = os.path.join(work, "tm_kill_guarded" if guarded else "tm_kill")
+    if ref_dir not in _references:
+        _references[ref_dir] = (finish_job(start(ref_dir, 0)), final_hashes(ref_dir))
+    ref_rc, ref = _references[ref_dir]
 
-    proc = start(kill_dir, 1)
+    proc = start(kill_dir, 1, ("--guards", "1") if guarded else ())
+    victim = f"n{VICTIM + 1}"
     try:
         clock = StepClock(job_client(kill_dir, proc))
         while True:
@@ -254,7 +267,9 @@ def run_trainmover(work: str, steps: int, kill_at: int, tiny: bool) -> dict:
             if st.step >= kill_at and any(n["name"] == "s1" and n["warm"] for n in st.nodes):
                 break
             time.sleep(POLL_S)
-        pids = node_pids(kill_dir, f"n{VICTIM + 1}")
+        if guarded:
+            victim = next(e["node"] for e in read_events(kill_dir) if e["event"] == p.Event.GUARD_ASSIGNED)
+        pids = node_pids(kill_dir, victim)
         med = clock.median_step_s(st.step) or 0.0
         time.sleep(KILL_FRACTION * med)
         t_kill = time.time()
@@ -295,7 +310,8 @@ def run_trainmover(work: str, steps: int, kill_at: int, tiny: bool) -> dict:
         "steps_lost": 0,
         "worker_batches_dropped": 0,
         "bit_identical": len(ref) == WORLD and len(set(ref.values())) == 1 and hashes == ref,
-        "detail": {"resume_step": resume, "highest_step_begun_before_plan": highest_begun,
+        "detail": {"killed_node": victim, "guarded": guarded,
+                   "resume_step": resume, "highest_step_begun_before_plan": highest_begun,
                    "recovery_phases_s": next((e["phases_s"] for e in events
                                               if e["event"] == p.Event.RECOVERY_DONE), None)},
     }
@@ -513,10 +529,10 @@ ROWS = ("survivor_stall_s", "time_to_full_strength_s", "steps_recomputed", "work
 
 def table(results: dict) -> str:
     """A plain-text table, peer x figure (stderr only; the JSON is the result)."""
-    head = f"{'peer':<15}" + "".join(f"{c:>26}" for c in ROWS)
+    head = f"{'peer':<19}" + "".join(f"{c:>26}" for c in ROWS)
     lines = [head]
     for name, r in results.items():
-        lines.append(f"{name:<15}" + "".join(f"{str(r.get(c)):>26}" for c in ROWS))
+        lines.append(f"{name:<19}" + "".join(f"{str(r.get(c)):>26}" for c in ROWS))
     return "\n".join(lines)
 
 
@@ -537,6 +553,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     runners: dict[str, tuple[Callable[[], Optional[str]], Callable[[], dict]]] = {
         "trainmover": (lambda: None, lambda: run_trainmover(work, args.steps, args.kill_at, args.tiny)),
+        "trainmover_guarded": (lambda: None, lambda: run_trainmover(work, args.steps, args.kill_at, args.tiny,
+                                                                    guarded=True)),
         "torchft_async": (torchft_missing, lambda: run_torchft(os.path.join(work, "ft_async"), args.steps,
                                                                args.kill_at, args.tiny, sync=False)),
         "torchft_sync": (torchft_missing, lambda: run_torchft(os.path.join(work, "ft_sync"), args.steps,
@@ -561,12 +579,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         results[name]["wall_s"] = round(time.monotonic() - t0, 1)
 
     ours = results.get("trainmover", {})
+    guarded = results.get("trainmover_guarded", {})
     for name, r in results.items():
-        if name != "trainmover" and "error" not in r:
+        if not name.startswith("trainmover") and "error" not in r:
             r["ratios"] = {
                 "time_to_full_strength_vs_trainmover": ratio(r.get("time_to_full_strength_s"),
                                                              ours.get("time_to_full_strength_s")),
                 "survivor_stall_vs_trainmover": ratio(r.get("survivor_stall_s"), ours.get("survivor_stall_s")),
+                "time_to_full_strength_vs_trainmover_guarded": ratio(r.get("time_to_full_strength_s"),
+                                                                     guarded.get("time_to_full_strength_s")),
             }
     ft = results.get("torchft_async", {})
     headline = ratio(ft.get("time_to_full_strength_s"), ours.get("time_to_full_strength_s"))
@@ -582,12 +603,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         "met": {"time_to_full_strength_ratio": headline is not None and headline >= TARGET_RATIO,
                 "trainmover_bit_identical": bool(ours.get("bit_identical"))},
         "time_to_full_strength_ratio_vs_torchft_async": headline,
+        # the same with the failed node guarded (tmd.guards): what a failure of a guarded node costs
+        "time_to_full_strength_ratio_vs_torchft_async_guarded": ratio(ft.get("time_to_full_strength_s"),
+                                                                      guarded.get("time_to_full_strength_s")),
     }
     print(table(results), file=sys.stderr, flush=True)
     print(json.dumps(result), flush=True)
     from benchmarks import report
 
-    report.save("peers", result, [os.path.join(work, "tm_kill")] if "trainmover" in results else [])
+    report.save("peers", result, [os.path.join(work, d) for name, d in (("trainmover", "tm_kill"),
+                                  ("trainmover_guarded", "tm_kill_guarded")) if name in results])
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

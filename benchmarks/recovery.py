@@ -1,12 +1,14 @@
 """Failure-recovery downtime vs. a checkpoint-restart baseline, measured in one run. Prints one JSON object.
 
-    python -m benchmarks.recovery [--steps 60] [--fail-at 20] [--tiny] [--faults kill,stop]
+    python -m benchmarks.recovery [--steps 60] [--fail-at 20] [--tiny] [--faults kill,kill_guarded,stop]
 
 Workload: the demo's (byte-level GPT, DDP, 2 nodes x 2 ranks + 1 warm standby s1, AdamW, Shakespeare), local mode.
 Each fault kind gets its own fresh job: once training is past ``--fail-at`` and s1 is warm, every rank process of
 node n2 gets the signal (``kill``: SIGKILL; ``stop``: SIGSTOP, then SIGCONT once tmd reports ``recovery_done``).
 tmd detects it, halts the survivors, promotes s1, transfers state from a data-parallel replica and redoes the
-interrupted step.
+interrupted step. ``kill_guarded`` runs tmd with ``--guards 1``: s1 warms in advance as the ranks of one node
+(tmd.guards), and that node (``guarded_node``) is killed once the guard is warm; the recovery adopts s1 with no
+warm-up left.
 
 The signal goes out at a uniformly random point of the step: ``kill_offset_s`` (drawn from [0, median step), seeded
 by ``--fail-at``) after the status poll that first saw step ``step_at_kill`` begin (``step_at_kill`` may be a step or
@@ -142,11 +144,12 @@ class StepClock:
         return statistics.median(per_step) if per_step else None
 
 
-def start_job(run_dir: str, standbys: int, steps: int, tiny: bool, script_args: tuple) -> subprocess.Popen:
+def start_job(run_dir: str, standbys: int, steps: int, tiny: bool, script_args: tuple,
+              tmd_args: tuple = ()) -> subprocess.Popen:
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(os.path.dirname(run_dir) or ".", exist_ok=True)
     with open(run_dir + ".log", "w") as log:  # tmd's own output (the ranks log to <run_dir>/logs)
-        return subprocess.Popen(tmd_command(run_dir, standbys, steps, tiny, True, script_args),
+        return subprocess.Popen(tmd_command(run_dir, standbys, steps, tiny, True, script_args, tmd_args),
                                 stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -167,11 +170,12 @@ def run_reference(run_dir: str, steps: int, tiny: bool, script_args: tuple) -> d
 
 
 def inject_failure(run_dir: str, steps: int, fail_at: int, tiny: bool, script_args: tuple, sig: signal.Signals,
-                   reference: dict, after_recovery=None) -> dict:
+                   reference: dict, after_recovery=None, guarded: bool = False) -> dict:
     """Start the job with standby s1, send ``sig`` to every n2 rank process at step >= ``fail_at`` with s1 warm,
     follow the recovery to the redone step's commit, call ``after_recovery(pids, proc)`` (its dict is merged
-    into the result), wait for the job and measure."""
-    proc = start_job(run_dir, 1, steps, tiny, script_args)
+    into the result), wait for the job and measure. ``guarded``: run tmd with ``--guards 1`` and strike the node
+    s1 guards once the guard is warm (tmd.guards: s1 is adopted with no warm-up left)."""
+    proc = start_job(run_dir, 1, steps, tiny, script_args, ("--guards", "1") if guarded else ())
     extra: dict = {}
     pids: dict[int, int] = {}
     try:
@@ -186,7 +190,11 @@ def inject_failure(run_dir: str, steps: int, fail_at: int, tiny: bool, script_ar
             if st.step >= fail_at and any(n["name"] == "s1" and n["warm"] for n in st.nodes):
                 break
             time.sleep(POLL_S if st.step >= fail_at - MEDIAN_WINDOW - 1 else IDLE_POLL_S)
-        pids = node_pids(run_dir, "n2")
+        victim = "n2"
+        if guarded:
+            victim = next(e["node"] for e in read_events(run_dir) if e["event"] == "guard_assigned")
+            extra["guarded_node"] = victim
+        pids = node_pids(run_dir, victim)
         step_at_kill = st.step
         median = clock.median_step_s(step_at_kill)
         kill_offset = random.Random(fail_at).uniform(0.0, median or 0.0)  # a failure strikes anywhere in a step
@@ -211,7 +219,7 @@ def inject_failure(run_dir: str, steps: int, fail_at: int, tiny: bool, script_ar
                     break
             time.sleep(POLL_S)
         if after_recovery is not None:
-            extra = after_recovery(pids, proc)
+            extra.update(after_recovery(pids, proc))
         if t_committed is None and proc.poll() is None:
             extra["error"] = f"no committed step after the resume step within {FOLLOW_TIMEOUT_S:.0f} s; job stopped"
             proc.terminate()
@@ -283,6 +291,12 @@ def fault_kill(run_dir: str, steps: int, fail_at: int, tiny: bool, script_args: 
     return inject_failure(run_dir, steps, fail_at, tiny, script_args, signal.SIGKILL, reference)
 
 
+def fault_kill_guarded(run_dir: str, steps: int, fail_at: int, tiny: bool, script_args: tuple,
+                       reference: dict) -> dict:
+    """SIGKILL every rank process of the node that standby s1 guards (``tmd local --guards 1``)."""
+    return inject_failure(run_dir, steps, fail_at, tiny, script_args, signal.SIGKILL, reference, guarded=True)
+
+
 def fault_stop(run_dir: str, steps: int, fail_at: int, tiny: bool, script_args: tuple, reference: dict) -> dict:
     """SIGSTOP every rank process of n2; once tmd reports ``recovery_done``, SIGCONT them: fenced, they must exit."""
 
@@ -313,7 +327,7 @@ def fault_stop(run_dir: str, steps: int, fail_at: int, tiny: bool, script_args: 
     return inject_failure(run_dir, steps, fail_at, tiny, script_args, signal.SIGSTOP, reference, resume_stopped)
 
 
-FAULTS = {"kill": fault_kill, "stop": fault_stop}
+FAULTS = {"kill": fault_kill, "kill_guarded": fault_kill_guarded, "stop": fault_stop}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--fail-at", type=int, default=20, help="inject the fault once training reaches this step")
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--faults", default="kill,stop", help="comma-separated: kill, stop")
+    ap.add_argument("--faults", default="kill,kill_guarded,stop",
+                    help="comma-separated: kill, kill_guarded (the node a guard is warm for), stop")
     ap.add_argument("--min-step-time-s", type=float, default=0.0,
                     help="pad each training step to at least this (examples.train_gpt); 0: the plain workload")
     ap.add_argument("--run-dir", default="tmrun/bench_recovery")

@@ -77,7 +77,8 @@ def _cell(value: Any) -> str:
 
 
 def nodes_table(nodes: list[dict]) -> Table:
-    """One row per node; a standby's role reads ``standby (warm)`` or ``standby (cold)``."""
+    """One row per node; a standby's role reads ``standby (warm)`` or ``standby (cold)``, a guard's
+    ``guarding 0-1 (warm)`` or ``guarding 0-1 (warming)`` (the ranks it is warm for)."""
     table = Table(title="nodes", title_justify="left")
     for name in ("node", "role", "ranks", "health"):
         table.add_column(name, no_wrap=name in ("role", "health"))
@@ -90,6 +91,8 @@ def nodes_table(nodes: list[dict]) -> Table:
         role = _dash(n.get("role"))
         if role == NodeRole.STANDBY:
             role += " (warm)" if n.get("warm") else " (cold)"
+        elif role == NodeRole.GUARDING:  # a standby warm as these ranks in case their node fails (tmd.guards)
+            role += f" {ranks(n.get('guards'))}" + (" (warm)" if n.get("warm") else " (warming)")
         health = _dash(n.get("health"))
         style = _HEALTH_STYLE.get(health, "")
         health_cell = f"[{style}]{escape(health)}[/]" if style else escape(health)

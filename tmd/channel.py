@@ -16,7 +16,8 @@ class WorkerChannel(Protocol):
     def send(self, worker: Worker, msg: p.Message) -> None:
         """Deliver ``msg`` to one worker process (dropped silently if the process is gone)."""
 
-    def assign(self, worker: Worker, rank: int, *, migration_id: int = 0, incident_id: int = 0) -> None:
-        """Give a standby process ``rank`` as a joiner: for migration ``migration_id`` (a planned move) or for
-        incident ``incident_id`` (replacing a failed rank). The Assign carries the current generation, the
+    def assign(self, worker: Worker, rank: int, *, migration_id: int = 0, incident_id: int = 0,
+               guard: bool = False) -> None:
+        """Give a standby process ``rank`` as a joiner: for migration ``migration_id`` (a planned move), for
+        incident ``incident_id`` (replacing a failed rank), or as a guard (``guard``: warm now, tmd.guards). The Assign carries the current generation, the
         job's store and where the rank's recording lives."""

@@ -37,6 +37,7 @@ def local(
     run_dir: str = typer.Option("tmrun", envvar="TM_RUN_DIR", help="Events, logs, recordings and tmd.json."),
     record_steps: int = typer.Option(3, min=1, help="Steps recorded at job start; joiners replay them as shadow iterations."),
     snapshot_every: int = typer.Option(10, min=0, help="Buddy snapshots every this many steps where a rank's state has no replica on another node (0: off)."),
+    guards: int = typer.Option(0, min=0, help="Standby nodes kept warm as particular active nodes' ranks (guards): a failure of a guarded node skips the replacement's warm-up. A guard is not a migration target (0: off)."),
     heartbeat_timeout_s: float = typer.Option(5.0, help="Seconds of silence before a node is marked unhealthy."),
     port: int = typer.Option(0, help="ZeroMQ port (0: any free port)."),
     job: Optional[str] = typer.Option(None, help="Job name (default: local-<pid>)."),
@@ -75,7 +76,7 @@ def local(
     def build(state):  # None: the job's first tmd; a tmd.resume.JobState: a crashed tmd resumed (tmd.supervise)
         d = Daemon(name, run_dir, active, ranks_per_node, spares,
                    port=port if state is None else int(state.address.rpartition(":")[2]),
-                   record_steps=record_steps, snapshot_every=snapshot_every,
+                   record_steps=record_steps, snapshot_every=snapshot_every, guards=guards,
                    heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
                    bind_host=host or "127.0.0.1", store_host=host or "127.0.0.1", advertise_host=host,
                    migrate_stragglers=migrate_stragglers, netns=specs, command=command, resume=state,
@@ -137,6 +138,7 @@ def slurm(
                                           help="Events, logs, recordings and tmd.json (default ./tmrun/<JOBID>)."),
     record_steps: int = typer.Option(3, min=1, help="Steps recorded at job start; joiners replay them as shadow iterations."),
     snapshot_every: int = typer.Option(10, min=0, help="Buddy snapshots every this many steps where a rank's state has no replica on another node (0: off)."),
+    guards: int = typer.Option(0, min=0, help="Standby nodes kept warm as particular active nodes' ranks (guards): a failure of a guarded node skips the replacement's warm-up. A guard is not a migration target (0: off)."),
     heartbeat_timeout_s: float = typer.Option(5.0, help="Seconds of silence before a node is marked unhealthy."),
     poll_s: float = typer.Option(1.0, min=0.1, help="Seconds between polls of node states and standby jobs."),
     slurm_timeout_s: float = typer.Option(5.0, min=0.1, help="Timeout of every SLURM client call (seconds)."),
@@ -177,7 +179,7 @@ def slurm(
     host = host or socket.gethostbyname(socket.gethostname())  # this host's own address, never all interfaces
     daemon = Daemon(job_id, run_dir or os.path.join("tmrun", job_id), nodes, rpn, [],
                     bind_host=host, store_host=host, port=port, keys_dir=os.path.join(layout.job_dir(job_id), "keys"),
-                    record_steps=record_steps, snapshot_every=snapshot_every,
+                    record_steps=record_steps, snapshot_every=snapshot_every, guards=guards,
                     heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
                     metrics_port=None if metrics_port < 0 else metrics_port)
     launcher = SrunLauncher(command, daemon.run_dir, daemon.address, rpn, echo=not quiet)
@@ -238,7 +240,7 @@ def resume(
                         bind_host=host, store_host=host, port=port,
                         record_steps=state.record_steps or record_steps, heartbeat_timeout_s=heartbeat_timeout_s,
                         snapshot_every=state.snapshot_every if state.snapshot_every is not None else 10,
-                        echo=not quiet, command=state.command, netns=state.netns, resume=state,
+                        guards=state.guards, echo=not quiet, command=state.command, netns=state.netns, resume=state,
                         metrics_port=state.web_port)
     except Exception as e:  # noqa: BLE001 - e.g. the address is taken: one line, not a traceback
         print(f"error: cannot restart tmd of job {state.job} at {state.address}: {e}", file=sys.stderr)

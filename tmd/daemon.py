@@ -37,6 +37,7 @@ from tmd.detection import Detector, Failure, Healthy, HostProcesses, ProcessExit
 from tmd.ending import JobEnd
 from tmd.evacuation import Evacuation
 from tmd.faults import Faults, JobFailed
+from tmd.guards import Guards
 from tmd.journal import Journal, cut_text
 from tmd.local import LocalLauncher
 from tmd.migration import Migration, MigrationError, Migrations
@@ -80,7 +81,7 @@ class Daemon:
                  blocked_after_s: float = 0.3, migrate_stragglers: bool = False, advertise_host: Optional[str] = None,
                  netns: Optional[dict] = None, command: Optional[list[str]] = None,
                  resume: Optional[JobState] = None, keys_dir: Optional[str] = None, auth: bool = True,
-                 snapshot_every: int = 10, metrics_port: Optional[int] = None) -> None:
+                 snapshot_every: int = 10, metrics_port: Optional[int] = None, guards: int = 0) -> None:
         """``record_steps``: steps whose collective outputs the active ranks record for joiners' replay (and
         the joiners' number of shadow iterations). ``heartbeat_timeout_s``: silence after which a node is
         failed whatever its peers do (seconds). ``suspect_after_s``: silence after which a node is failed if a
@@ -94,7 +95,8 @@ class Daemon:
         host can then command the job). ``snapshot_every``: the ranks keep buddy snapshots every that many steps
         when some rank's state has no replica on another node (0: off; worker.snapshot).
         ``metrics_port``: serve Prometheus metrics and the status page (tmd.web) on ``bind_host`` at this port (0: a
-        free port; None: off); the address and the token's file go into tmd.json. Raises zmq.ZMQError when the address is taken, KeysUnavailable when a
+        free port; None: off); the address and the token's file go into tmd.json. ``guards``: how many standby
+        nodes tmd keeps warm as particular active nodes' ranks (tmd.guards; 0: none). Raises zmq.ZMQError when the address is taken, KeysUnavailable when a
         resumed job's keys cannot be read."""
         from tmd.store import host_store  # only tmd pays for torch: it hosts the job's store
 
@@ -117,6 +119,9 @@ class Daemon:
         if resume is not None:
             self.incidents.restore(resume.replicas, resume.keepers, resume.unprotected)
         self.faults = Faults(self.registry, self.journal, self.layout, self.incidents)
+        self.guards = Guards(self.registry, self.journal, self, self.layout, guards, record_steps,
+                             suspects=self._suspects)
+        self.incidents.free_standby = self.guards.free_one
         self.store = host_store(store_host)  # on the job's address only, never all interfaces
         self.store_host = store_host
         self.keys: Optional[JobKeys] = None
@@ -169,7 +174,7 @@ class Daemon:
         self._joining: dict[type, Callable[[bytes, Any], None]] = {p.Register: self._register, p.Rejoin: self._rejoin}
         self._handlers: dict[Sender, dict[type, Callable[[Any, Any], None]]] = {
             Sender.WORKER: {p.Heartbeat: self._heartbeat, p.StepReport: self._step_report,
-                            p.PhaseDone: self._phase_done, p.RecoveryReport: self.incidents.on_report,
+                            p.PhaseDone: self._phase_done, p.RecoveryReport: self._recovery_report,
                             p.Done: self._done, p.RankFailed: self._rank_failed,
                             p.RankWarning: self._rank_warning, p.ReplicaReport: self._replicas,
                             p.SnapshotReport: self._snapshot_report},
@@ -186,7 +191,7 @@ class Daemon:
         else:
             self.journal.record(Event.TMD_STARTED, job=job, address=self.address, world_size=self.registry.world_size,
                                 nodes=nodes, standbys=standbys, store_port=self.store.port, record_steps=record_steps,
-                                snapshot_every=snapshot_every, page=self.web.url if self.web else None)
+                                snapshot_every=snapshot_every, guards=guards, page=self.web.url if self.web else None)
 
     # --- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -311,6 +316,8 @@ class Daemon:
         self.migrations.tick(now)
         self.incidents.tick(now)
         self.evacuation.tick(now)
+        busy = self.migrations.current is not None or self.incidents.current is not None or self.ending.released
+        self.guards.tick(busy, time.time())
         if self.resumed is not None:
             self.resumed.tick(now)
         if self.cluster is not None:
@@ -412,17 +419,18 @@ class Daemon:
         """Queue ``msg`` for one worker process."""
         self.reply(worker.identity, msg)
 
-    def assign(self, worker: Worker, rank: int, *, migration_id: int = 0, incident_id: int = 0) -> None:
+    def assign(self, worker: Worker, rank: int, *, migration_id: int = 0, incident_id: int = 0,
+               guard: bool = False) -> None:
         """Give a standby process ``rank`` as a joiner (see :class:`tmd.channel.WorkerChannel`)."""
         self.send(worker, self._assignment(WorkerRole.JOINER, rank, self.registry.generations.current,
-                                           migration_id=migration_id, incident_id=incident_id))
+                                           migration_id=migration_id, incident_id=incident_id, guard=guard))
 
     def _assignment(self, role: WorkerRole, rank: int, generation: int, migration_id: int = 0,
-                    incident_id: int = 0) -> p.Assign:
+                    incident_id: int = 0, guard: bool = False) -> p.Assign:
         return p.Assign(role=role, rank=rank, world_size=self.registry.world_size, store_host=self.store_host,
                         store_port=self.store.port, generation=generation, record_steps=self.record_steps,
                         snapshot_every=self.snapshot_every, record_dir=self.layout.record_dir,
-                        migration_id=migration_id, incident_id=incident_id)
+                        migration_id=migration_id, incident_id=incident_id, guard=guard)
 
     # --- worker messages --------------------------------------------------------------------------------------
     def _register(self, identity: bytes, msg: p.Register) -> None:
@@ -488,6 +496,15 @@ class Daemon:
             if failure is not None:
                 self.fail_node(failure.node, failure.reason, failure.signal)
         self.migrations.on_phase(w, msg)
+
+    def _recovery_report(self, w: Worker, msg: p.RecoveryReport) -> None:
+        if not self.guards.on_warmed(w, msg, time.time()):  # a guard's warm-up: not an incident's business
+            self.incidents.on_report(w, msg)
+
+    def _suspects(self) -> set[str]:
+        """Active nodes under suspicion (a straggler rank or an unhealthy GPU verdict): guarded first."""
+        return {n.name for n in self.registry.nodes_in(NodeRole.ACTIVE)
+                if self.evacuation.flagged(n) or self.evacuation.gpu_unhealthy(n)}
 
     def _done(self, w: Worker, msg: p.Done) -> None:
         w.done = True
@@ -557,6 +574,8 @@ class Daemon:
             return
         if w is not None:
             self.migrations.on_worker_lost(w, f"exited with code {v.returncode}")
+        if node.role == NodeRole.GUARDING:  # its sandbox is gone: the rest of it goes too, fresh ones come up
+            self.guards.release(node, f"{node.name}/{v.local_rank} exited with code {v.returncode}")
         if node.role == NodeRole.STANDBY and not self.ending.released and self.launcher is not None:
             node.health = Health.UNHEALTHY if node.workers else node.health
             if not self.launcher.running(node.name):
@@ -597,9 +616,9 @@ class Daemon:
             self.incidents.on_replacement_lost(node, reason)
             return
         # A leaver that died mid-migration: its pair's joiners are warm for exactly these ranks; their state
-        # will come from a data-parallel replica instead (``adopt``).
+        # will come from a data-parallel replica instead (``adopt``). Otherwise the node's guard, if it has one.
         stranded, leavers = self.migrations.stranded_by(node.name)
-        adopt = self.migrations.on_node_failed(node.name, reason)
+        adopt = self.migrations.on_node_failed(node.name, reason) or self.guards.adopt(node)
         for name in leavers:  # they hold no rank any more and their last step failed with this node
             self._stonith(self.registry.nodes[name])
         for name in stranded:  # decided joiners whose state cannot be completed: lost with this node

@@ -40,7 +40,7 @@ class JobEnd:
             c.journal.record(Event.JOB_FINISHED, step=reg.current_step())
             if c.current_migration is not None:
                 c.abort_migration(c.current_migration, "the job finished before the migration committed")
-            for n in reg.nodes_in(NodeRole.STANDBY, NodeRole.JOINING):
+            for n in reg.nodes_in(NodeRole.STANDBY, NodeRole.GUARDING, NodeRole.JOINING):
                 for w in n.workers.values():
                     if not w.exited:
                         c.send(w, p.Release(reason="job finished", exit_code=ExitCode.OK))

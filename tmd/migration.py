@@ -39,6 +39,7 @@ from typing import Optional, Sequence, Union
 from tmd import protocol as p
 from tmd.channel import WorkerChannel
 from tmd.episode import Episode, Episodes
+from tmd.guards import Adoption, warm_guard
 from tmd.journal import Journal
 from tmd.protocol.vocab import (
     MIGRATION_EVENTS, ErrorCode, Event, Health, MigrationMark, MigrationPhase, MigrationRole, MigrationState,
@@ -223,7 +224,9 @@ class Migrations(Episodes[Migration]):
         a source that is not an active node; ``unknown_standby`` for a target that is not a standby;
         ``migration_running``; ``busy_standby`` for a standby that is not warm; ``not_ready`` while the job is
         not training, still recording, finishing, or a leaver node is not live and healthy.
-        ``require_healthy`` false lets tmd evacuate a node that is alive but flagged unhealthy (a bad GPU)."""
+        ``require_healthy`` false lets tmd evacuate a node that is alive but flagged unhealthy (a bad GPU).
+        A guard (tmd.guards) is a target only for the node whose ranks it guards, once warm: its joiners skip the
+        warm-up (phase 1 starts at once); any other guard is ``busy_standby``."""
         reg = self.registry
         sources = [sources] if isinstance(sources, str) else list(sources)
         targets = [targets] if isinstance(targets, str) else list(targets)
@@ -239,7 +242,7 @@ class Migrations(Episodes[Migration]):
                                      f"{what} (active nodes: {', '.join(actives) or 'none'})")
         for target in targets:
             dst = reg.nodes.get(target)
-            if dst is None or dst.role not in (NodeRole.STANDBY, NodeRole.JOINING):
+            if dst is None or dst.role not in (NodeRole.STANDBY, NodeRole.JOINING, NodeRole.GUARDING):
                 what = f"{target} is not a standby (it is {dst.role})" if dst else \
                     f"unknown standby '{target}': it is not a standby of this job"
                 raise MigrationError(ErrorCode.UNKNOWN_STANDBY,
@@ -250,10 +253,14 @@ class Migrations(Episodes[Migration]):
                 ErrorCode.MIGRATION_RUNNING,
                 f"migration {running.id} ({running.source} -> {running.target}) is still {running.state}",
             )
-        for target in targets:
+        for source, target in zip(sources, targets):
             dst = reg.nodes[target]
+            if dst.role == NodeRole.GUARDING and dst.guards == sorted(reg.nodes[source].ranks) and warm_guard(dst):
+                continue  # the guard of exactly this node, warm: its joiners are ready (tmd.guards)
             if dst.role != NodeRole.STANDBY or not dst.warm:
                 state = "cold: not all its processes are up" if dst.role == NodeRole.STANDBY else dst.role
+                if dst.role == NodeRole.GUARDING:
+                    state = f"guarding ranks {dst.guards}: it takes only the node holding them, once warm"
                 raise MigrationError(ErrorCode.BUSY_STANDBY, f"standby '{target}' is busy ({state})")
         for source, target in zip(sources, targets):
             src, dst = reg.nodes[source], reg.nodes[target]
@@ -281,18 +288,28 @@ class Migrations(Episodes[Migration]):
         for source, target in zip(sources, targets):
             src, dst = reg.nodes[source], reg.nodes[target]
             leavers.update({r: reg.rank_owner[r] for r in src.ranks})
-            joiners.update({r: dst.workers[i] for i, r in enumerate(src.ranks)})
+            if dst.role == NodeRole.GUARDING:  # each process is warm for its own rank already
+                joiners.update({w.rank: w for w in dst.workers.values()})
+            else:
+                joiners.update({r: dst.workers[i] for i, r in enumerate(src.ranks)})
         stayers = {r: w for r, w in reg.rank_owner.items() if r not in leavers}
         m = self.add(Migration(id=self.next_id(), sources=sources, targets=targets,
                                generation=reg.generations.next(), leavers=dict(sorted(leavers.items())),
                                joiners=dict(sorted(joiners.items())), stayers=stayers,
                                request_step=reg.current_step()))
+        guards = {t for t in targets if reg.nodes[t].role == NodeRole.GUARDING}
         for target in targets:
             reg.promote(reg.nodes[target])
-        self._enter(m, MigrationState.REQUESTED, generation=m.generation)
+        self._enter(m, MigrationState.REQUESTED, generation=m.generation, guards=sorted(guards))
+        warm = m.acks.setdefault(MigrationPhase.WARMED, set())
         for rank, joiner in m.joiners.items():
-            self.channel.assign(joiner, rank, migration_id=m.id)
+            if joiner.node in guards:
+                warm.add(joiner.identity)  # warm already: it learns its migration from the Prepare
+            else:
+                self.channel.assign(joiner, rank, migration_id=m.id)
         self._enter(m, MigrationState.WARMING)
+        if len(warm) == len(m.joiners):
+            self._prepare(m)
         return m
 
     @staticmethod
@@ -369,11 +386,11 @@ class Migrations(Episodes[Migration]):
             self.journal.record(Event.UNEXPECTED_PHASE_REPORT, migration_id=m.id, state=m.state, phase=msg.phase,
                                 rank=msg.rank)
 
-    def on_node_failed(self, node: str, reason: str) -> Optional[tuple[str, dict[int, Worker]]]:
+    def on_node_failed(self, node: str, reason: str) -> Optional[Adoption]:
         """Node ``node`` was declared failed: abort the running migration, if any. When ``node`` is one of its
         leaver nodes, phase 1 started and the commit was not decided yet, the joiners of its pair are warm for
-        exactly its ranks: they are spared and returned as (their standby, {rank: joiner}) for failure recovery
-        to adopt; every other pair's standby comes back fresh. Otherwise returns None."""
+        exactly its ranks: they are spared and returned for failure recovery to adopt; every other pair's
+        standby comes back fresh. Otherwise returns None."""
         m = self.current
         if m is None:
             return None
@@ -381,7 +398,7 @@ class Migrations(Episodes[Migration]):
                 and m.state != MigrationState.TRANSFERRED:
             target = m.targets[m.sources.index(node)]
             self.abort(m, f"leaver {node} lost: {reason}", spare=target)
-            return target, m.joiners_on(target)
+            return Adoption(target, m.joiners_on(target))
         self.abort(m, f"node {node} lost during {m.state}: {reason}")
         return None
 

@@ -30,11 +30,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from tmd import protocol as p
 from tmd.channel import WorkerChannel
 from tmd.episode import Episode, Episodes
+from tmd.guards import Adoption
 from tmd.journal import Journal
 from tmd.protocol.layout import RunDir
 from tmd.protocol.vocab import Event, IncidentMark, IncidentState, NodeRole, RecoveryPhase
@@ -125,15 +126,18 @@ class Incidents(Episodes[Incident]):
         self.regroup_after_s = regroup_after_s
         self._unexplained: Optional[tuple[float, str]] = None  # (monotonic, what) of a collective failure
         self.failed_recoveries = 0  # incidents in a row that a party failed to recover from
+        # called when a failed node finds no warm standby (with why): True if a standby will come (tmd.guards
+        # releases a guard, which comes back as a general standby)
+        self.free_standby: Callable[[str], bool] = lambda why: False
 
     # ---------------------------------------------------------------------------------------------------------
-    def on_node_failed(self, node_name: str, reason: str,
-                       adopt: Optional[tuple[str, dict[int, Worker]]] = None) -> None:
+    def on_node_failed(self, node_name: str, reason: str, adopt: Optional[Adoption] = None) -> None:
         """An active node is lost. Marks it failed and starts an incident (superseding one in progress).
-        ``adopt``: (standby node, {rank: joiner}) of a planned migration whose leaver this node was: those warm
-        joiners become the replacements. Raises RecoveryError if no replica is left."""
+        ``adopt``: the joiners warm (or warming) for exactly this node's ranks, which become the replacements: a
+        planned migration's whose leaver this node was, or this node's guard (tmd.guards). Raises RecoveryError
+        if no replica is left."""
         self.lose(node_name, reason)
-        self.start(f"{node_name}: {reason}", (node_name, *adopt) if adopt else None)
+        self.start(f"{node_name}: {reason}", (node_name, adopt) if adopt else None)
 
     def lose(self, node_name: str, reason: str) -> None:
         """Mark node ``node_name`` failed and its ranks lost, for the incident the next :meth:`on_node_failed`
@@ -194,10 +198,10 @@ class Incidents(Episodes[Incident]):
             return list(candidates)
         return [c for c in candidates if c in self.replicas[rank]]
 
-    def start(self, reason: str, adopt: Optional[tuple[str, str, dict[int, Worker]]] = None) -> Incident:
+    def start(self, reason: str, adopt: Optional[tuple[str, Adoption]] = None) -> Incident:
         """Start an incident covering every rank in ``lost``, superseding the running one (whose replacements
-        that are alive and still needed are kept). ``adopt``: (failed node, standby node, {rank: joiner}) of
-        warm joiners that become replacements. Every survivor is told to halt; failed nodes without a
+        that are alive and still needed are kept). ``adopt``: (failed node, the joiners warm for its ranks) that
+        become replacements. Every survivor is told to halt; failed nodes without a
         replacement get a warm standby, or the incident waits for one. Raises RecoveryError when no rank
         survives or a lost rank has no recording yet."""
         reg = self.registry
@@ -238,11 +242,13 @@ class Incidents(Episodes[Incident]):
                     inc.standbys[failed_node] = standby
                     inc.replacements.update({w.rank: w for w in workers.values()})
         if adopt is not None:
-            failed_node, standby, joiners = adopt
-            inc.standbys[failed_node] = standby
-            for rank, w in joiners.items():
-                w.rank = w.warm_for = rank
+            failed_node, adoption = adopt
+            inc.standbys[failed_node] = adoption.standby
+            for rank, w in adoption.joiners.items():
+                w.rank, w.warm_for = rank, rank if adoption.warm else None
                 inc.replacements[rank] = w
+            inc.mark(IncidentMark.PROMOTED)  # the warm-up span then shows what was left of it: none if warm
+            self._mark_warmed(inc)
         self.add(inc)
         self.journal.record(Event.RECOVERY_STARTED, incident_id=inc.id, reason=reason, lost_ranks=sorted(inc.lost),
                             survivors=sorted(survivors), adopted=dict(inc.standbys))
@@ -332,6 +338,7 @@ class Incidents(Episodes[Incident]):
             standby = next((n for n in reg.nodes_in(NodeRole.STANDBY) if n.warm), None)
             if standby is None:
                 if not inc.waiting_standby:
+                    self.free_standby(f"no general standby is warm for {failed_node}'s ranks")
                     inc.waiting_standby = True
                     self.journal.record(Event.RECOVERY_WAITING, incident_id=inc.id, failed_node=failed_node,
                                         reason="no warm standby: training waits until one registers")

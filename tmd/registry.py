@@ -1,13 +1,15 @@
 """What tmd knows about the job: nodes, their worker processes, rank ownership, step progress and generations.
 
 A node's role (:class:`~tmd.protocol.vocab.NodeRole`) is ``active`` (holds ranks), ``standby`` (warm spare, no
-ranks), ``joining`` (a standby taking over ranks), ``left`` (a leaver that handed its ranks over), or ``failed``.
+ranks), ``guarding`` (a standby warmed as an active node's ranks, tmd.guards), ``joining`` (a standby taking over
+ranks), ``left`` (a leaver that handed its ranks over), or ``failed``.
 Ranks are node-major at job start: node i of the layout holds ranks ``i*ranks_per_node ... (i+1)*ranks_per_node -
 1``. A role changes only through the Registry's transitions::
 
     standby --promote--> joining --hand_over / take_over--> active
-    joining --back_to_standby--> standby        (a migration aborted: fresh standby processes come up)
-    active | joining | standby --fail_node--> failed
+    standby --guard--> guarding --promote--> joining   (a guarded node failed: the guard is adopted)
+    joining | guarding --back_to_standby--> standby    (a migration aborted, a guard released: fresh processes)
+    active | joining | guarding | standby --fail_node--> failed
     active --hand_over--> left                  (the leaver of a committed migration)
 
 :class:`Generations` is the job's one counter of process-group generations, shared by migrations and recoveries.
@@ -18,7 +20,7 @@ import collections
 import dataclasses
 import statistics
 import time
-from typing import Optional
+from typing import Optional, Union
 
 from tmd.protocol.vocab import Health, NodeRole
 
@@ -51,6 +53,7 @@ class Node:
     workers: dict[int, Worker] = dataclasses.field(default_factory=dict)  # local_rank -> worker
     health: Health = Health.UNKNOWN
     reason: str = ""
+    guards: list[int] = dataclasses.field(default_factory=list)  # a guarding node: the ranks it is warm for
 
     @property
     def warm(self) -> bool:
@@ -158,16 +161,26 @@ class Registry:
 
     # --- role transitions: the only places a node's role changes ------------------------------------------------
     def promote(self, node: Node) -> None:
-        """A standby starts taking over ranks (a migration's joiners, or a failure's replacements).
-        Raises ValueError unless ``node`` is a standby."""
-        self._expect(node, NodeRole.STANDBY, "promote")
-        node.role = NodeRole.JOINING
+        """A standby starts taking over ranks (a migration's joiners, or a failure's replacements), or a guard is
+        adopted by the recovery of the node it guards. Raises ValueError unless ``node`` is a standby or a
+        guard."""
+        self._expect(node, (NodeRole.STANDBY, NodeRole.GUARDING), "promote")
+        node.role, node.guards = NodeRole.JOINING, []
+
+    def guard(self, node: Node, ranks: list[int]) -> None:
+        """Standby ``node`` starts warming as ``ranks`` (an active node's, tmd.guards). Raises ValueError unless
+        it is a standby, or when ``ranks`` does not fit its processes."""
+        self._expect(node, NodeRole.STANDBY, "guard with")
+        if len(ranks) != node.expected_workers:
+            raise ValueError(f"standby '{node.name}' has {node.expected_workers} processes: it cannot guard "
+                             f"{len(ranks)} ranks")
+        node.role, node.guards = NodeRole.GUARDING, sorted(ranks)
 
     def back_to_standby(self, node: Node) -> None:
-        """A promoted standby is not needed after all (its migration aborted): its joiner processes exit and
-        fresh standby processes come up, so its health is unknown until they register."""
-        self._expect(node, NodeRole.JOINING, "return to standby")
-        node.role, node.health = NodeRole.STANDBY, Health.UNKNOWN
+        """A promoted standby is not needed after all (its migration aborted) or a guard is let go: its
+        processes exit and fresh standby processes come up, so its health is unknown until they register."""
+        self._expect(node, (NodeRole.JOINING, NodeRole.GUARDING), "return to standby")
+        node.role, node.health, node.guards = NodeRole.STANDBY, Health.UNKNOWN, []
 
     def hand_over(self, source: Node, target: Node, joiners: dict[int, Worker], reason: str) -> None:
         """A committed migration: ``target`` (joining) takes ``source``'s ranks, each owned by its joiner process
@@ -196,7 +209,7 @@ class Registry:
         lost = list(node.ranks)
         for rank in lost:
             self.rank_owner.pop(rank, None)
-        node.ranks = []
+        node.ranks, node.guards = [], []
         node.role, node.health, node.reason = NodeRole.FAILED, Health.UNHEALTHY, reason
         return lost
 
@@ -209,6 +222,8 @@ class Registry:
             node.reason = reason
 
     @staticmethod
-    def _expect(node: Node, role: NodeRole, what: str) -> None:
-        if node.role != role:
-            raise ValueError(f"cannot {what} node '{node.name}': it is {node.role}, not {role}")
+    def _expect(node: Node, role: Union[NodeRole, tuple[NodeRole, ...]], what: str) -> None:
+        roles = role if isinstance(role, tuple) else (role,)
+        if node.role not in roles:
+            raise ValueError(f"cannot {what} node '{node.name}': it is {node.role}, not "
+                             f"{' or '.join(r.value for r in roles)}")

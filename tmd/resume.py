@@ -81,6 +81,7 @@ class JobState:
     last_ts: float
     previous_pid: Optional[int]
     snapshot_every: Optional[int] = None  # buddy snapshots every that many steps (None: an older journal)
+    guards: int = 0  # standby nodes kept warm as active nodes' ranks (tmd.guards)
     replicas: dict = dataclasses.field(default_factory=dict)  # rank -> its replica class (replica_classes event)
     keepers: dict = dataclasses.field(default_factory=dict)  # rank -> the rank keeping its buddy snapshot
     unprotected: list = dataclasses.field(default_factory=list)  # the no_replica warnings
@@ -181,6 +182,7 @@ def load(run_dir: str) -> JobState:
         last_migration_id=last_mid, cut_migration=migration, open_incident=incident,
         last_seq=max(seqs, default=0), last_ts=events[-1].get("ts", time.time()),
         previous_pid=pid if isinstance(pid, int) else None, snapshot_every=started.get("snapshot_every"),
+        guards=int(started.get("guards") or 0),
         replicas=replicas, keepers=keepers, unprotected=unprotected, web_port=_web_port(info))
 
 

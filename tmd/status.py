@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 from tmd import protocol as p
 from tmd.episode import Episode
+from tmd.guards import warm_guard
 from tmd.registry import Node, Registry
 
 
@@ -28,7 +29,9 @@ def node_status(n: Node, now: float, stragglers: list[int]) -> dict:
         "heartbeat_age_s": round(max(ages), 3) if ages else None,
         "step": max(steps) if steps else None,
         "step_time_s": round(max(times), 6) if times else None,
-        "warm": n.warm,
+        # a guard (tmd.guards) is warm once every process of it finished its shadow iterations
+        "warm": n.warm or warm_guard(n),
+        "guards": list(n.guards),  # a guarding node: the ranks it is warm for
         "stragglers": stragglers,
         "pids": {str(w.local_rank): w.pid for w in workers},
     }

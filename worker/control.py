@@ -19,6 +19,7 @@ Stages (where the process is; worker.session, worker.migration and worker.recove
     JOINING   --shadow iterations--> SHADOW --done--------------------------> JOINING
     JOINING   --leaver's state received, migration committed-----------------> TRAINING
     JOINING   --replacement of a failed rank (or its leaver died)------------> RECOVERING
+    JOINING   --a guard (tmd.guards) waits here until a recovery or a migration takes it
     TRAINING  --armed switch step reached-------------------------------------> SWITCHING
     SWITCHING --committed or aborted (stayer); aborted (leaver)---------------> TRAINING
     SWITCHING --committed (leaver: LeaverExit)--------------------------------> LEFT
@@ -101,6 +102,7 @@ class Control:
         self._assign: Optional[p.Assign] = None
         self._release: Optional[p.Release] = None
         self._migration_role: Optional[p.MigrationRole] = None
+        self._migration_id = 0  # the migration last prepared (0: none)
         self._switch: Optional[p.Switch] = None
         self._decision: Optional[p.Decide] = None
         self._halt: Optional[p.Halt] = None
@@ -139,6 +141,12 @@ class Control:
         """This rank's part in the migration last prepared (None: none prepared)."""
         with self._cv:
             return self._migration_role
+
+    @property
+    def migration_id(self) -> int:
+        """The id of the migration last prepared (0: none prepared)."""
+        with self._cv:
+            return self._migration_id
 
     @property
     def switch(self) -> Optional[p.Switch]:
@@ -206,7 +214,7 @@ class Control:
     def on_prepare(self, msg: p.Prepare) -> None:
         """A new migration: remember this rank's part in it and forget the previous decision."""
         with self._cv:
-            self._migration_role = msg.role
+            self._migration_role, self._migration_id = msg.role, msg.migration_id
             self._decision = None
             self._cv.notify_all()
 

@@ -371,10 +371,20 @@ class Recovery:
             mb.release_in_background(inner)
         return None
 
+    def guard(self, shadow_steps: int) -> int:
+        """A guard (tmd.guards) after its ``shadow_steps`` shadow iterations: report warmed (as incident 0), then
+        wait, with no deadline, until it is taken: returns 0 for the plan of a recovery that adopts it (then
+        :meth:`replace`), else the id of the planned migration whose joiner it is (a Prepare came). tmd releases a
+        guard it does not need: the process exits then."""
+        control = self.control
+        self.reports.report(0, p.RecoveryPhase.WARMED, step=-1, shadow_steps=shadow_steps)
+        control.wait_until(lambda: control.plan is not None or control.migration_role == p.MigrationRole.JOINER)
+        return 0 if control.plan is not None else control.migration_id
+
     def replace(self, incident_id: int, shadow_steps: int = 0) -> int:
         """Joiner replacing a failed rank: report warmed (with the ``shadow_steps`` it ran), wait for the plan,
         receive state (or take what :meth:`prefetch` received), return the step to resume at. ``incident_id`` 0: a
-        migration's joiner whose leaver died (tmd knows it is warm). Exits the process (ExitCode.FAILED) when the recovery fails (a fresh
+        migration's joiner whose leaver died, or an adopted guard (tmd knows it is warm). Exits the process (ExitCode.FAILED) when the recovery fails (a fresh
         standby takes over) or after ``RECOVERY_TIMEOUT_S`` seconds without a plan."""
         self.control.enter(Stage.RECOVERING)
         if incident_id:

@@ -264,14 +264,20 @@ class Session:
             if a.incident_id != 0:  # a failure's replacement: fewer shadow iterations, its plan carried out meanwhile
                 recovery.prefetch()
                 shadow_steps = min(shadow_steps, REPLACEMENT_SHADOW_STEPS)
-            planned = a.incident_id == 0
-            yield from self._migration.shadow(min(shadow_steps, total), report_warmed=planned, pretouch=planned,
-                                              enough_after_one=None if planned else regroup_ddp_buckets)
-            if a.incident_id == 0:
+            elif a.guard:  # warm before any failure (tmd.guards): off the critical path, no shortcut needed
+                shadow_steps = min(shadow_steps, REPLACEMENT_SHADOW_STEPS)
+            planned = a.incident_id == 0 and not a.guard
+            yield from self._migration.shadow(
+                min(shadow_steps, total), report_warmed=planned, pretouch=planned,
+                enough_after_one=regroup_ddp_buckets if a.incident_id != 0 else None)
+            if a.guard:  # waits until a recovery adopts it (0) or a migration of the node it guards takes it
+                self._migration.drop_buffers()
+                self._migration.migration_id = recovery.guard(self._migration.shadow_steps)
+            if a.incident_id == 0 and self._migration.migration_id != 0:
                 joined = self._migration.join()
                 step = joined if joined is not None else recovery.replace(0)  # None: its leaver died
                 recovery.snapshots.want = True  # the leaver's snapshots left with it: a fresh round
-            else:
+            else:  # a failure's replacement, or an adopted guard (incident 0: tmd knows it is warm)
                 self._migration.drop_buffers()
                 step = recovery.replace(a.incident_id, self._migration.shadow_steps)
             recovery.verify_next = True

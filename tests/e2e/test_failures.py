@@ -107,12 +107,52 @@ def test_kill_node_during_a_step(tmp_path, reference, phase):
 
 
 @pytest.mark.timeout(300)
-def test_two_failures_in_a_row_use_two_standbys(tmp_path, reference):
-    # n2 dies in the forward pass of step 10 (redone), n1 between steps 30 and 31 (step 30 stands)
-    job = Job(tmp_path, 2, "--fault", "n2:10:forward", "--fault", "n1:30:between")
+def test_two_failures_in_a_row_with_guards_adopted_then_released(tmp_path, reference):
+    # --guards 2: s1 warms as n1's ranks, s2 as n2's, before any failure (rank 0 pauses 3 s at step 6: they are
+    # warm by then). n2 dies in the forward pass of step 10 (redone): its guard s2 is adopted, with no warm-up
+    # left. s2 (now holding ranks 2-3, unguarded) dies between steps 30 and 31 (step 30 stands): no general
+    # standby is left, so the guard s1 is released, comes back fresh and takes ranks 2-3 as a general standby.
+    job = Job(tmp_path, 2, "--fault", "n2:10:forward", "--fault", "s2:30:between", "--slow-rank", "0",
+              "--slow-steps", "6", "--slow-s", "3", tmd_args=("--guards", "2"))
     done = assert_recovered(job, reference, job.finish(), incidents=2)
-    assert [d["standbys"] for d in done] == [{"n2": "s1"}, {"n1": "s2"}]
+    assert sorted((e["standby"], e["node"], tuple(e["ranks"])) for e in job.events("guard_assigned")) == \
+        [("s1", "n1", (0, 1)), ("s2", "n2", (2, 3))]
+    first_failure = job.events("node_failed")[0]["seq"]
+    assert sorted(e["standby"] for e in job.events("guard_warmed") if e["seq"] < first_failure) == ["s1", "s2"]
+    started = job.events("recovery_started")
+    assert [e["adopted"] for e in started] == [{"n2": "s2"}, {}]
+    assert [d["standbys"] for d in done] == [{"n2": "s2"}, {"s2": "s1"}]
     assert [d["resume_step"] for d in done] == [10, 31]
+    assert done[0]["shadow_steps"] == {} and done[0]["phases_s"]["warm_up"] < 0.05, done[0]  # warm already
+    released = job.events("guard_released")
+    assert [(e["standby"], e["ranks"]) for e in released] == [("s1", [0, 1])], released
+    assert "no general standby" in released[0]["reason"]
+    assert job.events("standby_restarted")[0]["node"] == "s1"  # its fresh processes came up as a standby
+    assert job.events("recovery_waiting")  # the second incident waited for them
+
+
+@pytest.mark.timeout(300)
+def test_a_migration_to_the_guard_of_its_node_skips_the_warm_up(tmp_path, reference):
+    # --guards 1: s1 warms as n1's ranks (rank 0 pauses 2 s at step 6 meanwhile); steps padded to 0.1 s so the
+    # migration has room to commit
+    job = Job(tmp_path, 1, "--min-step-time-s", "0.1", "--slow-rank", "0", "--slow-steps", "6", "--slow-s", "2",
+              tmd_args=("--guards", "1"))
+    job.wait_event("guard_warmed", standby="s1")
+    s1 = next(n for n in job.status().nodes if n["name"] == "s1")
+    assert (s1["role"], s1["warm"], s1["guards"]) == ("guarding", True, [0, 1])
+    assert "guarding 0-1 (warm)" in job.tmctl("status").stdout
+    refused = job.tmctl("migrate", "--from", "n2", "--to", "s1")  # another node's guard: busy, nothing changes
+    assert refused.returncode == 2 and "guarding ranks [0, 1]" in refused.stderr, refused.stderr
+    moved = job.tmctl("migrate", "--from", "n1", "--to", "s1")
+    assert moved.returncode == 0, moved.stdout + moved.stderr
+    assert job.finish() == 0
+    assert final_hashes(job.run_dir) == reference
+    assert job.events("migration_requested")[0]["guards"] == ["s1"]
+    assert [e["migration_id"] for e in job.events("migration_committed")] == [1]
+    assert not job.events("migration_aborted") and not job.events("guard_released")
+    # no warm-up: phase 1 started right after the request, and the joiners' only shadow iterations were the guard's
+    requested, prepare = job.events("migration_requested")[0], job.events("migration_phase")[0]
+    assert prepare["phase"] == "prepare_started" and prepare["seq"] - requested["seq"] <= 2, (requested, prepare)
 
 
 @pytest.mark.timeout(300)

@@ -36,7 +36,7 @@ class RecordingChannel:
     def send(self, w, msg) -> None:
         self.sent.append((w.identity.decode(), msg))
 
-    def assign(self, w, rank: int, *, migration_id: int = 0, incident_id: int = 0) -> None:
+    def assign(self, w, rank: int, *, migration_id: int = 0, incident_id: int = 0, guard: bool = False) -> None:
         self.send(w, p.Assign(role=p.WorkerRole.JOINER, rank=rank, world_size=self.world_size, store_host="",
                               store_port=0, generation=self.generation, record_steps=3, record_dir="",
-                              migration_id=migration_id, incident_id=incident_id))
+                              migration_id=migration_id, incident_id=incident_id, guard=guard))

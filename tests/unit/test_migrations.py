@@ -4,6 +4,7 @@ import math
 import pytest
 
 from tmd import protocol as p
+from tmd.guards import Adoption
 from tmd.journal import Journal
 from tmd.migration import MigrationError, Migrations
 from tmd.protocol.vocab import (
@@ -368,7 +369,7 @@ def test_a_leaver_node_lost_mid_migration_hands_only_its_pairs_joiners_to_recove
     sent.clear()
     adopt = migs.on_node_failed("n4", "exited")
     assert m.state == MigrationState.ABORTED and m.reason == "leaver n4 lost: exited"
-    assert adopt == ("s1", {6: reg.by_identity[b"s1/0"], 7: reg.by_identity[b"s1/1"]})
+    assert adopt == Adoption("s1", {6: reg.by_identity[b"s1/0"], 7: reg.by_identity[b"s1/1"]}, warm=True)
     told = {w for w, msg in sent if isinstance(msg, p.Decide) and not msg.commit}
     assert told == set(ALL4) - {"s1/0", "s1/1"}  # s1's joiners are spared for the recovery
     assert reg.nodes["s1"].role == NodeRole.JOINING and reg.nodes["s2"].role == NodeRole.STANDBY

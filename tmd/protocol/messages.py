@@ -221,7 +221,9 @@ class Assign(Message, sender=Sender.COORDINATOR):
     tmd). Active ranks record their first ``record_steps`` steps' collective outputs to ``record_dir``;
     joiners replay ``record_dir``'s file for their rank during that many shadow iterations. A joiner that
     replaces a failed rank has ``incident_id`` > 0 (and ``migration_id`` 0): after its shadow iterations it
-    reports ``warmed`` and waits for :class:`Recover`. ``snapshot_every`` > 0: if some rank's state has no
+    reports ``warmed`` and waits for :class:`Recover`. ``guard`` (both ids 0): a *guard* (tmd.guards) warms as
+    ``rank`` before any failure, reports ``warmed`` (a RecoveryReport of incident 0) and waits, without a
+    deadline, for the Recover of an incident that adopts it, or for its Release. ``snapshot_every`` > 0: if some rank's state has no
     replica on another node, every rank keeps a host-memory snapshot of its state and of a peer node's rank's
     every that many steps (worker.snapshot). Fields with a default may be left out by a constructor, never on
     the wire."""
@@ -237,6 +239,7 @@ class Assign(Message, sender=Sender.COORDINATOR):
     migration_id: int
     incident_id: int
     snapshot_every: int = 0  # buddy snapshots every that many steps where a rank's state has no replica (0: off)
+    guard: bool = False  # a guard: warm as ``rank`` now, take it over only if its node fails (tmd.guards)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -38,11 +38,14 @@ class Sender(StrEnum):
 
 class NodeRole(StrEnum):
     """A node's place in the job, as tmd's registry holds it (tmd.registry). ``ACTIVE`` holds ranks;
-    ``STANDBY`` is a warm spare with none; ``JOINING`` is a standby taking over ranks (a migration's joiners or a
-    failure's replacements); ``LEFT`` handed its ranks over in a migration; ``FAILED`` was declared lost."""
+    ``STANDBY`` is a warm spare with none; ``GUARDING`` is a standby already warmed, in its sandbox, as one
+    active node's ranks (tmd.guards: it takes them over without a warm-up if that node fails); ``JOINING`` is a
+    standby taking over ranks (a migration's joiners or a failure's replacements); ``LEFT`` handed its ranks over
+    in a migration; ``FAILED`` was declared lost."""
 
     ACTIVE = "active"
     STANDBY = "standby"
+    GUARDING = "guarding"
     JOINING = "joining"
     LEFT = "left"
     FAILED = "failed"
@@ -308,6 +311,9 @@ class Event(StrEnum):
     RECOVERY_WAITING = "recovery_waiting"
     RECOVERY_STANDBY_FOUND = "recovery_standby_found"
     STANDBY_PROMOTED = "standby_promoted"
+    GUARD_ASSIGNED = "guard_assigned"  # a standby starts warming as an active node's ranks (tmd.guards)
+    GUARD_WARMED = "guard_warmed"  # every process of a guard finished its shadow iterations
+    GUARD_RELEASED = "guard_released"  # a guard is let go (needed elsewhere, its ranks gone, or it died)
     RECOVERY_HALTED = "recovery_halted"
     RECOVERY_PLAN = "recovery_plan"
     RECOVERY_DONE = "recovery_done"
