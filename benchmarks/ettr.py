@@ -16,6 +16,9 @@ the same in all of them.
   0-1 and the node holding ranks 2-3, each to a fresh warm standby (n2 -> s1, n1 -> s2, s1 -> s3, ...).
 - ``kill``: every ``--kill-every-s`` seconds every rank process of one active node (alternating as above) gets
   SIGKILL; tmd recovers onto a standby.
+- ``kill_guarded``: the same with ``tmd local --guards 2`` and 2 more standbys: every active node has a guard
+  (tmd.guards), warm before each kill, which its recovery adopts with no warm-up; a new guard is placed on the
+  node that took the ranks over.
 
 The clock starts once every standby is warm and training is past ``WARMUP_STEPS`` (``t0``; the step then is
 ``first_step``): the *training part* of a
@@ -54,7 +57,9 @@ MIN_STEPS_LEFT = 30  # no event once fewer steps than this remain (a migration's
 POLL_S = 0.5  # status poll period (seconds)
 FOLLOW_TIMEOUT_S = 300.0  # how long (seconds) to follow one event before giving up on the run
 WARM_TIMEOUT_S = 600.0  # how long (seconds) the standbys get to be warm
-TARGETS = {"migrate": 0.995, "kill": 0.98}
+TARGETS = {"migrate": 0.995, "kill": 0.98, "kill_guarded": 0.98}
+KIND = {"migrate": "migrate", "kill": "kill", "kill_guarded": "kill"}  # a run's events
+GUARDS = {"kill_guarded": 2}  # tmd local --guards: with 2 active nodes, every node is guarded (tmd.guards)
 
 
 # --- pure parts (unit-tested) ----------------------------------------------------------------------------------
@@ -109,22 +114,26 @@ def holder_of(st: p.StatusReply, rank: int) -> Optional[str]:
     return next((n["name"] for n in st.nodes if n["role"] == p.NodeRole.ACTIVE and rank in (n["ranks"] or [])), None)
 
 
-def warm_standbys(st: p.StatusReply) -> list[str]:
-    return sorted((n["name"] for n in st.nodes if n["role"] == p.NodeRole.STANDBY and n["warm"]),
+def warm_standbys(st: p.StatusReply, guards: bool = False) -> list[str]:
+    """The warm standby nodes in name order (``guards``: warm guards too)."""
+    roles = (p.NodeRole.STANDBY, p.NodeRole.GUARDING) if guards else (p.NodeRole.STANDBY,)
+    return sorted((n["name"] for n in st.nodes if n["role"] in roles and n["warm"]),
                   key=lambda name: (len(name), name))
 
 
 class Run:
     """One job of the invocation: started with ``standbys`` standby nodes; :meth:`drive` fires the events."""
 
-    def __init__(self, name: str, run_dir: str, steps: int, standbys: int, tiny: bool, ranks_per_node: int) -> None:
-        self.name, self.run_dir, self.steps, self.standbys = name, run_dir, steps, standbys
+    def __init__(self, name: str, run_dir: str, steps: int, standbys: int, tiny: bool, ranks_per_node: int,
+                 guards: int = 0) -> None:
+        self.name, self.run_dir, self.steps, self.standbys, self.guards = name, run_dir, steps, standbys, guards
         self.ranks_per_node = ranks_per_node
         shutil.rmtree(run_dir, ignore_errors=True)
         os.makedirs(os.path.dirname(os.path.abspath(run_dir)), exist_ok=True)
         with open(run_dir.rstrip("/") + ".log", "w") as log:  # tmd's own output (the ranks log to <run_dir>/logs)
-            self.proc = subprocess.Popen(tmd_command(run_dir, standbys, steps, tiny, True), stdout=log,
-                                         stderr=subprocess.STDOUT)
+            tmd_args = ("--guards", str(guards)) if guards else ()
+            self.proc = subprocess.Popen(tmd_command(run_dir, standbys, steps, tiny, True, tmd_args=tmd_args),
+                                         stdout=log, stderr=subprocess.STDOUT)
         self.client: Optional[Client] = None
         self.events: list[dict] = []
         self.t0: Optional[float] = None
@@ -145,7 +154,8 @@ class Run:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name}: the job ended before its standbys were warm")
             st = self.status()
-            if st is not None and len(warm_standbys(st)) >= self.standbys and st.step >= WARMUP_STEPS:
+            if st is not None and len(warm_standbys(st, guards=True)) >= self.standbys and st.step >= WARMUP_STEPS \
+                    and sum(n["role"] == p.NodeRole.GUARDING for n in st.nodes) >= self.guards:
                 self.t0, self.first_step = time.time(), st.step
                 return
             time.sleep(POLL_S)
@@ -164,7 +174,7 @@ class Run:
                 return
             rank = 0 if k % 2 else (st.world_size - 1)  # the last rank's node first (n2), then rank 0's, ...
             source = holder_of(st, rank)
-            spares = warm_standbys(st)
+            spares = warm_standbys(st, guards=kind == "kill")
             if source is None or not spares:
                 print(f"[{self.name}] event {k + 1}: no {'holder' if source is None else 'warm standby'}; stop",
                       file=sys.stderr, flush=True)
@@ -224,10 +234,10 @@ class Run:
 
 
 def run_job(name: str, run_dir: str, steps: int, standbys: int, tiny: bool, kind: Optional[str],
-            every_s: float) -> dict:
-    """Run one job to its end, firing ``kind`` events every ``every_s`` seconds (none for the reference).
-    Returns its raw figures (series not included: see :func:`summarise`)."""
-    run = Run(name, run_dir, steps, standbys, tiny, 2)
+            every_s: float, guards: int = 0) -> dict:
+    """Run one job to its end, firing ``kind`` events every ``every_s`` seconds (none for the reference), with
+    ``guards`` guards (tmd local --guards). Returns its raw figures (series not included: see :func:`summarise`)."""
+    run = Run(name, run_dir, steps, standbys, tiny, 2, guards)
     try:
         run.wait_warm()
         print(f"[{name}] standbys warm at step {run.first_step}", file=sys.stderr, flush=True)
@@ -264,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="steps per run (default: from --minutes and --step-s)")
     ap.add_argument("--migrate-every-s", type=float, default=60.0)
     ap.add_argument("--kill-every-s", type=float, default=120.0)
-    ap.add_argument("--runs", default="migrate,kill", help="event runs after the reference: migrate, kill or both")
+    ap.add_argument("--runs", default="migrate,kill,kill_guarded",
+                    help="event runs after the reference, from: migrate, kill, kill_guarded")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--run-dir", default="tmrun/bench-ettr")
     ap.add_argument("--no-save", action="store_true", help="print only (do not write benchmarks/results)")
@@ -276,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     if steps < WARMUP_STEPS + 2 * MIN_STEPS_LEFT:
         ap.error(f"a run needs at least {WARMUP_STEPS + 2 * MIN_STEPS_LEFT} steps (more --minutes or --steps)")
     expected_s = steps * args.step_s
-    every = {"migrate": args.migrate_every_s, "kill": args.kill_every_s}
-    standbys = {r: standbys_needed(expected_s, every[r]) for r in runs}
+    every = {"migrate": args.migrate_every_s, "kill": args.kill_every_s, "kill_guarded": args.kill_every_s}
+    standbys = {r: standbys_needed(expected_s, every[r]) + GUARDS.get(r, 0) for r in runs}
     ref_standbys = max(standbys.values(), default=1)
     dirs = {"reference": os.path.join(args.run_dir, "reference"), **{r: os.path.join(args.run_dir, r) for r in runs}}
 
@@ -286,13 +297,14 @@ def main(argv: list[str] | None = None) -> int:
     ref_median = median_step_s(ref_series, ref["first_step"], max(ref_series))
     results = {"reference": summarise(ref, ref_median, ref["final_hashes"])}
     for r in runs:
-        job = run_job(r, dirs[r], steps, standbys[r], args.tiny, r, every[r])
+        job = run_job(r, dirs[r], steps, standbys[r], args.tiny, KIND[r], every[r], GUARDS.get(r, 0))
         results[r] = summarise(job, ref_median, results["reference"]["final_hashes"])
     result = {
         "workload": {"model": "tiny" if args.tiny else "gpt-256x4", "nodes": 2, "ranks_per_node": 2, "steps": steps},
         "uninterrupted_median_step_s": round(ref_median, 6),
         "uninterrupted_median_from": "the reference run (no event, same standbys) of this invocation",
         "every_s": {r: every[r] for r in runs},
+        "guards": {r: GUARDS[r] for r in runs if r in GUARDS},
         "runs": results,
         "targets": {r: TARGETS[r] for r in runs},
         "met": {r: results[r]["ettr"] >= TARGETS[r] and results[r]["bit_identical"] for r in runs},

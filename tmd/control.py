@@ -18,6 +18,7 @@ from tmd.protocol.vocab import FailureSignal
 from tmd.registry import Node, Registry, Worker
 
 if TYPE_CHECKING:
+    from tmd.guards import Guards
     from tmd.protocol.keys import JobKeys
     from tmd.local import LocalLauncher
     from tmd.migration import Migration
@@ -35,6 +36,7 @@ class JobControl(Protocol):
     hostname: str  # this host's name: workers registered with it run here (psutil can see them)
     store_host: str  # the job's TCPStore, hosted by tmd
     launcher: Optional["LocalLauncher"]  # starts and watches the job's processes (None: they start themselves)
+    guards: "Guards"  # standbys warm as active nodes' ranks (tmd.guards): release one through it
 
     @property
     def store_port(self) -> int:

@@ -160,9 +160,12 @@ class Guards:
 
     def adopt(self, failed: Node) -> Optional[Adoption]:
         """Node ``failed`` (still holding its ranks) is lost: the guard warm for exactly its ranks is promoted and
-        returned as the recovery's replacements, or None when it has none."""
+        returned as the recovery's replacements, or None when it has none (or an unhealthy one: it is released)."""
         guard = next((g for g in self.guarding() if g.guards == sorted(failed.ranks) and g.guards), None)
         if guard is None:
+            return None
+        if guard.health != Health.HEALTHY:  # silent (hung, cut off): a general standby is the safer bet
+            self.release(guard, f"{failed.name} failed while its guard was {guard.health}: {guard.reason}")
             return None
         warm = self.is_warm(guard)
         joiners = {w.rank: w for w in guard.workers.values() if w.rank is not None}

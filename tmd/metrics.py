@@ -149,7 +149,7 @@ class LiveCollector(Collector):
         role = gauge("node_role", "The node's role (state set: 1 for its role).", ("node", "role"))
         step = gauge("node_step", "The highest step the node's processes reported.", ("node",))
         step_time = gauge("node_step_time_seconds", "The node's slowest recent step time (seconds).", ("node",))
-        standbys = {"warm": 0, "cold": 0}
+        standbys = {"warm": 0, "cold": 0, "guarding": 0}
         nodes = status.get("nodes")
         for n in (nodes if isinstance(nodes, list) else [])[:MAX_NODES]:
             name = label(n.get("name")) if isinstance(n, dict) else None
@@ -165,12 +165,15 @@ class LiveCollector(Collector):
                     role.add_metric([job, name, r.value], 1.0 if n["role"] == r else 0.0)
                 if n["role"] == NodeRole.STANDBY:
                     standbys["warm" if n.get("warm") is True else "cold"] += 1
+                elif n["role"] == NodeRole.GUARDING:
+                    standbys["guarding"] += 1
             for family, key in ((step, "step"), (step_time, "step_time_s")):
                 value = seconds(n.get(key))
                 if value is not None:
                     family.add_metric([job, name], value)
         yield from (age, healthy, role, step, step_time)
-        g = gauge("standbys", "Standby nodes, warm (ready to take ranks over) or cold.", ("state",))
+        g = gauge("standbys", "Standby nodes: warm (ready to take ranks over), cold, or guarding (warm as one "
+                              "node's ranks, tmd.guards).", ("state",))
         for state, count in standbys.items():
             g.add_metric([job, state], count)
         yield g

@@ -438,6 +438,8 @@ class SlurmCluster:
         m = self.control.current_migration
         if m is not None and name in m.targets:
             self.control.abort_migration(m, f"{why} during {m.state}")
+        if node.role == NodeRole.GUARDING:  # its sandbox ends with the node: a standby lost like any other
+            self.control.guards.release(node, why)
         if node.role == NodeRole.STANDBY:
             self.registry.fail_node(node, why)
             self.launcher.forget(name)

@@ -103,6 +103,17 @@ def test_the_guarded_nodes_failure_adopts_the_warm_guard_without_an_assign(tmp_p
     assert world.events(Event.RECOVERY_STARTED)[0]["adopted"] == {"n1": "s1"}
 
 
+def test_an_unhealthy_guard_is_released_not_adopted(tmp_path):
+    world = Guarded(tmp_path)
+    world.guards.tick(busy=False, now_s=100.0)
+    world.warm("s1")
+    world.reg.nodes["s1"].health, world.reg.nodes["s1"].reason = Health.UNHEALTHY, "no heartbeat for 5.0 s"
+    world.fail("n1")
+    assert world.incidents.current.standbys == {"n1": "s2"}  # the general standby, with a warm-up
+    assert world.reg.nodes["s1"].role == NodeRole.STANDBY and world.events(Event.GUARD_RELEASED)
+    assert [m.rank for _, m in world.sent_of(p.Assign) if not m.guard] == [0, 1]
+
+
 def test_a_guard_still_warming_is_adopted_and_warms_for_the_incident(tmp_path):
     world = Guarded(tmp_path)
     world.guards.tick(busy=False, now_s=100.0)

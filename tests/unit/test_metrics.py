@@ -177,6 +177,9 @@ def status(**overrides) -> dict:
         {"name": "s3", "role": NodeRole.STANDBY, "ranks": [], "health": Health.UNKNOWN, "reason": "",
          "processes": 0, "expected_processes": 1, "heartbeat_age_s": None, "step": None, "step_time_s": None,
          "warm": False, "stragglers": [], "pids": {}},
+        {"name": "s4", "role": NodeRole.GUARDING, "ranks": [], "health": Health.HEALTHY, "reason": "",
+         "processes": 1, "expected_processes": 1, "heartbeat_age_s": 0.1, "step": 2, "step_time_s": None,
+         "warm": True, "stragglers": [], "pids": {"0": 103}, "guards": [0]},
     ]
     reply = p.StatusReply(job="j", world_size=2, generation=3, step=12, nodes=nodes,
                           migration={"id": 1, "state": MigrationState.COMMITTED, "reason": "", "phases_s": {}},
@@ -204,6 +207,8 @@ def test_live_gauges_from_the_status():
     assert value(m, "trainmover_node_step_time_seconds", node="s1") == pytest.approx(0.04)
     assert value(m, "trainmover_standbys", state="warm") == 1
     assert value(m, "trainmover_standbys", state="cold") == 1
+    assert value(m, "trainmover_standbys", state="guarding") == 1
+    assert value(m, "trainmover_node_role", node="s4", role="guarding") == 1
     assert value(m, "trainmover_migration_in_progress") == 0
     assert value(m, "trainmover_recovery_in_progress") == 1
     assert value(m, "trainmover_job_failed") == 0
