@@ -575,7 +575,7 @@ class Daemon:
         if w is not None:
             self.migrations.on_worker_lost(w, f"exited with code {v.returncode}")
         if node.role == NodeRole.GUARDING:  # its sandbox is gone: the rest of it goes too, fresh ones come up
-            self.guards.release(node, f"{node.name}/{v.local_rank} exited with code {v.returncode}")
+            self.guards.lost(node, f"{node.name}/{v.local_rank} exited with code {v.returncode}")
         if node.role == NodeRole.STANDBY and not self.ending.released and self.launcher is not None:
             node.health = Health.UNHEALTHY if node.workers else node.health
             if not self.launcher.running(node.name):

@@ -23,7 +23,7 @@ The policy (``tmd local --guards N`` / ``tmd slurm --guards N``; 0, the default,
 - **Released** (its processes exit and come back fresh as a general standby: ~the import time of torch): when a
   failure finds no warm general standby (:meth:`Guards.free_one`: the recovery then waits for the fresh one,
   a few seconds more than with a general standby), when no active node holds its ranks any more, when one of its
-  processes exits, and at the job's end.
+  processes exits (after ``GIVE_UP_AFTER`` such deaths those ranks get no guard any more), and at the job's end.
 - **Migrated to**: ``tmctl migrate --from NODE --to GUARD`` where GUARD is NODE's warm guard starts phase 1 at once
   (tmd.migration: its joiners skip the warm-up); any other guard is ``busy_standby``.
 """
@@ -39,6 +39,8 @@ from tmd.journal import Journal
 from tmd.protocol.layout import RunDir
 from tmd.protocol.vocab import Event, ExitCode, Health, NodeRole
 from tmd.registry import Node, Registry, Worker
+
+GIVE_UP_AFTER = 2  # guards of the same ranks that died before those ranks stop getting one
 
 
 def warm_guard(node: Node) -> bool:
@@ -74,6 +76,7 @@ class Guards:
         self.suspects = suspects
         self.warm_s: dict[str, float] = {}  # guarding node -> seconds from its assignment to warm (journalled)
         self._assigned_at: dict[str, float] = {}
+        self.lost_guards: dict[tuple[int, ...], int] = {}  # ranks -> guards of them that died (GIVE_UP_AFTER: no more)
 
     def guarding(self) -> list[Node]:
         return self.registry.nodes_in(NodeRole.GUARDING)
@@ -112,12 +115,14 @@ class Guards:
             return  # a guard released earlier is still coming back
         suspects = self._suspect_nodes()
         guarded = {tuple(g.guards) for g in self.guarding()}
-        if not [n for n in suspects if tuple(n.ranks) not in guarded]:
+        unguarded = [n for n in suspects if tuple(n.ranks) not in guarded
+                     and self.lost_guards.get(tuple(n.ranks), 0) < GIVE_UP_AFTER]
+        if not unguarded:
             return
         suspect_ranks = {tuple(n.ranks) for n in suspects}
         idle = next((g for g in self.guarding() if tuple(g.guards) not in suspect_ranks), None)
         if idle is not None:
-            self.release(idle, f"node {suspects[0].name} is under suspicion and has no guard")
+            self.release(idle, f"node {unguarded[0].name} is under suspicion and has no guard")
 
     def _suspect_nodes(self) -> list[Node]:
         names = self.suspects()
@@ -131,6 +136,7 @@ class Guards:
         suspects = self.suspects()
         fits = [n for n in self.registry.nodes_in(NodeRole.ACTIVE)
                 if n.ranks and tuple(n.ranks) not in guarded and len(n.ranks) == standby.expected_workers
+                and self.lost_guards.get(tuple(n.ranks), 0) < GIVE_UP_AFTER
                 and all(os.path.exists(self.run_dir.recording(r)) for r in n.ranks)]
         fits.sort(key=lambda n: n.health == Health.HEALTHY and n.name not in suspects)  # stable: registry order
         return fits[0] if fits else None
@@ -173,16 +179,28 @@ class Guards:
         return Adoption(guard.name, joiners, warm)
 
     def free_one(self, why: str) -> bool:
-        """A failure found no warm general standby: release one guard (the one guarding the least suspect node,
-        the last placed first) so that it comes back as one. Returns False when there is none."""
+        """A failure found no warm general standby: release one guard so that it comes back as one: first a
+        guard of ranks no active node holds (of no use now), then one of a node not under suspicion, in registry
+        order. Returns False when there is none."""
         guards = self.guarding()
         if not guards:
             return False
-        suspects = self.suspects()
-        guards.sort(key=lambda g: any(self.registry.rank_owner.get(r) is not None and
-                                      self.registry.rank_owner[r].node in suspects for r in g.guards))
+        held = {tuple(n.ranks) for n in self.registry.nodes_in(NodeRole.ACTIVE)}
+        suspect_ranks = {tuple(n.ranks) for n in self._suspect_nodes()}
+        guards.sort(key=lambda g: (tuple(g.guards) in held, tuple(g.guards) in suspect_ranks))
         self.release(guards[0], why)
         return True
+
+    def lost(self, node: Node, why: str) -> None:
+        """A process of guard ``node`` exited (or its script failed in the sandbox): release the rest of it. After
+        GIVE_UP_AFTER such losses for the same ranks, those ranks get no guard any more (a script that cannot
+        run their shadow iterations would otherwise restart guards forever)."""
+        if node.role != NodeRole.GUARDING:
+            return
+        ranks = tuple(node.guards)
+        self.lost_guards[ranks] = self.lost_guards.get(ranks, 0) + 1
+        gave_up = self.lost_guards[ranks] >= GIVE_UP_AFTER
+        self.release(node, why + (f"; ranks {list(ranks)} get no guard any more" if gave_up else ""))
 
     def release(self, node: Node, why: str) -> None:
         """Let guard ``node`` go: its processes exit (a Release with exit code 0) and fresh standby processes come

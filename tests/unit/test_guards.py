@@ -194,3 +194,26 @@ def test_guards_off_by_default(tmp_path):
     world = Guarded(tmp_path, count=0)
     world.guards.tick(busy=False, now_s=100.0)
     assert world.sent == [] and world.reg.nodes_in(NodeRole.GUARDING) == []
+
+
+def test_guards_of_ranks_whose_guards_keep_dying_stop(tmp_path):
+    # (a script that fails in the sandbox for those ranks would otherwise restart guards forever)
+    world = Guarded(tmp_path, standbys=("s1",))
+    s1 = world.reg.nodes["s1"]
+    for attempt in range(2):
+        world.guards.tick(busy=False, now_s=100.0 + attempt)
+        assert s1.role == NodeRole.GUARDING and s1.guards == [0, 1]
+        world.guards.lost(s1, "s1/0 exited with code 1")
+        assert s1.role == NodeRole.STANDBY
+        s1.health = Health.HEALTHY  # (fresh processes came up)
+    assert "ranks [0, 1] get no guard any more" in world.events(Event.GUARD_RELEASED)[-1]["reason"]
+    world.guards.tick(busy=False, now_s=110.0)
+    assert s1.guards == [2, 3]  # the next node instead
+
+
+def test_a_failure_without_a_standby_frees_a_useless_guard_first(tmp_path):
+    world = Guarded(tmp_path, count=2, standbys=("s1", "s2"))
+    world.guards.tick(busy=False, now_s=100.0)  # s1: n1 (0, 1), s2: n2 (2, 3)
+    world.reg.nodes["s2"].guards = [8, 9]  # ranks no node holds (what a layout change would leave)
+    assert world.guards.free_one("needed")
+    assert world.reg.nodes["s2"].role == NodeRole.STANDBY and world.reg.nodes["s1"].role == NodeRole.GUARDING
