@@ -29,9 +29,11 @@ def seed_args(mode: str) -> tuple:
 class FidelityJob(Job):
     """test_failures' Job, of STEPS steps with dropout and seed mode ``mode``."""
 
-    def __init__(self, tmp_path, standbys: int, mode: str, *script_args: str) -> None:  # noqa: super() not called
+    def __init__(self, tmp_path, standbys: int, mode: str, *script_args: str,
+                 tmd_args: tuple = ()) -> None:  # noqa: super() not called
         self.run_dir = str(tmp_path / "job")
-        cmd = tmd_command(self.run_dir, standbys, STEPS, True, True, BASE + seed_args(mode) + script_args)
+        cmd = tmd_command(self.run_dir, standbys, STEPS, True, True, BASE + seed_args(mode) + script_args,
+                          tmd_args=tmd_args)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
         self.client = job_client(self.run_dir, self.proc)
 
@@ -78,9 +80,14 @@ def test_sigstop_hang_then_sigcont_is_fenced_and_bit_identical(tmp_path, referen
 
 @pytest.mark.timeout(300)
 def test_two_failures_in_a_row_per_rank_is_bit_identical(tmp_path, reference):
+    # --guards 1: s1 is placed as n1's guard once the ranks are recorded (rank 0 pauses 1.5 s in step 4 for it);
+    # n2 (unguarded) fails first and the general standby s2 replaces it; then n1 fails and its guard s1 is adopted
     expected = reference("per-rank")  # before the job: never alongside it
-    job = FidelityJob(tmp_path, 2, "per-rank", "--fault", "n2:6:forward", "--fault", "n1:16:optimizer")
+    job = FidelityJob(tmp_path, 2, "per-rank", "--fault", "n2:6:forward", "--fault", "n1:16:optimizer",
+                      "--slow-rank", "0", "--slow-steps", "4", "--slow-s", "1.5", tmd_args=("--guards", "1"))
     assert_identical(job, expected, job.finish(), incidents=2)
+    assert [e["adopted"] for e in job.events(p.Event.RECOVERY_STARTED)] == [{}, {"n1": "s1"}]
+    assert [d["standbys"] for d in job.events(p.Event.RECOVERY_DONE)] == [{"n2": "s2"}, {"n1": "s1"}]
 
 
 @pytest.mark.timeout(300)
