@@ -234,9 +234,10 @@ def run_trainmover(work: str, steps: int, kill_at: int, tiny: bool, guarded: boo
     """Reference and kill run under tmd (4 nodes x 1 rank, standby s1 in the kill run). ``guarded``: tmd runs
     with ``--guards 1`` (tmd.guards: s1 warms as one node's rank before any failure) and the node s1 guards is
     killed once s1 is warm; otherwise worker ``VICTIM``'s node, with s1 a general standby."""
-    from benchmarks.recovery import StepClock, finish_job, node_pids, read_events
+    from benchmarks.recovery import (
+        StepClock, finish_job, follow_recovery, node_pids, read_events, struck_node, wait_to_strike,
+    )
     from tests.support.job import final_hashes, job_client, tmd_command
-    from tmctl.client import CoordinatorUnreachable
     from tmd import protocol as p
 
     def start(run_dir: str, standbys: int, tmd_args: tuple = ()) -> subprocess.Popen:
@@ -257,39 +258,17 @@ def run_trainmover(work: str, steps: int, kill_at: int, tiny: bool, guarded: boo
     victim = f"n{VICTIM + 1}"
     try:
         clock = StepClock(job_client(kill_dir, proc))
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tmd exited with {proc.returncode} before the kill; see {kill_dir}.log")
-            try:
-                st = clock.poll()
-            except CoordinatorUnreachable:
-                continue
-            if st.step >= kill_at and any(n["name"] == "s1" and n["warm"] for n in st.nodes):
-                break
-            time.sleep(POLL_S)
-        if guarded:
-            victim = next(e["node"] for e in read_events(kill_dir) if e["event"] == p.Event.GUARD_ASSIGNED)
+        st = wait_to_strike(clock, proc, kill_at)
+        if st is None:
+            raise RuntimeError(f"tmd exited with {proc.returncode} before the kill; see {kill_dir}.log")
+        victim = struck_node(kill_dir, guarded, victim)
         pids = node_pids(kill_dir, victim)
         med = clock.median_step_s(st.step) or 0.0
         time.sleep(KILL_FRACTION * med)
         t_kill = time.time()
         for pid in pids.values():
             os.kill(pid, signal.SIGKILL)
-        highest_begun, resume = st.step, None
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                st = clock.poll()
-            except CoordinatorUnreachable:
-                continue
-            rec = st.recovery
-            if rec and rec.get("resume_step") is not None:
-                resume = rec["resume_step"]
-                if rec["state"] == p.IncidentState.RECOVERED and st.step >= resume + 1:
-                    break
-            else:
-                highest_begun = max(highest_begun, st.step)
-            time.sleep(POLL_S)
+        resume, _, highest_begun = follow_recovery(clock, proc, JOB_TIMEOUT_S, st.step)
         rc = finish_job(proc)
     finally:
         if proc.poll() is None:

@@ -169,6 +169,52 @@ def run_reference(run_dir: str, steps: int, tiny: bool, script_args: tuple) -> d
     return {"exit_code": rc, "hashes": hashes, "ranks_agree": len(hashes) == 4 and len(set(hashes.values())) == 1}
 
 
+def wait_to_strike(clock: "StepClock", proc: subprocess.Popen, at_step: int) -> p.StatusReply | None:
+    """Poll until training began step ``at_step`` with standby s1 warm (a general standby, or a guard done with
+    its warm-up), polling fast only in the step-time window before it. None when the job ended first."""
+    while True:
+        if proc.poll() is not None:
+            return None
+        try:
+            st = clock.poll()
+        except CoordinatorUnreachable:
+            continue  # tmd busy or gone: the next turn tells
+        if st.step >= at_step and any(n["name"] == "s1" and n["warm"] for n in st.nodes):
+            return st
+        time.sleep(POLL_S if st.step >= at_step - MEDIAN_WINDOW - 1 else IDLE_POLL_S)
+
+
+def struck_node(run_dir: str, guarded: bool, default: str) -> str:
+    """The node to strike: the one a guard is warm for (``guarded``: its ``guard_assigned`` event), else
+    ``default``."""
+    if not guarded:
+        return default
+    return next(e["node"] for e in read_events(run_dir) if e["event"] == p.Event.GUARD_ASSIGNED)
+
+
+def follow_recovery(clock: "StepClock", proc: subprocess.Popen, timeout_s: float,
+                    begun: int) -> tuple[int | None, float | None, int]:
+    """Poll until the incident is recovered and training began the step after its resume step (the redone step
+    committed). Returns (the resume step or None, ``time.time()`` when that was seen or None, the highest step
+    seen begun before the plan, at least ``begun``)."""
+    resume, highest = None, begun
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            st = clock.poll()
+        except CoordinatorUnreachable:
+            continue
+        rec = st.recovery
+        if rec and rec.get("resume_step") is not None:
+            resume = rec["resume_step"]
+            if rec["state"] == p.IncidentState.RECOVERED and st.step >= resume + 1:
+                return resume, time.time(), highest
+        else:
+            highest = max(highest, st.step)
+        time.sleep(POLL_S)
+    return resume, None, highest
+
+
 def inject_failure(run_dir: str, steps: int, fail_at: int, tiny: bool, script_args: tuple, sig: signal.Signals,
                    reference: dict, after_recovery=None, guarded: bool = False) -> dict:
     """Start the job with standby s1, send ``sig`` to every n2 rank process at step >= ``fail_at`` with s1 warm,
@@ -180,19 +226,11 @@ def inject_failure(run_dir: str, steps: int, fail_at: int, tiny: bool, script_ar
     pids: dict[int, int] = {}
     try:
         clock = StepClock(job_client(run_dir, proc))
-        while True:  # training past fail_at with a warm standby; keep polling for the step-time window
-            if proc.poll() is not None:
-                return job_ended_early(run_dir, proc.returncode)
-            try:
-                st = clock.poll()
-            except CoordinatorUnreachable:
-                continue  # tmd busy or gone: the next turn tells
-            if st.step >= fail_at and any(n["name"] == "s1" and n["warm"] for n in st.nodes):
-                break
-            time.sleep(POLL_S if st.step >= fail_at - MEDIAN_WINDOW - 1 else IDLE_POLL_S)
-        victim = "n2"
+        st = wait_to_strike(clock, proc, fail_at)
+        if st is None:
+            return job_ended_early(run_dir, proc.returncode)
+        victim = struck_node(run_dir, guarded, "n2")
         if guarded:
-            victim = next(e["node"] for e in read_events(run_dir) if e["event"] == "guard_assigned")
             extra["guarded_node"] = victim
         pids = node_pids(run_dir, victim)
         step_at_kill = st.step
@@ -202,22 +240,7 @@ def inject_failure(run_dir: str, steps: int, fail_at: int, tiny: bool, script_ar
         t_kill = time.time()
         for pid in pids.values():
             os.kill(pid, sig)
-
-        resume = None
-        t_committed = None
-        deadline = time.monotonic() + FOLLOW_TIMEOUT_S
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                st = clock.poll()
-            except CoordinatorUnreachable:
-                continue
-            rec = st.recovery
-            if rec and rec.get("resume_step") is not None:
-                resume = rec["resume_step"]
-                if rec["state"] == p.IncidentState.RECOVERED and st.step >= resume + 1:
-                    t_committed = time.time()
-                    break
-            time.sleep(POLL_S)
+        resume, t_committed, _ = follow_recovery(clock, proc, FOLLOW_TIMEOUT_S, st.step)
         if after_recovery is not None:
             extra.update(after_recovery(pids, proc))
         if t_committed is None and proc.poll() is None:
