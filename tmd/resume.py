@@ -317,7 +317,9 @@ class Resumed:
         if node.role == NodeRole.FAILED:
             return self._refuse(identity, fields, f"{node.name} was declared failed", ExitCode.FENCED)
         if msg.role == WorkerRole.JOINER and node.role != NodeRole.ACTIVE:
-            return self._refuse(identity, fields, "joiner of a migration tmd's restart aborted", ExitCode.OK)
+            # (a guard, tmd.guards, too: the restarted tmd places guards afresh)
+            return self._refuse(identity, fields, "joiner of a migration tmd's restart aborted, or a guard",
+                                ExitCode.OK)
         if msg.role == WorkerRole.STANDBY and node.role == NodeRole.ACTIVE:
             return self._refuse(identity, fields, "tmd restarted before this process had its rank", ExitCode.REFUSED)
         if msg.role != WorkerRole.STANDBY and node.role == NodeRole.STANDBY:

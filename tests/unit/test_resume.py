@@ -133,6 +133,26 @@ def test_a_leavers_warm_joiners_adopted_by_the_recovery_stay_promoted_until_it_i
     assert st.roles["s1"] == (ACTIVE, [2, 3]) and st.roles["n2"] == (FAILED, []) and st.generation == 2
 
 
+def test_a_guard_is_a_standby_to_a_restarted_tmd_until_a_finished_recovery_adopted_it(tmp_path):
+    guarded = [{"event": Event.GUARD_ASSIGNED, "standby": "s1", "node": "n1", "ranks": [0, 1]},
+               {"event": Event.GUARD_WARMED, "standby": "s1", "ranks": [0, 1]}]
+    st = load(write_job(tmp_path, *guarded))
+    assert st.roles["s1"] == (STANDBY, [])  # its processes are refused on rejoin and come back fresh
+    adopted = [{"event": Event.NODE_FAILED, "node": "n1", "ranks": [0, 1]},
+               {"event": Event.RECOVERY_STARTED, "incident_id": 1, "adopted": {"n1": "s1"}},
+               {"event": Event.RECOVERY_PLAN, "incident_id": 1, "generation": 1, "sends": []},
+               {"event": Event.RECOVERY_DONE, "incident_id": 1, "standbys": {"n1": "s1"}}]
+    st = load(write_job(tmp_path, *guarded, *adopted))
+    assert st.roles["s1"] == (ACTIVE, [0, 1]) and st.roles["n1"] == (FAILED, [])
+    st = load(write_job(tmp_path, *guarded))
+    c = Control(st)
+    r = Resumed(c, st, rejoin_grace_s=10.0)
+    r.start()
+    r.on_rejoin(b"s1/0", rejoin("s1", 0, 0, WorkerRole.JOINER))
+    assert c.sent[-1] == (b"s1/0", p.Release(reason="joiner of a migration tmd's restart aborted, or a guard",
+                                             exit_code=ExitCode.OK))
+
+
 def test_a_standby_added_at_run_time(tmp_path):
     st = load(write_job(tmp_path, {"event": Event.STANDBY_ADDED, "node": "s3"}))
     assert st.roles["s3"] == (STANDBY, []) and st.standbys == ["s1", "s2"]
@@ -189,7 +209,7 @@ def test_resumed_relearns_the_job_and_fails_what_did_not_come_back(tmp_path):
     r.ask(b"n1/0")  # asked again only after REASK_S
     assert c.sent == [(b"n1/0", p.Reregister(store_host="127.0.0.1", store_port=7, generation=2))]
     r.on_rejoin(b"s1/0", rejoin("s1", 0, 2, WorkerRole.JOINER, generation=3))
-    assert c.sent[-1] == (b"s1/0", p.Release(reason="joiner of a migration tmd's restart aborted",
+    assert c.sent[-1] == (b"s1/0", p.Release(reason="joiner of a migration tmd's restart aborted, or a guard",
                                              exit_code=ExitCode.OK))
     r.on_rejoin(b"n1/0", rejoin("n1", 0, 0, WorkerRole.ACTIVE, generation=4))
     assert c.sent[-1] == (b"n1/0", p.Decide(migration_id=3, commit=False, reason="tmd restarted during the migration"))
