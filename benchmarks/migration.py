@@ -18,6 +18,9 @@ Workload: the demo's (byte-level GPT, DDP, 2 nodes x 2 ranks, AdamW, Shakespeare
 - **Both switch paths**: ``live_migration`` with the pre-copy and optimizer replay (worker.precopy: only a tail
   moves at the switch step) and ``live_migration_full_transfer`` with ``TM_PRECOPY=0`` (the whole state moves at
   the switch step), each in its own job of the same run; ``stall_ratio_full_over_precopy`` compares their switch stalls.
+- **To a guard**: ``live_migration_to_guard`` runs tmd with ``--guards 1`` and moves n1 to its guard s1 (tmd.guards:
+  warmed as n1's ranks before the request), so the joiners skip the warm-up; ``request_to_commit_s`` (every job)
+  is the migration's time from the request to the commit.
 - **Cold baseline** (same run): checkpoint every rank with torch.distributed.checkpoint, stop the processes, restart
   them with the node replaced, load, continue (benchmarks/cold_restart.py). Its downtime and the ratio to ours.
 
@@ -69,7 +72,7 @@ def step_times(run_dir: str) -> dict[int, float]:
 
 
 def run_live(steps: int, migrate_at: int, tiny: bool, run_dir: str, tmd_args: tuple = (),
-             precopy: bool = True) -> dict:
+             precopy: bool = True, source: str = "n2") -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     env = dict(os.environ, TM_PRECOPY="1" if precopy else "0")
     proc = subprocess.Popen(tmd_command(run_dir, 1, steps, tiny, quiet=True, tmd_args=tmd_args),
@@ -78,9 +81,9 @@ def run_live(steps: int, migrate_at: int, tiny: bool, run_dir: str, tmd_args: tu
         client = job_client(run_dir, proc)
         while client.request(p.StatusRequest()).step < migrate_at:
             time.sleep(0.2)
-        pids = stayer_pids(run_dir, ("n1",))
+        pids = stayer_pids(run_dir, tuple(n for n in ("n1", "n2") if n != source))
         rss_before = rss_bytes(pids)
-        m = migrate_when_ready(client, proc, migrate_at, "n2", "s1")
+        m = migrate_when_ready(client, proc, migrate_at, source, "s1")
         rss_after = rss_bytes(pids) if proc.poll() is None else None
         rc = proc.wait(timeout=1800)
     finally:
@@ -91,7 +94,9 @@ def run_live(steps: int, migrate_at: int, tiny: bool, run_dir: str, tmd_args: tu
     times, S, median = step_times(run_dir), m["switch_step"], m["median_step_s"]
     before = [times.get(s) for s in range(S - 3, S)] if S is not None else []
     return {
-        "precopy": precopy,
+        "precopy": precopy, "source": source, "tmd_args": list(tmd_args),
+        # from the request to the commit: with a guard as the target its warm-up is already done
+        "request_to_commit_s": (m["phases_s"] or {}).get("total"),
         "state": m["state"], "exit_code": rc, "switch_step": S, "median_step_s": median,
         "downtime_s": m["downtime_s"], "stayer_pause_s": m["pause_s"], "joiner_lag_s": m.get("joiner_lag_s"),
         "switch_stall_s": round(m["pause_s"] + (m.get("joiner_lag_s") or 0.0), 6) if m["pause_s"] is not None
@@ -117,12 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     live = run_live(args.steps, args.migrate_at, args.tiny, live_dir)
     full_dir = os.path.join(args.run_dir, "live_full")
     full = run_live(args.steps, args.migrate_at, args.tiny, full_dir, precopy=False)
+    guard_dir = os.path.join(args.run_dir, "live_guard")  # s1 guards n1 (tmd.guards): the joiners are warm already
+    guard = run_live(args.steps, args.migrate_at, args.tiny, guard_dir, ("--guards", "1"), source="n1")
     cold = run_cold_restart(world=4, steps=args.steps, restart_at=args.migrate_at, tiny=args.tiny)
     ours = live["downtime_s"]
     result = {
         "workload": {"model": "tiny" if args.tiny else "gpt-256x4", "nodes": 2, "ranks_per_node": 2, "steps": args.steps},
         "live_migration": live,
         "live_migration_full_transfer": full,
+        "live_migration_to_guard": guard,
         "stall_ratio_full_over_precopy": round(full["switch_stall_s"] / max(live["switch_stall_s"], 1e-4), 1)
         if live["switch_stall_s"] and full["switch_stall_s"] else None,
         "cold_restart": cold,
@@ -134,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                     "stayer_rss_growth_max": 0.01},
     }
     print(json.dumps(result), flush=True)
-    report.save("migration", result, [live_dir, full_dir])  # benchmarks/results/migration.json and .png
+    report.save("migration", result, [live_dir, full_dir, guard_dir])  # migration.json and a picture per job
     return 0 if live["state"] == "committed" else 1
 
 
