@@ -267,6 +267,12 @@ GLOO_RANK = """
     t = torch.tensor([float(rank + 1)])
     pg.allreduce([t]).wait()
     print("sum", t.item(), flush=True)
+    # Both ranks are done before either tears gloo down: a pair whose peer closed first can abort (SIGABRT) in
+    # its destructor at interpreter exit, which says nothing about the veth. Then exit without that teardown.
+    store.set(f"done{rank}", "1")
+    store.wait([f"done{1 - rank}"])
+    import os
+    os._exit(0)
 """
 
 
