@@ -217,3 +217,23 @@ def test_a_failure_without_a_standby_frees_a_useless_guard_first(tmp_path):
     world.reg.nodes["s2"].guards = [8, 9]  # ranks no node holds (what a layout change would leave)
     assert world.guards.free_one("needed")
     assert world.reg.nodes["s2"].role == NodeRole.STANDBY and world.reg.nodes["s1"].role == NodeRole.GUARDING
+
+
+def test_an_evacuation_goes_to_the_nodes_warm_guard_first(tmp_path):
+    from types import SimpleNamespace
+
+    from tmd.evacuation import Evacuation
+
+    world = Guarded(tmp_path)
+    world.guards.tick(busy=False, now_s=100.0)  # s1 guards n1; s2 is a general standby
+    migs = Migrations(world.reg, world.journal, world.channel, record_steps=3)
+    control = SimpleNamespace(registry=world.reg, journal=world.journal, current_migration=None,
+                              current_incident=None, request_migration=lambda s, t, require_healthy: migs.request(
+                                  s, t, require_healthy=require_healthy))
+    evacuation = Evacuation(control)
+    evacuation.evacuate(world.reg.nodes["n2"], "rank 3 is a straggler")  # n2 has no guard: the general standby
+    assert world.events(Event.EVACUATION_STARTED)[-1]["standby"] == "s2"
+    migs.abort(migs.current, "(this test)")
+    world.warm("s1")
+    evacuation.evacuate(world.reg.nodes["n1"], "an unhealthy GPU")
+    assert world.events(Event.EVACUATION_STARTED)[-1]["standby"] == "s1"  # warm for n1 already
