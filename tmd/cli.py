@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="TrainMover coordinator daemon (one per job).")
 
 DEFAULT_COMMAND = [sys.executable, "-m", "examples.train_gpt"]
+GUARDS_HELP = ("Standby nodes kept warm as particular active nodes' ranks (guards, tmd.guards): a failure of a "
+               "guarded node skips the replacement's warm-up, and a migration of it to its guard skips the "
+               "joiners'. A guard is no migration target for another node (0: off).")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -37,7 +40,7 @@ def local(
     run_dir: str = typer.Option("tmrun", envvar="TM_RUN_DIR", help="Events, logs, recordings and tmd.json."),
     record_steps: int = typer.Option(3, min=1, help="Steps recorded at job start; joiners replay them as shadow iterations."),
     snapshot_every: int = typer.Option(10, min=0, help="Buddy snapshots every this many steps where a rank's state has no replica on another node (0: off)."),
-    guards: int = typer.Option(0, min=0, help="Standby nodes kept warm as particular active nodes' ranks (guards): a failure of a guarded node skips the replacement's warm-up. A guard is not a migration target (0: off)."),
+    guards: int = typer.Option(0, min=0, help=GUARDS_HELP),
     heartbeat_timeout_s: float = typer.Option(5.0, help="Seconds of silence before a node is marked unhealthy."),
     port: int = typer.Option(0, help="ZeroMQ port (0: any free port)."),
     job: Optional[str] = typer.Option(None, help="Job name (default: local-<pid>)."),
@@ -138,7 +141,7 @@ def slurm(
                                           help="Events, logs, recordings and tmd.json (default ./tmrun/<JOBID>)."),
     record_steps: int = typer.Option(3, min=1, help="Steps recorded at job start; joiners replay them as shadow iterations."),
     snapshot_every: int = typer.Option(10, min=0, help="Buddy snapshots every this many steps where a rank's state has no replica on another node (0: off)."),
-    guards: int = typer.Option(0, min=0, help="Standby nodes kept warm as particular active nodes' ranks (guards): a failure of a guarded node skips the replacement's warm-up. A guard is not a migration target (0: off)."),
+    guards: int = typer.Option(0, min=0, help=GUARDS_HELP),
     heartbeat_timeout_s: float = typer.Option(5.0, help="Seconds of silence before a node is marked unhealthy."),
     poll_s: float = typer.Option(1.0, min=0.1, help="Seconds between polls of node states and standby jobs."),
     slurm_timeout_s: float = typer.Option(5.0, min=0.1, help="Timeout of every SLURM client call (seconds)."),

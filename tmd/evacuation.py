@@ -11,7 +11,7 @@ from typing import Optional
 
 from tmd.control import JobControl
 from tmd.health import GpuHealthPolicy, StragglerDetector, finite
-from tmd.guards import warm_guard
+from tmd.guards import guard_of, warm_guard
 from tmd.migration import MigrationError
 from tmd.protocol.vocab import GPU_EVENTS, Event, GpuLevel, Health, NodeRole
 from tmd.registry import Node, Worker
@@ -85,9 +85,9 @@ class Evacuation:
         """Move a live but failing node to its warm guard, else to a warm standby, if one is free and nothing else
         runs (journals ``evacuation_started`` or ``evacuation_skipped`` with why)."""
         c = self.control
-        guard = next((g for g in c.registry.nodes_in(NodeRole.GUARDING)  # warm for this node already: tmd.guards
-                      if g.guards == sorted(node.ranks) and warm_guard(g)), None)
-        standby = guard or next((n for n in c.registry.nodes_in(NodeRole.STANDBY) if n.warm), None)
+        guard = guard_of(c.registry, node)  # warm for this node already (tmd.guards)
+        standby = guard if guard is not None and warm_guard(guard) else \
+            next((n for n in c.registry.nodes_in(NodeRole.STANDBY) if n.warm), None)
         if standby is None or c.current_migration is not None or c.current_incident is not None:
             c.journal.record(Event.EVACUATION_SKIPPED, node=node.name, reason=reason,
                              why="no warm standby" if standby is None else "a migration or recovery is running")

@@ -43,6 +43,12 @@ from tmd.registry import Node, Registry, Worker
 GIVE_UP_AFTER = 2  # guards of the same ranks that died before those ranks stop getting one
 
 
+def guard_of(registry: Registry, node: Node) -> Optional[Node]:
+    """The guard warm (or warming) for exactly ``node``'s ranks, or None."""
+    return next((g for g in registry.nodes_in(NodeRole.GUARDING) if g.guards and g.guards == sorted(node.ranks)),
+                None)
+
+
 def warm_guard(node: Node) -> bool:
     """Whether ``node`` is a warm guard: every process of it registered, alive and done with its shadow
     iterations for the rank it was given."""
@@ -74,17 +80,11 @@ class Guards:
         self.count = count
         self.record_steps = record_steps
         self.suspects = suspects
-        self.warm_s: dict[str, float] = {}  # guarding node -> seconds from its assignment to warm (journalled)
-        self._assigned_at: dict[str, float] = {}
+        self._assigned_at: dict[str, float] = {}  # guarding node -> when it was assigned (epoch s)
         self.lost_guards: dict[tuple[int, ...], int] = {}  # ranks -> guards of them that died (GIVE_UP_AFTER: no more)
 
     def guarding(self) -> list[Node]:
         return self.registry.nodes_in(NodeRole.GUARDING)
-
-    @staticmethod
-    def is_warm(node: Node) -> bool:
-        """Whether guard ``node`` is warm: every process of it alive and done with its shadow iterations."""
-        return warm_guard(node)
 
     def tick(self, busy: bool, now_s: float) -> None:
         """Release guards whose ranks no active node holds; then, unless ``busy`` (a migration or incident runs,
@@ -125,6 +125,7 @@ class Guards:
             self.release(idle, f"node {unguarded[0].name} is under suspicion and has no guard")
 
     def _suspect_nodes(self) -> list[Node]:
+        """The active nodes under suspicion: not healthy, or named by ``suspects``."""
         names = self.suspects()
         return [n for n in self.registry.nodes_in(NodeRole.ACTIVE)
                 if n.ranks and (n.health != Health.HEALTHY or n.name in names)]
@@ -133,19 +134,19 @@ class Guards:
         """The active node ``standby`` should guard: suspects first, then registry order; None when every node
         that fits is guarded (or its recordings are not written yet)."""
         guarded = {tuple(g.guards) for g in self.guarding()}
-        suspects = self.suspects()
+        suspects = {n.name for n in self._suspect_nodes()}
         fits = [n for n in self.registry.nodes_in(NodeRole.ACTIVE)
                 if n.ranks and tuple(n.ranks) not in guarded and len(n.ranks) == standby.expected_workers
                 and self.lost_guards.get(tuple(n.ranks), 0) < GIVE_UP_AFTER
                 and all(os.path.exists(self.run_dir.recording(r)) for r in n.ranks)]
-        fits.sort(key=lambda n: n.health == Health.HEALTHY and n.name not in suspects)  # stable: registry order
+        fits.sort(key=lambda n: n.name not in suspects)  # stable: registry order otherwise
         return fits[0] if fits else None
 
     def _assign(self, standby: Node, node: Node, now_s: float) -> None:
         self.registry.guard(standby, list(node.ranks))
         self._assigned_at[standby.name] = now_s
         self.journal.record(Event.GUARD_ASSIGNED, standby=standby.name, node=node.name, ranks=standby.guards,
-                            suspect=node.name in self.suspects() or node.health != Health.HEALTHY)
+                            suspect=node.name in {n.name for n in self._suspect_nodes()})
         workers = [standby.workers[i] for i in sorted(standby.workers)]
         for rank, w in zip(standby.guards, workers):
             w.rank, w.warm_for = rank, None
@@ -157,23 +158,22 @@ class Guards:
         node = self.registry.nodes.get(w.node)
         if node is None or node.role != NodeRole.GUARDING or w.rank != msg.rank or msg.incident_id != 0:
             return False
-        was_warm, w.warm_for = self.is_warm(node), msg.rank
-        if self.is_warm(node) and not was_warm:
-            self.warm_s[node.name] = round(now_s - self._assigned_at.get(node.name, now_s), 3)
+        was_warm, w.warm_for = warm_guard(node), msg.rank
+        if warm_guard(node) and not was_warm:
             self.journal.record(Event.GUARD_WARMED, standby=node.name, ranks=node.guards, shadow_steps=msg.shadow_steps,
-                                warm_up_s=self.warm_s[node.name])
+                                warm_up_s=round(now_s - self._assigned_at.get(node.name, now_s), 3))
         return True
 
     def adopt(self, failed: Node) -> Optional[Adoption]:
         """Node ``failed`` (still holding its ranks) is lost: the guard warm for exactly its ranks is promoted and
         returned as the recovery's replacements, or None when it has none (or an unhealthy one: it is released)."""
-        guard = next((g for g in self.guarding() if g.guards == sorted(failed.ranks) and g.guards), None)
+        guard = guard_of(self.registry, failed)
         if guard is None:
             return None
         if guard.health != Health.HEALTHY:  # silent (hung, cut off): a general standby is the safer bet
             self.release(guard, f"{failed.name} failed while its guard was {guard.health}: {guard.reason}")
             return None
-        warm = self.is_warm(guard)
+        warm = warm_guard(guard)
         joiners = {w.rank: w for w in guard.workers.values() if w.rank is not None}
         self.registry.promote(guard)
         return Adoption(guard.name, joiners, warm)

@@ -39,7 +39,7 @@ from typing import Optional, Sequence, Union
 from tmd import protocol as p
 from tmd.channel import WorkerChannel
 from tmd.episode import Episode, Episodes
-from tmd.guards import Adoption, warm_guard
+from tmd.guards import Adoption, guard_of, warm_guard
 from tmd.journal import Journal
 from tmd.protocol.vocab import (
     MIGRATION_EVENTS, ErrorCode, Event, Health, MigrationMark, MigrationPhase, MigrationRole, MigrationState,
@@ -255,7 +255,7 @@ class Migrations(Episodes[Migration]):
             )
         for source, target in zip(sources, targets):
             dst = reg.nodes[target]
-            if dst.role == NodeRole.GUARDING and dst.guards == sorted(reg.nodes[source].ranks) and warm_guard(dst):
+            if guard_of(reg, reg.nodes[source]) is dst and warm_guard(dst):
                 continue  # the guard of exactly this node, warm: its joiners are ready (tmd.guards)
             if dst.role != NodeRole.STANDBY or not dst.warm:
                 state = "cold: not all its processes are up" if dst.role == NodeRole.STANDBY else dst.role

@@ -260,13 +260,13 @@ class Session:
         control, recovery = self._control, self._recovery
         step = 0
         if control.role == p.WorkerRole.JOINER:
-            shadow_steps = a.record_steps
-            if a.incident_id != 0:  # a failure's replacement: fewer shadow iterations, its plan carried out meanwhile
-                recovery.prefetch()
-                shadow_steps = min(shadow_steps, REPLACEMENT_SHADOW_STEPS)
-            elif a.guard:  # warm before any failure (tmd.guards): off the critical path, no shortcut needed
-                shadow_steps = min(shadow_steps, REPLACEMENT_SHADOW_STEPS)
+            # A failure's replacement (its plan carried out meanwhile) or a guard (tmd.guards: warm before any
+            # failure) runs fewer shadow iterations than a planned migration's joiner; only the replacement, on the
+            # failure's critical path, takes the one-iteration shortcut.
             planned = a.incident_id == 0 and not a.guard
+            shadow_steps = a.record_steps if planned else min(a.record_steps, REPLACEMENT_SHADOW_STEPS)
+            if a.incident_id != 0:
+                recovery.prefetch()
             yield from self._migration.shadow(
                 min(shadow_steps, total), report_warmed=planned, pretouch=planned,
                 enough_after_one=regroup_ddp_buckets if a.incident_id != 0 else None)

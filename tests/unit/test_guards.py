@@ -5,7 +5,7 @@ fake recordings, a channel that records what would be sent)."""
 import pytest
 
 from tmd import protocol as p
-from tmd.guards import Guards
+from tmd.guards import Guards, warm_guard
 from tmd.migration import MigrationError, Migrations
 from tmd.protocol.vocab import ErrorCode, Event, ExitCode, Health, IncidentMark, NodeRole, RecoveryPhase
 from tmd.status import node_status
@@ -56,7 +56,7 @@ def test_a_guard_is_placed_once_the_job_trains_and_its_ranks_are_recorded(tmp_pa
 
     assert not node_status(s1, 0.0, [])["warm"]
     world.warm("s1")
-    assert world.guards.is_warm(s1) and node_status(s1, 0.0, [])["warm"]
+    assert warm_guard(s1) and node_status(s1, 0.0, [])["warm"]
     assert node_status(s1, 0.0, [])["guards"] == [2, 3]
     warmed = world.events(Event.GUARD_WARMED)
     assert len(warmed) == 1 and warmed[0]["warm_up_s"] == 5.0 and warmed[0]["shadow_steps"] == 2
