@@ -19,6 +19,7 @@ import pytest
 import zmq
 
 from tests.support.job import final_hashes, job_client, scrape, tmd_command, web_of
+from tmctl.client import CoordinatorUnreachable
 from tmd import protocol as p
 from tmd.protocol.keys import JobKeys
 from tmd.resume import ResumeError, load
@@ -89,7 +90,10 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path, gpt_refer
                                    stdout=subprocess.DEVNULL)
 
         def relearned():
-            st = status()
+            try:
+                st = status()
+            except CoordinatorUnreachable:  # still starting (it replays the journal, imports torch): ask again
+                return None
             nodes = {n["name"]: n for n in st.nodes}
             ok = all(nodes[n]["processes"] == 2 and nodes[n]["role"] == "active" for n in ("n1", "n2"))
             return st if ok and nodes["s1"]["warm"] and sorted(r for n in ("n1", "n2") for r in nodes[n]["ranks"]) \
