@@ -260,6 +260,11 @@ class Session:
         control, recovery = self._control, self._recovery
         step = 0
         if control.role == p.WorkerRole.JOINER:
+            # No misuse check here: the job's own ranks ran it at their first boundary (same script), and tmd
+            # refuses migrations and recoveries of a job they reported. On a joiner it would be a gc scan of
+            # 0.1-0.2 s (demo GPT, this 2-core machine) at its first boundary after the switch or recovery,
+            # which every peer's next collective waits for.
+            self._misuse_checked = True
             # A failure's replacement (its plan carried out meanwhile) or a guard (tmd.guards: warm before any
             # failure) runs fewer shadow iterations than a planned migration's joiner; only the replacement, on the
             # failure's critical path, takes the one-iteration shortcut.
