@@ -10,6 +10,11 @@ One job per layout, against an uninterrupted run of the same layout and seed:
    back to the last buddy snapshot (``--snapshot-every 4``) and redoing the steps since;
 3. every rank's final model and optimizer hash (its local shards) equals the uninterrupted run's.
 
+tp_fsdp runs with a guard instead (``--guards 1``, tmd.guards): once recording ends, a standby warms up as n1's
+ranks, running its shadow iterations on the 2-D mesh; n2 moves to the other standby, and then n1 is killed and
+its guard adopted, with no warm-up, through the roll-back to the last buddy snapshot (which the joiner of n2's
+ranks took part in).
+
 FSDP2 sharded over all 4 ranks (one mesh dimension) is not run here: its path under the runtime (no replica, the
 roll-back to a buddy snapshot, a stayer rebuilding a mesh group that holds a leaver) is tp_fsdp's, whose FSDP2
 dimension also spans both nodes and which, in addition, keeps a group that holds no leaver. It trains without the
@@ -32,18 +37,20 @@ STEPS = 32  # 4 steps after the kill; a rollback goes back to step 24 at most (S
 # loaded machine); the kill must come after it and after the joiner's first buddy snapshot (every 4 steps).
 KILL_AT = 28
 SNAPSHOT_EVERY = 4
-# layout -> (train_llama's mesh flags, whether a lost node's state has a replica elsewhere, groups per rank)
+# layout -> (train_llama's mesh flags, whether a lost node's state has a replica elsewhere, whether n1 is guarded
+# and killed instead of the joiner)
 LAYOUTS = {
-    "hsdp": (("--dp-replicate", "2", "--dp-shard", "2"), True),
-    "tp_fsdp": (("--tp", "2", "--dp-shard", "2"), False),
-    "pp_dp": (("--pp", "2", "--dp-replicate", "2"), False),
+    "hsdp": (("--dp-replicate", "2", "--dp-shard", "2"), True, False),
+    "tp_fsdp": (("--tp", "2", "--dp-shard", "2"), False, True),
+    "pp_dp": (("--pp", "2", "--dp-replicate", "2"), False, False),
 }
 PAD = ("--min-step-time-s", "0.15")  # every step lasts at least this (numerics unchanged): time to migrate
 
 
 def command(run_dir: str, layout: str, standbys: int, extra: tuple = ()) -> list[str]:
+    guards = ("--guards", "1") if standbys and LAYOUTS[layout][2] else ()
     return tmd_command(run_dir, standbys, STEPS, True, True, LAYOUTS[layout][0] + extra,
-                       tmd_args=("--snapshot-every", str(SNAPSHOT_EVERY)), script="examples.train_llama")
+                       tmd_args=("--snapshot-every", str(SNAPSHOT_EVERY)) + guards, script="examples.train_llama")
 
 
 def reference(tmp_path, layout: str) -> dict[int, str]:
@@ -58,18 +65,30 @@ def reference(tmp_path, layout: str) -> dict[int, str]:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_migration_then_kill_is_bit_identical(tmp_path, layout):
     expected = reference(tmp_path, layout)
+    guarded = LAYOUTS[layout][2]
+    killed = "n1" if guarded else "s1"  # fired by the processes started there, not by their replacements
     run_dir = str(tmp_path / "job")
-    proc = subprocess.Popen(command(run_dir, layout, 2, PAD + ("--fault", f"s1:{KILL_AT}:forward")),
+    proc = subprocess.Popen(command(run_dir, layout, 2, PAD + ("--fault", f"{killed}:{KILL_AT}:forward")),
                             stdout=subprocess.DEVNULL)
     try:
         client = job_client(run_dir, proc)
+        roles: dict[str, dict] = {}
 
         def ready() -> bool:
             st = client.request(p.StatusRequest())
-            return st.step >= 4 and {n["name"] for n in st.nodes if n["warm"]} >= {"s1", "s2"}
+            roles.update({n["name"]: n for n in st.nodes})
+            warm = {n["name"] for n in st.nodes if n["warm"] and n["role"] == "standby"}
+            guarding = [n["name"] for n in st.nodes if n["role"] == "guarding"]
+            return st.step >= 4 and (len(guarding) == 1 and len(warm) == 1 if guarded else warm >= {"s1", "s2"})
 
-        wait_until(ready, 120, "training at step 4 and warm standbys")
-        reply = client.request(p.MigrateRequest(sources=["n2"], targets=["s1"]))
+        wait_until(ready, 120, "training at step 4 and warm standbys" + (", one guarding n1" if guarded else ""))
+        if guarded:  # the guard stays on n1; n2 moves to the other standby
+            guard, = [name for name, n in roles.items() if n["role"] == "guarding"]
+            assert roles[guard]["guards"] == [0, 1], roles[guard]
+            target, = [name for name, n in roles.items() if n["role"] == "standby"]
+        else:
+            guard, target = "", "s1"
+        reply = client.request(p.MigrateRequest(sources=["n2"], targets=[target]))
         assert isinstance(reply, p.MigrationReply), reply
         assert proc.wait(timeout=300) == 0
     finally:
@@ -85,10 +104,10 @@ def test_migration_then_kill_is_bit_identical(tmp_path, layout):
 
     committed = of(p.Event.MIGRATION_COMMITTED)
     assert len(committed) == 1, of(p.Event.MIGRATION_ABORTED)
-    assert committed[0]["switch_step"] < KILL_AT, "the kill was due before the joiner held s1's ranks: raise KILL_AT"
+    assert committed[0]["switch_step"] < KILL_AT, "the kill was due before the joiner held n2's ranks: raise KILL_AT"
     # delta-based: a stayer rebuilds only its groups that hold a leaver (n2's ranks 2, 3); the joiners all theirs
     rebuilt = of(p.Event.MIGRATION_PREPARED)[0]["rebuilt"]
-    stayer, joiner = set(rebuilt["n1/0"]), set(rebuilt["s1/0"])
+    stayer, joiner = set(rebuilt["n1/0"]), set(rebuilt[f"{target}/0"])
     assert p.layout.WORLD_GROUP in stayer and stayer <= joiner | {p.layout.WORLD_GROUP}, rebuilt
     if layout in ("tp_fsdp", "pp_dp"):  # the stayers' in-node group (TP, or the stage's DP) holds no leaver
         assert len(stayer) < len(joiner), rebuilt
@@ -96,14 +115,22 @@ def test_migration_then_kill_is_bit_identical(tmp_path, layout):
     plan, = of(p.Event.RECOVERY_PLAN)
     done, = of(p.Event.RECOVERY_DONE)
     has_replica = LAYOUTS[layout][1]
-    if has_replica:  # from the replica on n1: rank 0 -> 2, rank 1 -> 3, nothing rolled back
-        assert plan["rollback_step"] == -1 and sorted(plan["sends"]) == [[0, 2], [1, 3]], plan
-    else:  # rolled back to the last snapshot every rank held, sent by the ranks that kept s1's copies
+    # the lost ranks' state comes from the other node's ranks: 0 -> 2 and 1 -> 3 when s1 (ranks 2, 3) was killed
+    sends = [[2, 0], [3, 1]] if guarded else [[0, 2], [1, 3]]
+    if has_replica:  # from the replica on the other node, nothing rolled back
+        assert plan["rollback_step"] == -1 and sorted(plan["sends"]) == sends, plan
+    else:  # rolled back to the last snapshot every rank held, sent by the ranks that kept the lost ranks' copies
         assert 0 <= plan["rollback_step"] < KILL_AT and plan["resume_step"] == plan["rollback_step"] + 1, plan
-        assert sorted(plan["sends"]) == [[0, 2], [1, 3]], plan
+        assert sorted(plan["sends"]) == sends, plan
     warnings = of(p.Event.NO_REPLICA)
     assert bool(warnings) != has_replica, warnings
-    assert done["standbys"] == {"s1": "s2"}
+    if guarded:  # the guard of n1, warm since before the migration, adopted: no warm-up left to do
+        started, = of(p.Event.RECOVERY_STARTED)
+        assert started["adopted"] == {"n1": guard}, started
+        assert [(e["standby"], e["node"]) for e in of(p.Event.GUARD_ASSIGNED)] == [(guard, "n1")]
+        assert done["standbys"] == {"n1": guard} and done["phases_s"]["warm_up"] < 0.05, done
+    else:
+        assert done["standbys"] == {"s1": "s2"}
     final = [json.load(open(os.path.join(run_dir, "final", f))) for f in sorted(os.listdir(
         os.path.join(run_dir, "final")))]
     assert {f["steps"] for f in final} == {STEPS}
