@@ -99,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fault injection for tests: at STEP, kill -9 every rank process of NODE (TM_NODE) during "
                         "PHASE: forward (before backward), optimizer (as the update starts) or between (after the "
                         "step); repeatable. Only the processes started on NODE fire it, not their replacements")
+    p.add_argument("--zero-grad", choices=("before-backward", "after-step"), default="before-backward",
+                   help="where the step clears the gradients (set to None): before the backward pass, or after the "
+                        "optimizer step (the other common pattern; identical numerics)")
     p.add_argument("--min-step-time-s", type=float, default=0.0,
                    help="pad each step to at least this many seconds (stands in for a bigger model; numerics unchanged)")
     args = p.parse_args(argv)
@@ -193,13 +196,16 @@ def main(argv: list[str] | None = None) -> None:
         x, y = data.batch(step)  # int64 [B, T] each
         loss = lm_loss(model(x), y)
         fault(step, FaultPhase.FORWARD)
-        opt.zero_grad(set_to_none=True)
+        if args.zero_grad == "before-backward":
+            opt.zero_grad(set_to_none=True)
         loss.backward()
         if args.unmanaged_model:  # what DDP would do: average the gradients
             for param in model.parameters():
                 torch.distributed.all_reduce(param.grad)
                 param.grad /= session.world_size
         opt.step()  # refused (StepAborted) if a collective of this step failed: the runtime redoes the step
+        if args.zero_grad == "after-step":  # an interrupted step leaves its own gradients: the runtime clears them
+            opt.zero_grad(set_to_none=True)
         if subgroup is not None:  # the loss averaged over this rank's subgroup (logging only)
             group_loss = loss.detach().clone()
             torch.distributed.all_reduce(group_loss, group=subgroup)

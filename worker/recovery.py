@@ -43,8 +43,17 @@ compares its fingerprint with its class's; a mismatch fails the job (``RankFaile
 ``FAILED``). Only then is a fingerprint computed (~10 ms on the demo GPT); ``VERIFY_EVERY_STEP`` compares at every
 step.
 
+**Gradients.** The state a step is redone from includes its gradients: a survivor's interrupted step may have
+accumulated this rank's own, never averaged, gradients into ``.grad`` (the forward and backward ran; only the
+update was refused). A script that zeroes them *after* ``optimizer.step()`` (not before the backward) would add
+those to the redone step's. So :meth:`Recovery.begin_step` notes which trained parameters (those of the managed
+optimizers and modules) have no ``.grad``, and a survivor's recovery puts every one back: ``None`` where there was
+none, else zeroed in place (``zero_grad(set_to_none=False)``'s state). A redone step therefore starts from the
+gradients the script leaves between steps, whichever way it zeroes them. Gradients are not part of a rank's
+transferred state: a script must not carry them from one step to the next.
+
 The step ledger (which managed optimizers stepped, the last committed step, the RNG at the start of the
-attempt, the exchanged rank states) is the training thread's own; what the agent thread delivers (halt, plan) is read from
+attempt, the exchanged rank states, which parameters had no gradient) is the training thread's own; what the agent thread delivers (halt, plan) is read from
 :class:`worker.control.Control`.
 """
 from __future__ import annotations
@@ -175,6 +184,8 @@ class Recovery:
         self.committed_step = -1  # last step whose optimizer update this process applied
         self.step_raised = False  # set by Session.run(): the step function raised
         self.rng_snapshot: Optional[torch.Tensor] = None  # CPU RNG at the start of the current attempt
+        self.trained: list[torch.Tensor] = []  # the managed optimizers' and modules' parameters, once each
+        self.no_grad_at_begin: list[bool] = []  # per trained parameter: ``.grad`` was None as the attempt began
         self._prefetched: Optional[_Launched] = None  # a replacement's plan carried out during its shadow iterations
         self._prefetch_lock = threading.Lock()
         self._prefetch_open = False  # prefetch() watches for the plan until replace() takes over
@@ -188,6 +199,30 @@ class Recovery:
                 self.optimizers.append(obj)
                 obj.register_step_pre_hook(self._before_optimizer_step)
                 obj.register_step_post_hook(self._after_optimizer_step)
+        self.trained = self._trained_parameters()
+
+    def _trained_parameters(self) -> list[torch.Tensor]:
+        found: dict[int, torch.Tensor] = {}
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for param in group["params"]:
+                    found.setdefault(id(param), param)
+        for obj in list(self.replicated.values()) + list(self.local.values()):
+            if isinstance(obj, torch.nn.Module):
+                for param in obj.parameters():
+                    if param.requires_grad:
+                        found.setdefault(id(param), param)
+        return list(found.values())
+
+    def restore_gradients(self) -> None:
+        """Put every trained parameter's ``.grad`` back as the interrupted attempt began (see the module
+        docstring): None where it was None, else zeroed in place."""
+        with torch.no_grad():
+            for param, had_none in zip(self.trained, self.no_grad_at_begin):
+                if had_none:
+                    param.grad = None
+                elif param.grad is not None:
+                    param.grad.zero_()
 
     def failure(self) -> Optional[str]:
         """Why the current step cannot commit (a latched collective failure, or tmd's halt), or None."""
@@ -289,6 +324,7 @@ class Recovery:
         self.stepped.clear()
         self.exchanged = None
         self.rng_snapshot = torch.get_rng_state()
+        self.no_grad_at_begin = [param.grad is None for param in self.trained]
 
     def committed(self, step: int) -> bool:
         """After a failure noticed in ``step``: did this rank commit that step anyway (every managed optimizer
@@ -416,7 +452,9 @@ class Recovery:
     def _carry_out(self, plan: p.Recover, committed: Optional[int], rng_next: Optional[torch.Tensor]) -> int:
         """Carry out ``plan`` (survivor: ``committed`` is its last committed step, ``rng_next`` its RNG at the
         start of the next one) and return the step to resume at (:meth:`_launch`, then :meth:`_complete`)."""
-        return self._complete(self._launch(plan, committed, rng_next), rng_next)
+        resume = self._complete(self._launch(plan, committed, rng_next), rng_next)
+        self.restore_gradients()
+        return resume
 
     def _launch(self, plan: p.Recover, committed: Optional[int], rng_next: Optional[torch.Tensor]) -> _Launched:
         """Start carrying out ``plan`` on a helper thread (a dead peer can block a rendezvous or a transfer for

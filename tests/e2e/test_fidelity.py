@@ -81,10 +81,14 @@ def test_sigstop_hang_then_sigcont_is_fenced_and_bit_identical(tmp_path, referen
 @pytest.mark.timeout(300)
 def test_two_failures_in_a_row_per_rank_is_bit_identical(tmp_path, reference):
     # --guards 1: s1 is placed as n1's guard once the ranks are recorded (rank 0 pauses 1.5 s in step 4 for it);
-    # n2 (unguarded) fails first and the general standby s2 replaces it; then n1 fails and its guard s1 is adopted
+    # n2 (unguarded) fails first and the general standby s2 replaces it; then n1 fails and its guard s1 is adopted.
+    # The job clears its gradients after the optimizer step (the reference before the backward: the same numerics
+    # uninterrupted): after the first kill, in the forward pass, the survivors' backward has put their own
+    # gradients in .grad, which the redone step must not add to its own (worker.recovery: Gradients).
     expected = reference("per-rank")  # before the job: never alongside it
     job = FidelityJob(tmp_path, 2, "per-rank", "--fault", "n2:6:forward", "--fault", "n1:16:optimizer",
-                      "--slow-rank", "0", "--slow-steps", "4", "--slow-s", "1.5", tmd_args=("--guards", "1"))
+                      "--slow-rank", "0", "--slow-steps", "4", "--slow-s", "1.5", "--zero-grad", "after-step",
+                      tmd_args=("--guards", "1"))
     assert_identical(job, expected, job.finish(), incidents=2)
     assert [e["adopted"] for e in job.events(p.Event.RECOVERY_STARTED)] == [{}, {"n1": "s1"}]
     assert [d["standbys"] for d in job.events(p.Event.RECOVERY_DONE)] == [{"n2": "s2"}, {"n1": "s1"}]

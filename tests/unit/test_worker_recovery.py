@@ -265,6 +265,44 @@ def test_a_survivor_rolls_back_to_its_own_snapshot(monkeypatch):
     assert all(torch.equal(rec.snapshots.own[1].states["model"][k], v) for k, v in weights.items())
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_survivor_s_recovery_clears_the_gradients_its_interrupted_step_left(monkeypatch, set_to_none):
+    # A script that zeroes its gradients after the optimizer step: the interrupted step's backward ran, its
+    # update was refused, and the redone step must not add this rank's own gradients to its own.
+    rec = make(rank=0)
+    model, opt, sched = trained()
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    model.register_parameter("frozen", frozen)
+    rec.manage({"model": model, "optimizer": opt}, rank_local=False)
+    assert {id(t) for t in rec.trained} == {id(model.weight), id(model.bias)}
+    World(rec, [None] + [blob(NO_FINGERPRINT, n) for n in ("n1", "n2", "n2")], monkeypatch)
+    rec.control.set_step(0)
+    rec.begin_step()
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=set_to_none)  # what the next step begins with
+    rec.control.set_step(1)
+    rec.begin_step()
+    model(torch.ones(4, 3)).sum().backward()  # the interrupted step: its gradients stay in .grad
+    assert model.weight.grad.abs().sum() > 0
+    rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))
+    rec.control.on_recover(p.Recover(incident_id=1, generation=1, resume_step=1, sends=[], rollback_step=-1))
+    assert rec._carry_out(rec.control.plan, 0, torch.get_rng_state()) == 1
+    for param in (model.weight, model.bias):
+        if set_to_none:
+            assert param.grad is None
+        else:
+            assert param.grad is not None and not param.grad.any()
+    # a gradient that was there as the step began (the last step's, in a script that zeroes before the
+    # backward) is zeroed, not dropped
+    model(torch.ones(4, 3)).sum().backward()
+    rec.begin_step()
+    model(torch.ones(4, 3)).sum().backward()
+    rec.control.on_recover(p.Recover(incident_id=1, generation=2, resume_step=1, sends=[], rollback_step=-1))
+    rec._carry_out(rec.control.plan, 0, torch.get_rng_state())
+    assert model.weight.grad is not None and not model.weight.grad.any()
+
+
 def test_a_rollback_to_a_snapshot_not_held_is_refused():
     rec = make(rank=0, every=2)
     rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))
