@@ -397,7 +397,9 @@ def _same(a: Any, b: Any) -> bool:
 def _replay(objects: dict[str, Any], name: Any, state: Any) -> None:
     """Run managed optimizer ``name``'s step with the leaver's gradients ``state["grads"]`` (one per parameter,
     in param_groups order, None where the leaver had none) and hyperparameters ``state["groups"]`` (each param
-    group's values but its parameters: what a scheduler changed since), hooks bypassed. Raises
+    group's values but its parameters: what a scheduler changed since), hooks bypassed. Each parameter's ``.grad``
+    is then put back as it was (the joiner's own, from its shadow iterations): a step of a script that calls
+    ``zero_grad()`` after ``optimizer.step()`` would otherwise add its gradients to the replayed ones. Raises
     TransferRefused."""
     opt = objects.get(name) if type(name) is str else None
     if opt is None or not replayable_class(opt):
@@ -413,11 +415,16 @@ def _replay(objects: dict[str, Any], name: Any, state: Any) -> None:
     for p, g in zip(params, grads):
         if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape or g.dtype != p.dtype):
             raise TransferRefused(f"{name}: a gradient does not fit its parameter ({list(p.shape)} {p.dtype})")
+    own = [p.grad for p in params]  # what this joiner's own steps left there (None after a zero_grad)
     for p, g in zip(params, grads):
         p.grad = g
     for new, g in zip(groups, opt.param_groups):
         g.update(new)
-    type(opt).step.__wrapped__(opt)
+    try:
+        type(opt).step.__wrapped__(opt)
+    finally:  # a script that zeroes its gradients after the step must find none left by the replay
+        for p, g in zip(params, own):
+            p.grad = g
 
 
 def _confirm(pg: Any, timeout_s: float = CONFIRM_TIMEOUT_S) -> None:

@@ -99,6 +99,9 @@ def test_followed_joiner_is_bit_identical_and_the_tail_is_small():
     # parameters, 3 batch-norm buffers) and the model's 3 buffers
     assert (pc.kept, pc.sent) == (6 + 3 * 6, 6 + 3 + 3)
     assert joiner["scheduler"].last_epoch == leaver["scheduler"].last_epoch == SWITCH
+    # the replay leaves no gradient behind: the script zeroes after its step, and the switch step's backward must
+    # not add to the last replayed step's gradients
+    assert all(p.grad is None for p in joiner["model"].parameters())
 
 
 def test_sgd_with_zero_grad_in_place_and_clamping():
