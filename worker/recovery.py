@@ -43,14 +43,22 @@ compares its fingerprint with its class's; a mismatch fails the job (``RankFaile
 ``FAILED``). Only then is a fingerprint computed (~10 ms on the demo GPT); ``VERIFY_EVERY_STEP`` compares at every
 step.
 
-**Gradients.** The state a step is redone from includes its gradients: a survivor's interrupted step may have
-accumulated this rank's own, never averaged, gradients into ``.grad`` (the forward and backward ran; only the
-update was refused). A script that zeroes them *after* ``optimizer.step()`` (not before the backward) would add
-those to the redone step's. So :meth:`Recovery.begin_step` notes which trained parameters (those of the managed
-optimizers and modules) have no ``.grad``, and a survivor's recovery puts every one back: ``None`` where there was
-none, else zeroed in place (``zero_grad(set_to_none=False)``'s state). A redone step therefore starts from the
-gradients the script leaves between steps, whichever way it zeroes them. Gradients are not part of a rank's
-transferred state: a script must not carry them from one step to the next.
+**What an interrupted step changed.** The optimizer update is refused, but a survivor's forward and backward
+ran, and they change state too:
+
+- *Buffers.* A forward pass updates running statistics (SyncBatchNorm's, identical on every replica; BatchNorm's,
+  each rank its own), counters, running averages. Redone, the step would count its batch twice. So
+  :meth:`Recovery.begin_step` keeps a copy of the managed modules' buffers, and a survivor that did not commit the
+  step puts them back as soon as it halts, before it sends its state to anyone. Only the buffers a step changes
+  are copied: the process's first step copies every buffer (a DTensor's local shard), and from the next step on
+  only those whose values that first committed step changed (found by comparing values: BatchNorm's kernel bumps
+  no version counter); a buffer that first changes later is not protected.
+- *Gradients.* The backward pass accumulated this rank's own, never averaged, gradients into ``.grad``. A script
+  that zeroes them *after* ``optimizer.step()`` (not before the backward) would add those to the redone step's. So
+  :meth:`Recovery.begin_step` notes which trained parameters (those of the managed optimizers and modules) have no
+  ``.grad``, and a survivor's recovery puts every one back: ``None`` where there was none, else zeroed in place
+  (``zero_grad(set_to_none=False)``'s state). Gradients are not part of a rank's transferred state: a script must
+  not carry them from one step to the next.
 
 The step ledger (which managed optimizers stepped, the last committed step, the RNG at the start of the
 attempt, the exchanged rank states, which parameters had no gradient) is the training thread's own; what the agent thread delivers (halt, plan) is read from
@@ -74,6 +82,7 @@ from worker import rank_state, transfer
 from worker.snapshot import Snapshot, Snapshots, round_id
 from worker.control import Attempt, Control, Stage
 from worker.exit import exit_process
+from worker.misuse import local_tensor  # a DTensor's shard: comparing or copying a DTensor is a collective
 from worker.reports import Reporter
 
 log = logging.getLogger("worker.recovery")
@@ -186,6 +195,10 @@ class Recovery:
         self.rng_snapshot: Optional[torch.Tensor] = None  # CPU RNG at the start of the current attempt
         self.trained: list[torch.Tensor] = []  # the managed optimizers' and modules' parameters, once each
         self.no_grad_at_begin: list[bool] = []  # per trained parameter: ``.grad`` was None as the attempt began
+        self.buffers: list[torch.Tensor] = []  # the managed modules' buffers, once each
+        self.buffer_copies: dict[int, torch.Tensor] = {}  # index in ``buffers`` -> its value as the attempt began
+        self.changing_buffers: Optional[list[int]] = None  # the buffers a step changes; None until learned
+        self._copied_at = -1  # the step whose begin_step took ``buffer_copies``
         self._prefetched: Optional[_Launched] = None  # a replacement's plan carried out during its shadow iterations
         self._prefetch_lock = threading.Lock()
         self._prefetch_open = False  # prefetch() watches for the plan until replace() takes over
@@ -200,6 +213,13 @@ class Recovery:
                 obj.register_step_pre_hook(self._before_optimizer_step)
                 obj.register_step_post_hook(self._after_optimizer_step)
         self.trained = self._trained_parameters()
+        found: dict[int, torch.Tensor] = {}
+        for obj in list(self.replicated.values()) + list(self.local.values()):
+            if isinstance(obj, torch.nn.Module):
+                for buf in obj.buffers():
+                    found.setdefault(id(buf), buf)
+        self.buffers = list(found.values())
+        self.buffer_copies, self.changing_buffers = {}, None
 
     def _trained_parameters(self) -> list[torch.Tensor]:
         found: dict[int, torch.Tensor] = {}
@@ -213,6 +233,29 @@ class Recovery:
                     if param.requires_grad:
                         found.setdefault(id(param), param)
         return list(found.values())
+
+    def _copy_buffers(self, step: int) -> None:
+        """As an attempt of ``step`` begins: copy the buffers it may change (see the module docstring)."""
+        with torch.no_grad():
+            if self.changing_buffers is None and self.buffer_copies and step == self._copied_at + 1:  # ran through
+                self.changing_buffers = [i for i, copy in self.buffer_copies.items()
+                                         if not torch.equal(local_tensor(self.buffers[i]), copy)]
+                self.buffer_copies = {i: self.buffer_copies[i] for i in self.changing_buffers}
+            indices = range(len(self.buffers)) if self.changing_buffers is None else self.changing_buffers
+            for i in indices:
+                copy = self.buffer_copies.get(i)
+                if copy is None:
+                    self.buffer_copies[i] = local_tensor(self.buffers[i]).detach().clone()
+                else:
+                    copy.copy_(local_tensor(self.buffers[i]))
+        self._copied_at = step
+
+    def restore_buffers(self) -> None:
+        """Put the managed modules' buffers back as the interrupted attempt began (a survivor that did not
+        commit it; see the module docstring)."""
+        with torch.no_grad():
+            for i, copy in self.buffer_copies.items():
+                local_tensor(self.buffers[i]).copy_(copy)
 
     def restore_gradients(self) -> None:
         """Put every trained parameter's ``.grad`` back as the interrupted attempt began (see the module
@@ -325,6 +368,8 @@ class Recovery:
         self.exchanged = None
         self.rng_snapshot = torch.get_rng_state()
         self.no_grad_at_begin = [param.grad is None for param in self.trained]
+        if self.buffers:
+            self._copy_buffers(self.control.step)
 
     def committed(self, step: int) -> bool:
         """After a failure noticed in ``step``: did this rank commit that step anyway (every managed optimizer
@@ -338,6 +383,8 @@ class Recovery:
         after ``RECOVERY_TIMEOUT_S`` seconds without word from tmd."""
         committed = attempted if done else attempted - 1
         rng_next = torch.get_rng_state() if done else self.rng_snapshot  # RNG at the start of committed + 1
+        if not done and self._copied_at == attempted:  # before this rank's state is sent to anyone
+            self.restore_buffers()
         self.control.enter(Stage.HALTED)
         if self.control.halt is None:  # we saw it first (a peer's socket closed): a detection signal for tmd
             self.reports.report(0, p.RecoveryPhase.COLLECTIVE_FAILED, ok=False, error=self.failure() or "",

@@ -303,6 +303,49 @@ def test_a_survivor_s_recovery_clears_the_gradients_its_interrupted_step_left(mo
     assert model.weight.grad is not None and not model.weight.grad.any()
 
 
+class Counting(torch.nn.Module):
+    """A layer whose forward pass changes two buffers and leaves a third alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("running", torch.zeros(3))
+        self.register_buffer("mask", torch.ones(3))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.calls += 1
+            self.running.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return self.lin(x * self.mask)
+
+
+def test_an_interrupted_step_s_buffer_changes_are_put_back_and_only_changing_buffers_are_copied(monkeypatch):
+    rec = make(rank=0)
+    model = Counting()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec.manage({"model": model, "optimizer": opt}, rank_local=False)
+    World(rec, [None] + [blob(NO_FINGERPRINT, n) for n in ("n1", "n2", "n2")], monkeypatch)
+    for step in range(2):  # the first step copies all three; the second learns which ones a step changes
+        rec.control.set_step(step)
+        rec.begin_step()
+        model(torch.full((4, 3), float(step + 1))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert rec.changing_buffers == [0, 1] and set(rec.buffer_copies) == {0, 1}  # not the mask
+    before = {k: v.clone() for k, v in model.named_buffers()}
+    rec.control.set_step(2)
+    rec.begin_step()
+    model(torch.full((4, 3), 7.0)).sum().backward()  # the interrupted step's forward pass ran
+    assert int(model.calls) == 3
+    rec.restore_buffers()
+    assert all(torch.equal(v, before[k]) for k, v in model.named_buffers())
+    # redone with the same data, the buffers are what one pass gives
+    rec.begin_step()
+    model(torch.full((4, 3), 7.0))
+    assert int(model.calls) == 3 and rec.changing_buffers == [0, 1]
+
+
 def test_a_rollback_to_a_snapshot_not_held_is_refused():
     rec = make(rank=0, every=2)
     rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))
