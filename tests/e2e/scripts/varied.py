@@ -1,0 +1,125 @@
+"""A data-parallel job written the way many scripts are, not the way examples/train_gpt.py is, for
+tests/e2e/test_varied_script.py: an MLP with dropout and a normalisation layer, a module whose buffers every forward
+pass changes identically on every rank (a forward counter and a running average of its input's mean over the
+whole batch: what SyncBatchNorm's statistics are), DDP, per-rank seeds, SGD with momentum and a OneCycle schedule
+(managed), gradient clipping, the plain ``for step in session.steps(n)`` loop that catches ``worker.StepAborted``,
+and ``zero_grad()`` after ``optimizer.step()``. Each step's batch is drawn from a generator seeded by (seed, rank,
+step). Writes ``<run_dir>/final/rank<R>.json`` like examples/train_gpt.py.
+
+    python tests/e2e/scripts/varied.py --steps 30 [--norm layer|batch] [--fault NODE:STEP] [--step-time-s S]
+
+``--norm batch``: BatchNorm1d, whose running statistics are each rank's own (DDP broadcasts rank 0's at every
+forward, then each rank updates them with its batch): no two ranks hold the same state, so a failure is recovered
+by rolling back to a buddy snapshot. ``layer`` (default): LayerNorm; the ranks are replicas of each other.
+
+``--fault NODE:STEP``: every process started on NODE (``TM_NODE``) kills itself with SIGKILL in STEP's forward
+pass (after BatchNorm updated its statistics), once; not in shadow iterations, not on a replacement.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fault", default="", metavar="NODE:STEP")
+    ap.add_argument("--norm", choices=("layer", "batch"), default="layer")
+    ap.add_argument("--step-time-s", type=float, default=0.0, help="pad each step to at least this (seconds)")
+    args = ap.parse_args()
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import worker
+
+    torch.set_num_threads(1)
+    started_on = os.environ.get("TM_NODE", "")
+    session = worker.init()
+    class GlobalStats(torch.nn.Module):
+        """Counts forward passes and keeps a running average of the batch mean over every rank (one all-reduce
+        per forward): buffers that change in every forward pass, identically on every rank."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+            self.register_buffer("running_mean", torch.zeros(16))
+
+        def forward(self, x):
+            if self.training:
+                with torch.no_grad():
+                    mean = x.mean(0)
+                    torch.distributed.all_reduce(mean)
+                    self.running_mean.mul_(0.9).add_(mean / torch.distributed.get_world_size(), alpha=0.1)
+                    self.calls += 1
+            return x - self.running_mean
+
+    torch.manual_seed(args.seed)
+    norm = torch.nn.BatchNorm1d if args.norm == "batch" else torch.nn.LayerNorm
+    model = DDP(torch.nn.Sequential(
+        GlobalStats(), torch.nn.Linear(16, 64), norm(64), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+        torch.nn.Linear(64, 64), norm(64), torch.nn.ReLU(), torch.nn.Linear(64, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=args.steps)
+    session.manage(model=model, optimizer=opt, scheduler=sched)
+    torch.manual_seed(args.seed + 1000 + session.rank)  # per-rank dropout masks: each rank its own stream
+    fault_node, _, fault_step = args.fault.partition(":")
+    target = torch.randn(16, 4, generator=torch.Generator().manual_seed(args.seed))
+
+    for step in session.steps(args.steps):
+        t0 = time.perf_counter()
+        try:
+            g = torch.Generator().manual_seed(args.seed * 1_000_003 + session.rank * 10_007 + step)
+            x = torch.randn(32, 16, generator=g)
+            y = x @ target + 0.1 * torch.randn(32, 4, generator=g)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if args.fault and started_on == fault_node and step == int(fault_step) and not session.is_shadow:
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        except worker.StepAborted:
+            continue  # a peer failed: the runtime recovers and yields this step again
+        if not session.is_shadow and time.perf_counter() - t0 < args.step_time_s:
+            time.sleep(args.step_time_s - (time.perf_counter() - t0))
+
+    digest = hashlib.sha256()  # the model's parameters and buffers (BatchNorm's statistics), the optimizer's state
+    for name, obj in (("model", model.module), ("optimizer", opt)):
+        for key, value in sorted(flatten(obj.state_dict(), name).items()):
+            digest.update(key.encode())
+            digest.update(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
+    os.makedirs(os.path.join(session.run_dir, "final"), exist_ok=True)
+    with open(os.path.join(session.run_dir, "final", f"rank{session.rank}.json"), "w") as f:
+        json.dump({"rank": session.rank, "steps": args.steps, "state_sha256": digest.hexdigest(),
+                   "lr": sched.get_last_lr()[0]}, f)
+    session.finish(digest.hexdigest())
+
+
+def flatten(value, prefix: str) -> dict:
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            out.update(flatten(v, f"{prefix}.{k}"))
+        return out
+    if isinstance(value, (list, tuple)):
+        out = {}
+        for i, v in enumerate(value):
+            out.update(flatten(v, f"{prefix}.{i}"))
+        return out
+    return {prefix: value}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""End to end, a script that is not one of the examples (tests/e2e/scripts/varied.py): an MLP with dropout,
+LayerNorm and buffers that every forward pass changes identically on every rank (a forward counter and a running
+average of the batch mean over all ranks, as SyncBatchNorm's statistics), DDP, per-rank seeds, SGD with momentum and
+a managed OneCycle schedule, gradient clipping, the plain ``for step in session.steps(n)`` loop catching
+``StepAborted``, and ``zero_grad()`` after ``optimizer.step()``.
+
+One job (2 nodes x 2 ranks, 2 standbys): ``n2 -> s1`` is migrated at step 4 or later, then n1's processes kill
+themselves in step KILL_AT's forward pass, after its buffers changed and before the backward; n1 is recovered on s2
+from its replicas on s1, the node that just joined. Every rank's final parameters, buffers and optimizer state
+(learning rate included) are bit-identical to an uninterrupted run: a redone step counts its batch once.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import events, wait_until
+from tests.support.job import final_hashes, job_client
+from tmd import protocol as p
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "varied.py")
+STEPS = 40
+KILL_AT = 30  # after the switch step (about step 10-20 here: the joiner's warm-up runs while training goes on)
+
+
+def command(run_dir: str, standbys: int, *script_args: str) -> list[str]:
+    return [sys.executable, "-m", "tmd.cli", "local", "--nodes", "2", "--ranks-per-node", "2", "--standbys",
+            str(standbys), "--run-dir", run_dir, "--quiet", "--", sys.executable, SCRIPT, "--steps", str(STEPS),
+            *script_args]
+
+
+@pytest.mark.timeout(300)
+def test_a_migration_then_a_kill_mid_step_are_bit_identical(tmp_path):
+    subprocess.run(command(str(tmp_path / "reference"), 0), check=True, timeout=120, stdout=subprocess.DEVNULL)
+    expected = final_hashes(str(tmp_path / "reference"))
+    assert len(expected) == 4 and len(set(expected.values())) == 1, expected  # replicas: one state
+
+    run_dir = str(tmp_path / "job")
+    proc = subprocess.Popen(command(run_dir, 2, "--step-time-s", "0.15", "--fault", f"n1:{KILL_AT}"),
+                            stdout=subprocess.DEVNULL)
+    try:
+        client = job_client(run_dir, proc)
+
+        def ready() -> bool:
+            st = client.request(p.StatusRequest())
+            return st.step >= 4 and {n["name"] for n in st.nodes if n["warm"]} >= {"s1", "s2"}
+
+        wait_until(ready, 120, "training at step 4 and warm standbys")
+        reply = client.request(p.MigrateRequest(sources=["n2"], targets=["s1"]))
+        assert isinstance(reply, p.MigrationReply), reply
+        assert proc.wait(timeout=240) == 0
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+    journal = events(run_dir)
+
+    def of(kind: p.Event) -> list[dict]:
+        return [e for e in journal if e["event"] == kind]
+
+    committed, = of(p.Event.MIGRATION_COMMITTED)
+    assert committed["switch_step"] < KILL_AT, "the kill came before the switch: raise KILL_AT"
+    plan, = of(p.Event.RECOVERY_PLAN)
+    assert plan["rollback_step"] == -1 and plan["resume_step"] == KILL_AT, plan  # from replicas, KILL_AT redone
+    assert sorted(plan["sends"]) == [[2, 0], [3, 1]], plan  # from s1's ranks, the joiners
+    done, = of(p.Event.RECOVERY_DONE)
+    assert done["standbys"] == {"n1": "s2"}, done
+    assert final_hashes(run_dir) == expected
