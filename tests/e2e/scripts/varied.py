@@ -8,16 +8,21 @@ step). Writes ``<run_dir>/final/rank<R>.json`` like examples/train_gpt.py.
 
     python tests/e2e/scripts/varied.py --steps 30 [--norm layer|batch] [--fault NODE:STEP] [--step-time-s S]
 
+Two optimizers (the output layer's AdamW, the body's SGD) and two micro-batches per step (the first under DDP's
+``no_sync()``, ``--accumulate``).
+
 ``--norm batch``: BatchNorm1d, whose running statistics are each rank's own (DDP broadcasts rank 0's at every
 forward, then each rank updates them with its batch): no two ranks hold the same state, so a failure is recovered
 by rolling back to a buddy snapshot. ``layer`` (default): LayerNorm; the ranks are replicas of each other.
 
-``--fault NODE:STEP``: every process started on NODE (``TM_NODE``) kills itself with SIGKILL in STEP's forward
-pass (after BatchNorm updated its statistics), once; not in shadow iterations, not on a replacement.
+``--fault NODE:STEP``: every process started on NODE (``TM_NODE``) kills itself with SIGKILL in STEP, after the
+last micro-batch's forward pass (the buffers changed, the first micro-batch's gradients accumulated) and before its
+backward; not in shadow iterations, not on a replacement.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -35,6 +40,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fault", default="", metavar="NODE:STEP")
     ap.add_argument("--norm", choices=("layer", "batch"), default="layer")
+    ap.add_argument("--accumulate", type=int, default=2, help="micro-batches per step (all but the last in no_sync)")
     ap.add_argument("--step-time-s", type=float, default=0.0, help="pad each step to at least this (seconds)")
     args = ap.parse_args()
 
@@ -46,6 +52,7 @@ def main() -> None:
     torch.set_num_threads(1)
     started_on = os.environ.get("TM_NODE", "")
     session = worker.init()
+
     class GlobalStats(torch.nn.Module):
         """Counts forward passes and keeps a running average of the batch mean over every rank (one all-reduce
         per forward): buffers that change in every forward pass, identically on every rank."""
@@ -69,9 +76,12 @@ def main() -> None:
     model = DDP(torch.nn.Sequential(
         GlobalStats(), torch.nn.Linear(16, 64), norm(64), torch.nn.ReLU(), torch.nn.Dropout(0.1),
         torch.nn.Linear(64, 64), norm(64), torch.nn.ReLU(), torch.nn.Linear(64, 4)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    head = model.module[-1]  # the output layer has its own optimizer (AdamW); the body SGD with a OneCycle schedule
+    body = [p for p in model.parameters() if all(p is not q for q in head.parameters())]
+    opt = torch.optim.SGD(body, lr=0.05, momentum=0.9, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=args.steps)
-    session.manage(model=model, optimizer=opt, scheduler=sched)
+    head_opt = torch.optim.AdamW(head.parameters(), lr=0.01)
+    session.manage(model=model, optimizer=opt, scheduler=sched, head_optimizer=head_opt)
     torch.manual_seed(args.seed + 1000 + session.rank)  # per-rank dropout masks: each rank its own stream
     fault_node, _, fault_step = args.fault.partition(":")
     target = torch.randn(16, 4, generator=torch.Generator().manual_seed(args.seed))
@@ -80,23 +90,29 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             g = torch.Generator().manual_seed(args.seed * 1_000_003 + session.rank * 10_007 + step)
-            x = torch.randn(32, 16, generator=g)
-            y = x @ target + 0.1 * torch.randn(32, 4, generator=g)
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            if args.fault and started_on == fault_node and step == int(fault_step) and not session.is_shadow:
-                os.kill(os.getpid(), signal.SIGKILL)
-            loss.backward()
+            for micro in range(args.accumulate):  # gradients accumulate locally; only the last backward syncs
+                x = torch.randn(32, 16, generator=g)
+                y = x @ target + 0.1 * torch.randn(32, 4, generator=g)
+                last = micro == args.accumulate - 1
+                with contextlib.nullcontext() if last else model.no_sync():
+                    loss = torch.nn.functional.mse_loss(model(x), y) / args.accumulate
+                    if last and args.fault and started_on == fault_node and step == int(fault_step) \
+                            and not session.is_shadow:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+            head_opt.step()
             sched.step()
             opt.zero_grad()
+            head_opt.zero_grad()
         except worker.StepAborted:
             continue  # a peer failed: the runtime recovers and yields this step again
         if not session.is_shadow and time.perf_counter() - t0 < args.step_time_s:
             time.sleep(args.step_time_s - (time.perf_counter() - t0))
 
     digest = hashlib.sha256()  # the model's parameters and buffers (BatchNorm's statistics), the optimizer's state
-    for name, obj in (("model", model.module), ("optimizer", opt)):
+    for name, obj in (("model", model.module), ("optimizer", opt), ("head_optimizer", head_opt)):
         for key, value in sorted(flatten(obj.state_dict(), name).items()):
             digest.update(key.encode())
             digest.update(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
