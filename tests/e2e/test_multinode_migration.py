@@ -20,11 +20,11 @@ from tests.support.job import final_hashes, job_client, tmd_command
 from tmd import protocol as p
 
 NODES, RANKS_PER_NODE = 4, 2
-STEPS = 80
+STEPS = 60
 # Per-node subgroups (a collective in them every step: n2's and n4's are rebuilt by their joiners alone).
 ARGS = ("--group-size", "2")
-# The job's steps are padded so that it outlives the migration on a loaded machine (numerics unchanged): 80 x 0.3 s
-# = 24 s, against about 6 s from step 5 to the migration's downtime figure (three refused requests, then the
+# The job's steps are padded so that it outlives the migration on a loaded machine (numerics unchanged): 60 x 0.3 s
+# = 18 s, against about 6 s from step 5 to the migration's downtime figure (three refused requests, then the
 # migration) on a 2-core machine. Few steps keep the 8-rank reference short (about 0.13 s a step unpadded).
 PAD = ("--min-step-time-s", "0.3")
 
