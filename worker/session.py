@@ -117,6 +117,9 @@ class Session:
         self._control.start(a)
         self._install_excepthooks()
         self.world_size = a.world_size
+        # torchrun's variables, for scripts that read them (a device, a log name): the rank this process holds
+        # (a joiner's: the rank it takes over) and its index on its node
+        os.environ.update(RANK=str(a.rank), WORLD_SIZE=str(a.world_size), LOCAL_RANK=str(self.local_rank))
         # Store keys go below the job's secret namespace where groups are built (worker.backend.store_prefix),
         # so every store connection (this one, a recovery's own, the one after a tmd restart) is covered.
         store = dist.TCPStore(a.store_host, a.store_port, is_master=False,

@@ -52,6 +52,9 @@ def main() -> None:
     torch.set_num_threads(1)
     started_on = os.environ.get("TM_NODE", "")
     session = worker.init()
+    # torchrun's variables are set for scripts that read them (a joiner's: the rank it took over)
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == (str(session.rank), str(session.world_size)), os.environ
+    assert os.environ["LOCAL_RANK"] == os.environ["TM_LOCAL_RANK"]
 
     class GlobalStats(torch.nn.Module):
         """Counts forward passes and keeps a running average of the batch mean over every rank (one all-reduce
