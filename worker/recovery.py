@@ -52,7 +52,8 @@ ran, and they change state too:
   step puts them back as soon as it halts, before it sends its state to anyone. Only the buffers a step changes
   are copied: the process's first step copies every buffer (a DTensor's local shard), and from the next step on
   only those whose values that first committed step changed (found by comparing values: BatchNorm's kernel bumps
-  no version counter); a buffer that first changes later is not protected.
+  no version counter); a buffer that first changes later is not protected. Buffers are looked up by name each
+  time, so one that the forward pass replaces (``self.avg = 0.9 * self.avg + ...``) is covered too.
 - *Gradients.* The backward pass accumulated this rank's own, never averaged, gradients into ``.grad``. A script
   that zeroes them *after* ``optimizer.step()`` (not before the backward) would add those to the redone step's. So
   :meth:`Recovery.begin_step` notes which trained parameters (those of the managed optimizers and modules) have no
@@ -166,6 +167,10 @@ class _Launched(NamedTuple):
     result: dict
 
 
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
 class Recovery:
     """This rank's part in failure recovery (see the module docstring). Training thread only, apart from the
     helper thread of :meth:`recover` / :meth:`replace` / :meth:`prefetch`, which the training thread waits for,
@@ -195,9 +200,9 @@ class Recovery:
         self.rng_snapshot: Optional[torch.Tensor] = None  # CPU RNG at the start of the current attempt
         self.trained: list[torch.Tensor] = []  # the managed optimizers' and modules' parameters, once each
         self.no_grad_at_begin: list[bool] = []  # per trained parameter: ``.grad`` was None as the attempt began
-        self.buffers: list[torch.Tensor] = []  # the managed modules' buffers, once each
-        self.buffer_copies: dict[int, torch.Tensor] = {}  # index in ``buffers`` -> its value as the attempt began
-        self.changing_buffers: Optional[list[int]] = None  # the buffers a step changes; None until learned
+        # (managed object's name, buffer name) -> that buffer's value as the attempt began (a local copy)
+        self.buffer_copies: dict[tuple[str, str], torch.Tensor] = {}
+        self.changing_buffers: Optional[list[tuple[str, str]]] = None  # the buffers a step changes; None: not known
         self._copied_at = -1  # the step whose begin_step took ``buffer_copies``
         self._prefetched: Optional[_Launched] = None  # a replacement's plan carried out during its shadow iterations
         self._prefetch_lock = threading.Lock()
@@ -213,12 +218,6 @@ class Recovery:
                 obj.register_step_pre_hook(self._before_optimizer_step)
                 obj.register_step_post_hook(self._after_optimizer_step)
         self.trained = self._trained_parameters()
-        found: dict[int, torch.Tensor] = {}
-        for obj in list(self.replicated.values()) + list(self.local.values()):
-            if isinstance(obj, torch.nn.Module):
-                for buf in obj.buffers():
-                    found.setdefault(id(buf), buf)
-        self.buffers = list(found.values())
         self.buffer_copies, self.changing_buffers = {}, None
 
     def _trained_parameters(self) -> list[torch.Tensor]:
@@ -234,28 +233,45 @@ class Recovery:
                         found.setdefault(id(param), param)
         return list(found.values())
 
+    def _buffers(self) -> dict[tuple[str, str], torch.Tensor]:
+        """The managed modules' buffers as they are now, each as its local tensor (looked up by name every time:
+        a forward pass may replace a buffer, ``self.avg = 0.9 * self.avg + ...``, rather than change it)."""
+        found = {}
+        for name, obj in list(self.replicated.items()) + list(self.local.items()):
+            if isinstance(obj, torch.nn.Module):
+                for key, buf in obj.named_buffers():
+                    found[(name, key)] = local_tensor(buf)
+        return found
+
     def _copy_buffers(self, step: int) -> None:
         """As an attempt of ``step`` begins: copy the buffers it may change (see the module docstring)."""
+        now = self._buffers()
         with torch.no_grad():
             if self.changing_buffers is None and self.buffer_copies and step == self._copied_at + 1:  # ran through
-                self.changing_buffers = [i for i, copy in self.buffer_copies.items()
-                                         if not torch.equal(local_tensor(self.buffers[i]), copy)]
-                self.buffer_copies = {i: self.buffer_copies[i] for i in self.changing_buffers}
-            indices = range(len(self.buffers)) if self.changing_buffers is None else self.changing_buffers
-            for i in indices:
-                copy = self.buffer_copies.get(i)
-                if copy is None:
-                    self.buffer_copies[i] = local_tensor(self.buffers[i]).detach().clone()
+                self.changing_buffers = [k for k, copy in self.buffer_copies.items()
+                                         if k not in now or not _equal(now[k], copy)]
+            for k in now if self.changing_buffers is None else self.changing_buffers:
+                copy, buf = self.buffer_copies.get(k), now.get(k)
+                if buf is None:
+                    self.buffer_copies.pop(k, None)
+                elif copy is None or copy.shape != buf.shape or copy.dtype != buf.dtype:
+                    self.buffer_copies[k] = buf.detach().clone()
                 else:
-                    copy.copy_(local_tensor(self.buffers[i]))
+                    copy.copy_(buf)
+            if self.changing_buffers is not None:
+                self.buffer_copies = {k: self.buffer_copies[k] for k in self.changing_buffers
+                                      if k in self.buffer_copies}
         self._copied_at = step
 
     def restore_buffers(self) -> None:
         """Put the managed modules' buffers back as the interrupted attempt began (a survivor that did not
         commit it; see the module docstring)."""
+        now = self._buffers()
         with torch.no_grad():
-            for i, copy in self.buffer_copies.items():
-                local_tensor(self.buffers[i]).copy_(copy)
+            for k, copy in self.buffer_copies.items():
+                buf = now.get(k)
+                if buf is not None and buf.shape == copy.shape and buf.dtype == copy.dtype:
+                    buf.copy_(copy)
 
     def restore_gradients(self) -> None:
         """Put every trained parameter's ``.grad`` back as the interrupted attempt began (see the module
@@ -368,8 +384,7 @@ class Recovery:
         self.exchanged = None
         self.rng_snapshot = torch.get_rng_state()
         self.no_grad_at_begin = [param.grad is None for param in self.trained]
-        if self.buffers:
-            self._copy_buffers(self.control.step)
+        self._copy_buffers(self.control.step)
 
     def committed(self, step: int) -> bool:
         """After a failure noticed in ``step``: did this rank commit that step anyway (every managed optimizer
