@@ -5,7 +5,10 @@ failure is latched and the op completes with its outputs untouched) or tmd's ``H
 Then, on every survivor:
 
 1. the step's optimizer update is refused (:class:`StepAborted`, raised by a managed optimizer's pre-hook), so
-   the rank has committed either the step (``done``) or the one before it;
+   the rank has committed either the step (``done``) or the one before it. A DDP model's forward pass stops
+   early too: once the failure is known (tmd's Halt, a latched collective), the next of its modules to run raises
+   StepAborted instead of computing the rest of the forward and the whole backward for a step that is void
+   (:meth:`Recovery.manage`; off with ``TM_ABORT_IN_FORWARD=0``);
 2. at the step boundary it reports ``collective_failed`` (if it saw the failure before tmd said anything) and,
    once tmd's Halt is there, ``halted`` with its last committed step;
 3. it waits for tmd's ``Recover`` plan, then carries it out on a helper thread (:meth:`Recovery.recover`): send
@@ -71,6 +74,7 @@ import json
 import logging
 import os
 import struct
+import sys
 import threading
 import time
 from typing import Any, Callable, NamedTuple, Optional
@@ -149,10 +153,15 @@ def unpack(blob: bytes) -> tuple[bytes, dict, bytes]:
     return blob[:at], json.loads(blob[at + 4:at + 4 + n]), blob[at + 4 + n:]
 
 
+ABORT_IN_FORWARD_ENV = "TM_ABORT_IN_FORWARD"  # "0": a survivor's forward pass runs to its end after a failure
+
+
 class StepAborted(RuntimeError):
     """Raised by a managed optimizer's ``step()`` when a collective of this step failed or tmd halted the job
     for a failure: the update is refused (nothing is modified) and :meth:`Session.run` redoes the step after
-    recovery, with the same data, so the trajectory stays bit-identical."""
+    recovery, with the same data, so the trajectory stays bit-identical. Also raised by a module of a managed DDP
+    model when its forward pass starts after the failure is known (see :meth:`Recovery.manage`): then neither
+    the rest of the forward nor the backward runs."""
 
 
 class _Superseded(Exception):
@@ -165,6 +174,22 @@ class _Launched(NamedTuple):
 
     attempt: Attempt
     result: dict
+
+
+def _stoppable(obj: Any) -> bool:
+    """Whether ``obj`` is a DDP model whose forward pass may stop half-way (StepAborted from a module's forward
+    pre-hook): DDP keeps no per-iteration state across an exception raised before its backward. Not when it holds
+    FSDP2 modules or DTensor parameters (their hooks would leave parameters unsharded), nor once
+    ``torch.distributed.pipelining`` is in use (a schedule's step keeps per-microbatch state)."""
+    if not isinstance(obj, torch.nn.parallel.DistributedDataParallel) or "torch.distributed.pipelining" in sys.modules:
+        return False
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in obj.parameters()):
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # an older torch without FSDP2
+        return True
+    return not any(isinstance(m, FSDPModule) for m in obj.modules())
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -204,6 +229,8 @@ class Recovery:
         self.buffer_copies: dict[tuple[str, str], torch.Tensor] = {}
         self.changing_buffers: Optional[list[tuple[str, str]]] = None  # the buffers a step changes; None: not known
         self._copied_at = -1  # the step whose begin_step took ``buffer_copies``
+        self.in_step = False  # between begin_step and the step's end (Session.steps): a forward may be stopped
+        self._forward_hooked: set[int] = set()  # ids of the modules that have the forward pre-hook
         self._prefetched: Optional[_Launched] = None  # a replacement's plan carried out during its shadow iterations
         self._prefetch_lock = threading.Lock()
         self._prefetch_open = False  # prefetch() watches for the plan until replace() takes over
@@ -217,6 +244,11 @@ class Recovery:
                 self.optimizers.append(obj)
                 obj.register_step_pre_hook(self._before_optimizer_step)
                 obj.register_step_post_hook(self._after_optimizer_step)
+            if _stoppable(obj) and os.environ.get(ABORT_IN_FORWARD_ENV) != "0":
+                for module in obj.module.modules():
+                    if id(module) not in self._forward_hooked:
+                        self._forward_hooked.add(id(module))
+                        module.register_forward_pre_hook(self._abort_forward)
         self.trained = self._trained_parameters()
         self.buffer_copies, self.changing_buffers = {}, None
 
@@ -282,6 +314,14 @@ class Recovery:
                     param.grad = None
                 elif param.grad is not None:
                     param.grad.zero_()
+
+    def _abort_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """A managed DDP model's module is about to run: raise StepAborted if this step is void already (a
+        halt, a latched collective), so that the survivor halts without computing the rest of the step."""
+        if self.in_step and self.control.stage == Stage.TRAINING and self.control.role == p.WorkerRole.ACTIVE:
+            why = self.failure()
+            if why:
+                raise StepAborted(f"rank {self.control.rank} step {self.control.step}: forward pass stopped, {why}")
 
     def failure(self) -> Optional[str]:
         """Why the current step cannot commit (a latched collective failure, or tmd's halt), or None."""
@@ -380,6 +420,7 @@ class Recovery:
             if not self._snapshot_reported:  # its cost, once per process: host bytes and the copy's seconds
                 self._snapshot_reported = True
                 self.reports.snapshot(due[0], self.snapshots.bytes_per_copy, self.snapshots.take_s)
+        self.in_step = True
         self.stepped.clear()
         self.exchanged = None
         self.rng_snapshot = torch.get_rng_state()

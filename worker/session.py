@@ -311,6 +311,7 @@ class Session:
             recovery.begin_step()
             if recovery.failure() is None:
                 yield step
+                recovery.in_step = False
                 if recovery.failure() is None:
                     step += 1
                     continue

@@ -13,6 +13,7 @@ import torch
 from tmd import protocol as p
 from worker import rank_state
 from worker.control import Control, Stage
+from worker import recovery
 from worker.recovery import NO_FINGERPRINT, Recovery, pack, unpack
 from worker.reports import Reporter
 from worker.snapshot import Snapshots, round_id
@@ -347,6 +348,34 @@ def test_an_interrupted_step_s_buffer_changes_are_put_back_and_only_changing_buf
     rec.begin_step()
     model(torch.full((4, 3), 7.0))
     assert int(model.calls) == 3 and rec.changing_buffers == changing
+
+
+def test_a_forward_pass_stops_once_the_step_is_void_and_only_within_a_step(monkeypatch):
+    rec = make(rank=0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    ran = []
+    for m in model:
+        m.register_forward_pre_hook(rec._abort_forward)
+        m.register_forward_hook(lambda m, a, out: ran.append(type(m).__name__))
+    rec.control.set_step(4)
+    rec.begin_step()
+    model(torch.ones(2, 3))
+    assert ran == ["Linear", "ReLU", "Linear"]
+    ran.clear()
+    def halt(module, args):  # the halt arrives while the first layer ran
+        rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))
+
+    model[1].register_forward_pre_hook(halt, prepend=True)
+    with pytest.raises(recovery.StepAborted, match="step 4: forward pass stopped, halted by tmd: n2 lost"):
+        model(torch.ones(2, 3))
+    assert ran == ["Linear"]  # neither the ReLU nor the second layer ran
+    rec.in_step = False  # outside a step (an evaluation after the loop) nothing is stopped
+    model(torch.ones(2, 3))
+    assert len(ran) == 4
+
+
+def test_only_a_plain_ddp_model_gets_its_forward_stopped():
+    assert not recovery._stoppable(torch.nn.Linear(2, 2))  # not DDP: its forward is the script's own
 
 
 def test_a_rollback_to_a_snapshot_not_held_is_refused():
