@@ -63,6 +63,9 @@ ran, and they change state too:
   ``.grad``, and a survivor's recovery puts every one back: ``None`` where there was none, else zeroed in place
   (``zero_grad(set_to_none=False)``'s state). Gradients are not part of a rank's transferred state: a script must
   not carry them from one step to the next.
+- *A GradScaler's bookkeeping.* ``scaler.unscale_(opt)`` marks the optimizer as unscaled until ``scaler.update()``,
+  which the refused ``scaler.step(opt)`` never reached; a managed ``torch.amp.GradScaler`` forgets that mark
+  (:meth:`Recovery.restore_grad_scalers`).
 
 The step ledger (which managed optimizers stepped, the last committed step, the RNG at the start of the
 attempt, the exchanged rank states, which parameters had no gradient) is the training thread's own; what the agent thread delivers (halt, plan) is read from
@@ -179,9 +182,11 @@ class _Launched(NamedTuple):
 def _stoppable(obj: Any) -> bool:
     """Whether ``obj`` is a DDP model whose forward pass may stop half-way (StepAborted from a module's forward
     pre-hook): DDP keeps no per-iteration state across an exception raised before its backward. Not when it holds
-    FSDP2 modules or DTensor parameters (their hooks would leave parameters unsharded), nor once
-    ``torch.distributed.pipelining`` is in use (a schedule's step keeps per-microbatch state)."""
-    if not isinstance(obj, torch.nn.parallel.DistributedDataParallel) or "torch.distributed.pipelining" in sys.modules:
+    FSDP2 modules or DTensor parameters (their hooks would leave parameters unsharded), not with
+    ``static_graph=True``, nor once ``torch.distributed.pipelining`` is in use (a schedule's step keeps
+    per-microbatch state)."""
+    if not isinstance(obj, torch.nn.parallel.DistributedDataParallel) or "torch.distributed.pipelining" in sys.modules \
+            or getattr(obj, "static_graph", False):  # a static graph's reducer counts iterations: not tried
         return False
     if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in obj.parameters()):
         return False
@@ -304,6 +309,16 @@ class Recovery:
                 buf = now.get(k)
                 if buf is not None and buf.shape == copy.shape and buf.dtype == copy.dtype:
                     buf.copy_(copy)
+
+    def restore_grad_scalers(self) -> None:
+        """A managed ``torch.amp.GradScaler`` forgets which optimizers the interrupted step unscaled, as its
+        ``update()`` would have at the step's end (the refused ``scaler.step`` never got there): the redone step's
+        ``unscale_`` would otherwise raise "unscale_() has already been called on this optimizer". Its scale
+        and growth tracker change only in ``update()``, so they are those of the step's start already."""
+        for obj in list(self.replicated.values()) + list(self.local.values()):
+            states = getattr(obj, "_per_optimizer_states", None) if isinstance(obj, torch.amp.GradScaler) else None
+            if states is not None and hasattr(states, "default_factory"):
+                obj._per_optimizer_states = type(states)(states.default_factory)
 
     def restore_gradients(self) -> None:
         """Put every trained parameter's ``.grad`` back as the interrupted attempt began (see the module
@@ -557,6 +572,7 @@ class Recovery:
         start of the next one) and return the step to resume at (:meth:`_launch`, then :meth:`_complete`)."""
         resume = self._complete(self._launch(plan, committed, rng_next), rng_next)
         self.restore_gradients()
+        self.restore_grad_scalers()
         return resume
 
     def _launch(self, plan: p.Recover, committed: Optional[int], rng_next: Optional[torch.Tensor]) -> _Launched:

@@ -2,8 +2,8 @@
 LayerNorm and buffers that every forward pass changes identically on every rank (a forward counter and a running
 average of the batch mean over all ranks, as SyncBatchNorm's statistics), DDP, per-rank seeds, two optimizers (SGD
 with momentum and a managed OneCycle schedule for the body, AdamW for the output layer), two micro-batches per step
-(the first under ``no_sync()``), gradient clipping, the plain ``for step in session.steps(n)`` loop catching
-``StepAborted``, and ``zero_grad()`` after ``optimizer.step()``.
+(the first under ``no_sync()``), autocast and a GradScaler, gradient clipping, the plain ``for step in
+session.steps(n)`` loop catching ``StepAborted``, and ``zero_grad()`` after ``optimizer.step()``.
 
 One job (2 nodes x 2 ranks, 2 standbys): ``n2 -> s1`` is migrated at step 4 or later, then n1's processes kill
 themselves in step KILL_AT's forward pass, after its buffers changed and before the backward; n1 is recovered on s2

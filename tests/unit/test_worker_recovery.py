@@ -378,6 +378,21 @@ def test_only_a_plain_ddp_model_gets_its_forward_stopped():
     assert not recovery._stoppable(torch.nn.Linear(2, 2))  # not DDP: its forward is the script's own
 
 
+def test_a_grad_scaler_forgets_the_interrupted_step_s_unscale(monkeypatch):
+    # The interrupted step ran scaler.unscale_(opt); its scaler.step(opt) was refused, so update() never came.
+    rec = make(rank=0)
+    model, opt, sched = trained()
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    rec.manage({"model": model, "optimizer": opt, "scaler": scaler}, rank_local=False)
+    scaler.scale(model(torch.ones(4, 3)).sum()).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="unscale_"):
+        scaler.unscale_(opt)  # what the redone step would hit
+    rec.restore_grad_scalers()
+    scaler.unscale_(opt)
+    assert scaler.get_scale() == 8.0  # the scale changes only in update()
+
+
 def test_a_rollback_to_a_snapshot_not_held_is_refused():
     rec = make(rank=0, every=2)
     rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))

@@ -9,7 +9,9 @@ step). Writes ``<run_dir>/final/rank<R>.json`` like examples/train_gpt.py.
     python tests/e2e/scripts/varied.py --steps 30 [--norm layer|batch] [--fault NODE:STEP] [--step-time-s S]
 
 Two optimizers (the output layer's AdamW, the body's SGD) and two micro-batches per step (the first under DDP's
-``no_sync()``, ``--accumulate``).
+``no_sync()``, ``--accumulate``). Mixed precision as GPU scripts do it: the forward pass under ``torch.autocast``
+(bfloat16 on the CPU) and a managed ``torch.amp.GradScaler`` (``scale``, ``unscale_`` before clipping, ``step``,
+``update``).
 
 ``--norm batch``: BatchNorm1d, whose running statistics are each rank's own (DDP broadcasts rank 0's at every
 forward, then each rank updates them with its batch): no two ranks hold the same state, so a failure is recovered
@@ -84,7 +86,8 @@ def main() -> None:
     opt = torch.optim.SGD(body, lr=0.05, momentum=0.9, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=args.steps)
     head_opt = torch.optim.AdamW(head.parameters(), lr=0.01)
-    session.manage(model=model, optimizer=opt, scheduler=sched, head_optimizer=head_opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    session.manage(model=model, optimizer=opt, scheduler=sched, head_optimizer=head_opt, scaler=scaler)
     torch.manual_seed(args.seed + 1000 + session.rank)  # per-rank dropout masks: each rank its own stream
     fault_node, _, fault_step = args.fault.partition(":")
     target = torch.randn(16, 4, generator=torch.Generator().manual_seed(args.seed))
@@ -98,14 +101,19 @@ def main() -> None:
                 y = x @ target + 0.1 * torch.randn(32, 4, generator=g)
                 last = micro == args.accumulate - 1
                 with contextlib.nullcontext() if last else model.no_sync():
-                    loss = torch.nn.functional.mse_loss(model(x), y) / args.accumulate
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        out = model(x)
+                    loss = torch.nn.functional.mse_loss(out.float(), y) / args.accumulate
                     if last and args.fault and started_on == fault_node and step == int(fault_step) \
                             and not session.is_shadow:
                         os.kill(os.getpid(), signal.SIGKILL)
-                    loss.backward()
+                    scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scaler.unscale_(head_opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            head_opt.step()
+            scaler.step(opt)
+            scaler.step(head_opt)
+            scaler.update()
             sched.step()
             opt.zero_grad()
             head_opt.zero_grad()
