@@ -68,8 +68,8 @@ ran, and they change state too:
   (:meth:`Recovery.restore_grad_scalers`).
 
 The step ledger (which managed optimizers stepped, the last committed step, the RNG at the start of the
-attempt, the exchanged rank states, which parameters had no gradient) is the training thread's own; what the agent thread delivers (halt, plan) is read from
-:class:`worker.control.Control`.
+attempt, the exchanged rank states, which parameters had no gradient) is the training thread's own; what the
+agent thread delivers (halt, plan) is read from :class:`worker.control.Control`.
 """
 from __future__ import annotations
 
@@ -197,8 +197,8 @@ def _stoppable(obj: Any) -> bool:
     return not any(isinstance(m, FSDPModule) for m in obj.modules())
 
 
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+def _fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype
 
 
 class Recovery:
@@ -263,18 +263,22 @@ class Recovery:
             for group in opt.param_groups:
                 for param in group["params"]:
                     found.setdefault(id(param), param)
-        for obj in list(self.replicated.values()) + list(self.local.values()):
+        for _, obj in self._managed():
             if isinstance(obj, torch.nn.Module):
                 for param in obj.parameters():
                     if param.requires_grad:
                         found.setdefault(id(param), param)
         return list(found.values())
 
+    def _managed(self) -> list[tuple[str, Any]]:
+        """Every managed object by name, replicated and rank-local."""
+        return list(self.replicated.items()) + list(self.local.items())
+
     def _buffers(self) -> dict[tuple[str, str], torch.Tensor]:
         """The managed modules' buffers as they are now, each as its local tensor (looked up by name every time:
         a forward pass may replace a buffer, ``self.avg = 0.9 * self.avg + ...``, rather than change it)."""
         found = {}
-        for name, obj in list(self.replicated.items()) + list(self.local.items()):
+        for name, obj in self._managed():
             if isinstance(obj, torch.nn.Module):
                 for key, buf in obj.named_buffers():
                     found[(name, key)] = local_tensor(buf)
@@ -282,16 +286,19 @@ class Recovery:
 
     def _copy_buffers(self, step: int) -> None:
         """As an attempt of ``step`` begins: copy the buffers it may change (see the module docstring)."""
+        if self.changing_buffers == []:  # learned: a step changes none (the demo GPT has none at all)
+            self._copied_at = step
+            return
         now = self._buffers()
         with torch.no_grad():
             if self.changing_buffers is None and self.buffer_copies and step == self._copied_at + 1:  # ran through
-                self.changing_buffers = [k for k, copy in self.buffer_copies.items()
-                                         if k not in now or not _equal(now[k], copy)]
+                self.changing_buffers = [k for k, copy in self.buffer_copies.items() if k not in now
+                                         or not (_fits(now[k], copy) and torch.equal(now[k], copy))]
             for k in now if self.changing_buffers is None else self.changing_buffers:
                 copy, buf = self.buffer_copies.get(k), now.get(k)
                 if buf is None:
                     self.buffer_copies.pop(k, None)
-                elif copy is None or copy.shape != buf.shape or copy.dtype != buf.dtype:
+                elif copy is None or not _fits(copy, buf):
                     self.buffer_copies[k] = buf.detach().clone()
                 else:
                     copy.copy_(buf)
@@ -307,7 +314,7 @@ class Recovery:
         with torch.no_grad():
             for k, copy in self.buffer_copies.items():
                 buf = now.get(k)
-                if buf is not None and buf.shape == copy.shape and buf.dtype == copy.dtype:
+                if buf is not None and _fits(buf, copy):
                     buf.copy_(copy)
 
     def restore_grad_scalers(self) -> None:
@@ -315,7 +322,7 @@ class Recovery:
         ``update()`` would have at the step's end (the refused ``scaler.step`` never got there): the redone step's
         ``unscale_`` would otherwise raise "unscale_() has already been called on this optimizer". Its scale
         and growth tracker change only in ``update()``, so they are those of the step's start already."""
-        for obj in list(self.replicated.values()) + list(self.local.values()):
+        for _, obj in self._managed():
             states = getattr(obj, "_per_optimizer_states", None) if isinstance(obj, torch.amp.GradScaler) else None
             if states is not None and hasattr(states, "default_factory"):
                 obj._per_optimizer_states = type(states)(states.default_factory)

@@ -18,8 +18,8 @@ import sys
 
 import pytest
 
-from tests.support import events, wait_until
-from tests.support.job import final_hashes, job_client
+from tests.support import events
+from tests.support.job import final_hashes, job_client, migrate_when_ready
 from tmd import protocol as p
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "varied.py")
@@ -43,15 +43,8 @@ def test_a_migration_then_a_kill_mid_step_are_bit_identical(tmp_path):
     proc = subprocess.Popen(command(run_dir, 2, "--step-time-s", "0.15", "--fault", f"n1:{KILL_AT}"),
                             stdout=subprocess.DEVNULL)
     try:
-        client = job_client(run_dir, proc)
-
-        def ready() -> bool:
-            st = client.request(p.StatusRequest())
-            return st.step >= 4 and {n["name"] for n in st.nodes if n["warm"]} >= {"s1", "s2"}
-
-        wait_until(ready, 120, "training at step 4 and warm standbys")
-        reply = client.request(p.MigrateRequest(sources=["n2"], targets=["s1"]))
-        assert isinstance(reply, p.MigrationReply), reply
+        migration = migrate_when_ready(job_client(run_dir, proc), proc, 4, "n2", "s1")
+        assert migration["state"] == p.MigrationState.COMMITTED, migration
         assert proc.wait(timeout=240) == 0
     finally:
         if proc.poll() is None:
