@@ -1,11 +1,16 @@
 """The end-to-end demo: a live migration of a training GPT, checked bit for bit against an uninterrupted run.
 
-    python -m examples.demo [--steps 40] [--migrate-at 15] [--tiny] [--netns-all]
+    python -m examples.demo [--steps 40] [--migrate-at 15] [--tiny] [--min-step-time-s 0] [--netns-all]
 
 1. Reference: ``tmd local`` runs 2 nodes x 2 ranks with no standby for ``--steps`` steps.
 2. Migration: the same job with standby node s1; once rank 0 reaches ``--migrate-at`` the demo asks tmd to migrate
    n2 -> s1 through the same request path ``tmctl migrate`` uses (tmctl.client), and follows it to commit.
 3. Every rank's final parameters + optimizer state hash must equal the reference run's.
+
+tmd places the switch step about half a second of training ahead (``tmd.migration``), so a job whose steps are
+very short (``--tiny``: ~20 ms) can end before it: the migration is then aborted ("the job finished before the
+migration committed") and the demo exits 1. ``--min-step-time-s`` pads every step of both runs to at least that
+many seconds (examples/train_gpt.py; the numerics are unchanged).
 
 With ``--netns-all`` (root) the migration run puts tmd and every node in a network namespace of its own, each
 with its own address on a bridge (``tmd local --netns-all``), as on separate hosts; the reference run is plain.
@@ -23,7 +28,7 @@ import shutil
 import subprocess
 import sys
 
-from tests.support.job import final_hashes, migrate_when_ready, tmd_command, wait_for_address
+from tests.support.job import end_job, final_hashes, migrate_when_ready, tmd_command, wait_for_address
 from tmctl.client import Client, find_keys
 from tmd import protocol as p
 
@@ -33,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--migrate-at", type=int, default=15)
     ap.add_argument("--tiny", action="store_true", help="a tiny GPT (fast)")
+    ap.add_argument("--min-step-time-s", type=float, default=0.0,
+                    help="pad every step to at least this many seconds (numerics unchanged)")
     ap.add_argument("--run-dir", default="tmrun/demo")
     ap.add_argument("--verbose", action="store_true", help="echo every rank's output")
     ap.add_argument("--netns-all", action="store_true",
@@ -42,13 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     ref_dir, mig_dir = os.path.join(args.run_dir, "reference"), os.path.join(args.run_dir, "migration")
 
     print(f"[demo] reference run: 2 nodes x 2 ranks, {args.steps} steps", flush=True)
-    rc = subprocess.run(tmd_command(ref_dir, 0, args.steps, args.tiny, quiet=not args.verbose)).returncode
+    script_args = ("--min-step-time-s", str(args.min_step_time_s)) if args.min_step_time_s > 0 else ()
+    rc = subprocess.run(tmd_command(ref_dir, 0, args.steps, args.tiny, quiet=not args.verbose,
+                                    script_args=script_args)).returncode
     if rc != 0:
         print(f"[demo] reference run failed with {rc}", file=sys.stderr)
         return 1
 
     print(f"[demo] migration run: 2 nodes x 2 ranks + standby s1; n2 -> s1 at step ~{args.migrate_at}", flush=True)
-    cmd = tmd_command(mig_dir, 1, args.steps, args.tiny, quiet=not args.verbose)
+    cmd = tmd_command(mig_dir, 1, args.steps, args.tiny, quiet=not args.verbose, script_args=script_args)
     if args.netns_all:
         cmd[cmd.index("--"):cmd.index("--")] = ["--netns-all"]
     proc = subprocess.Popen(cmd)
@@ -57,9 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         m = migrate_when_ready(client, proc, args.migrate_at, "n2", "s1")
         rc = proc.wait(timeout=1800)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait()
+        end_job(proc)
 
     ref, got = final_hashes(ref_dir), final_hashes(mig_dir)
     identical = len(ref) == 4 and ref == got and len(set(ref.values())) == 1

@@ -16,7 +16,7 @@ import sys
 import psutil
 import pytest
 
-from tests.support.job import final_hashes, job_client, tmd_command
+from tests.support.job import end_job, final_hashes, job_client, tmd_command
 from tmd import netns
 from tmd import protocol as p
 
@@ -66,9 +66,7 @@ class Job:
         try:
             return self.proc.wait(timeout=timeout_s)
         finally:
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                self.proc.wait(timeout=30)
+            end_job(self.proc)
 
 
 def assert_recovered(job: Job, reference: dict[int, str], rc: int, incidents: int = 1) -> list[dict]:

@@ -29,7 +29,7 @@ import subprocess
 import pytest
 
 from tests.support import events, wait_until
-from tests.support.job import final_hashes, job_client, tmd_command
+from tests.support.job import end_job, final_hashes, job_client, tmd_command
 from tmd import protocol as p
 
 STEPS = 32  # 4 steps after the kill; a rollback goes back to step 24 at most (SNAPSHOT_EVERY)
@@ -92,9 +92,7 @@ def test_migration_then_kill_is_bit_identical(tmp_path, layout):
         assert isinstance(reply, p.MigrationReply), reply
         assert proc.wait(timeout=300) == 0
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=30)
+        end_job(proc)
     assert final_hashes(run_dir) == expected
 
     journal = events(run_dir)

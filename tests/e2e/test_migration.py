@@ -16,7 +16,7 @@ import sys
 import pytest
 import zmq
 
-from tests.support.job import final_hashes, job_client, tmd_command
+from tests.support.job import end_job, final_hashes, job_client, tmd_command
 from tmd import protocol as p
 from tmd.protocol.keys import JobKeys
 
@@ -39,13 +39,14 @@ def job(tmp_path_factory, gpt_reference):
     reference = gpt_reference(STEPS)  # before the job: never alongside it
     run_dir = str(tmp_path_factory.mktemp("job"))
     proc = subprocess.Popen(tmd_command(run_dir, 1, STEPS, True, True, ARGS), stdout=subprocess.DEVNULL)
-    client = job_client(run_dir, proc)
-    status = lambda: client.request(p.StatusRequest())  # noqa: E731
-    wait_until(lambda: status().step > 5 and any(n["warm"] for n in status().nodes), 120, "training and a warm s1")
-    yield {"proc": proc, "run_dir": run_dir, "client": client, "status": status, "reference": reference}
-    if proc.poll() is None:  # a failed test: tmd terminates its processes on SIGTERM
-        proc.terminate()
-        proc.wait(timeout=30)
+    try:
+        client = job_client(run_dir, proc)
+        status = lambda: client.request(p.StatusRequest())  # noqa: E731
+        wait_until(lambda: status().step > 5 and any(n["warm"] for n in status().nodes), 120,
+                   "training and a warm s1")
+        yield {"proc": proc, "run_dir": run_dir, "client": client, "status": status, "reference": reference}
+    finally:
+        end_job(proc)
 
 
 @pytest.mark.timeout(180)  # the first also starts the job (and the shared reference, unless cached)

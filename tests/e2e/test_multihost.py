@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from tests.support import events, wait_until
-from tests.support.job import final_hashes, tmd_command, wait_for_address
+from tests.support.job import end_job, final_hashes, tmd_command, wait_for_address
 from tmctl.client import Client, find_keys
 from tmd import netns
 from tmd import protocol as p
@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(not (netns.available() and shutil.which("nsenter
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 40
+PAD_S = 0.05  # tiny steps take ~20 ms: the switch step (~0.5 s of training ahead) could fall past the job's end
 
 
 def _tmd_json(run_dir: str) -> dict:
@@ -60,7 +61,7 @@ def demo(tmp_path_factory) -> tuple[str, dict]:
     """The demo with ``--netns-all``: (its run dir, its JSON result). Its reference run (plain) serves every test."""
     run_dir = str(tmp_path_factory.mktemp("demo"))
     res = subprocess.run([sys.executable, "-m", "examples.demo", "--tiny", "--steps", str(STEPS), "--migrate-at",
-                          "12", "--run-dir", run_dir, "--netns-all"], cwd=REPO, capture_output=True, text=True,
+                          "12", "--min-step-time-s", str(PAD_S), "--run-dir", run_dir, "--netns-all"], cwd=REPO, capture_output=True, text=True,
                          timeout=500)
     lines = res.stdout.strip().splitlines()
     assert lines, res.stderr[-3000:]
@@ -113,9 +114,7 @@ def test_partition_of_a_node_with_every_process_in_its_own_namespace(tmp_path, d
         n2.heal()
         rc = proc.wait(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=30)
+        end_job(proc)
     journal = events(run_dir)
     assert rc == 0, [e for e in journal if e["event"] in (p.Event.JOB_FAILED, p.Event.NODE_FAILED)]
     failed = [e for e in journal if e["event"] == p.Event.NODE_FAILED]

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from tests.support import events, wait_until
-from tests.support.job import final_hashes, job_client, tmd_command
+from tests.support.job import end_job, final_hashes, job_client, tmd_command
 from tmd import protocol as p
 
 NODES, RANKS_PER_NODE = 4, 2
@@ -47,18 +47,18 @@ def job(tmp_path_factory, reference):
     run_dir = str(tmp_path_factory.mktemp("job"))
     proc = subprocess.Popen(tmd_command(run_dir, 2, STEPS, True, True, ARGS + PAD, nodes=NODES,
                                         ranks_per_node=RANKS_PER_NODE), stdout=subprocess.DEVNULL)
-    client = job_client(run_dir, proc)
-    status = lambda: client.request(p.StatusRequest())  # noqa: E731
+    try:
+        client = job_client(run_dir, proc)
+        status = lambda: client.request(p.StatusRequest())  # noqa: E731
 
-    def ready() -> bool:
-        st = status()
-        return st.step > 5 and {n["name"] for n in st.nodes if n["warm"]} >= {"s1", "s2"}
+        def ready() -> bool:
+            st = status()
+            return st.step > 5 and {n["name"] for n in st.nodes if n["warm"]} >= {"s1", "s2"}
 
-    wait_until(ready, 150, "training and warm standbys s1 and s2")
-    yield {"proc": proc, "run_dir": run_dir, "client": client, "status": status, "reference": reference}
-    if proc.poll() is None:  # a failed test: tmd terminates its processes on SIGTERM
-        proc.terminate()
-        proc.wait(timeout=30)
+        wait_until(ready, 150, "training and warm standbys s1 and s2")
+        yield {"proc": proc, "run_dir": run_dir, "client": client, "status": status, "reference": reference}
+    finally:
+        end_job(proc)
 
 
 @pytest.mark.timeout(300)  # the first test also runs the reference and starts the job (the module's fixtures)

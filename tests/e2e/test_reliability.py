@@ -24,7 +24,7 @@ import pytest
 import zmq
 
 from tests.support import events, wait_until
-from tests.support.job import final_hashes, tmd_command, wait_for_address
+from tests.support.job import end_job, final_hashes, tmd_command, wait_for_address
 from tmctl.client import Client, find_keys
 from tmd import protocol as p
 from worker import backend as mb
@@ -83,9 +83,7 @@ class Job:
             return self.proc.wait(timeout=timeout_s)
         finally:
             self.client.close()
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                self.proc.wait(timeout=30)
+            end_job(self.proc)
 
 
 @pytest.mark.timeout(300)

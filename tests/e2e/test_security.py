@@ -36,7 +36,7 @@ import pytest
 import zmq
 
 from tests.support import events, wait_until
-from tests.support.job import final_hashes, job_client, tmd_command
+from tests.support.job import end_job, final_hashes, job_client, tmd_command
 from tmd import protocol as p
 from tmd.protocol.keys import JobKeys
 from tmd.protocol.vocab import Event, Sender
@@ -194,9 +194,7 @@ def job(tmp_path_factory, gpt_reference):
         wait_until(lambda: status().step > 5 and any(n["warm"] for n in status().nodes), 120, "training, warm s1")
         yield {"proc": proc, "run_dir": run_dir, "client": client, "status": status, "reference": reference}
     finally:
-        if proc.poll() is None:  # a failed test: tmd terminates its processes on SIGTERM
-            proc.terminate()
-            proc.wait(timeout=30)
+        end_job(proc)
 
 
 @pytest.mark.timeout(240)  # includes the module's job start (and the shared reference, unless cached)

@@ -7,7 +7,7 @@ import psutil
 import pytest
 
 from tests.support import events, wait_until
-from tests.support.job import job_client, tmd_command
+from tests.support.job import end_job, job_client, tmd_command
 from tmd import protocol as p
 
 
@@ -32,8 +32,6 @@ def test_a_slow_rank_shows_as_straggler_then_sigterm_stops_the_job(tmp_path):
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, alive
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=30)
+        end_job(proc)
     names = [e["event"] for e in events(run_dir)]
     assert p.Event.TMD_SIGNALLED in names and names[-1] == p.Event.TMD_STOPPED

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import zmq
 
-from tests.support.job import final_hashes, job_client, scrape, tmd_command, web_of
+from tests.support.job import end_job, final_hashes, job_client, scrape, tmd_command, web_of
 from tmctl.client import CoordinatorUnreachable
 from tmd import protocol as p
 from tmd.protocol.keys import JobKeys
@@ -120,9 +120,8 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path, gpt_refer
         assert resumed.wait(timeout=120) == 0  # every rank finished: the resumed tmd ends the job
     finally:
         for proc in (tmd, resumed):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
+            if proc is not None:
+                end_job(proc)
         for w in workers:  # orphans of the killed tmd, if the resumed one did not end them
             if w.is_running():
                 w.kill()

@@ -13,8 +13,7 @@ import time
 import pytest
 
 from tests.support import events, wait_until
-from tests.support.job import wait_for_address, job_client
-from tmctl.client import Client
+from tests.support.job import job_client
 from tmd import protocol as p
 from tmd.protocol.vocab import Event, ExitCode, FailureKind
 

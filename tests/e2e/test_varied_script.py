@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from tests.support import events
-from tests.support.job import final_hashes, job_client, migrate_when_ready
+from tests.support.job import end_job, final_hashes, job_client, migrate_when_ready
 from tmd import protocol as p
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "varied.py")
@@ -47,9 +47,7 @@ def test_a_migration_then_a_kill_mid_step_are_bit_identical(tmp_path):
         assert migration["state"] == p.MigrationState.COMMITTED, migration
         assert proc.wait(timeout=240) == 0
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=30)
+        end_job(proc)
     journal = events(run_dir)
 
     def of(kind: p.Event) -> list[dict]:

@@ -26,6 +26,14 @@ def tmd_command(run_dir: str, standbys: int, steps: int, tiny: bool, quiet: bool
     return cmd + (["--tiny"] if tiny else [])
 
 
+def end_job(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Terminate ``tmd`` if it still runs (a failed test: tmd terminates its processes on SIGTERM) and wait for it,
+    at most ``timeout_s`` seconds (then ``subprocess.TimeoutExpired``)."""
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(timeout=timeout_s)
+
+
 def final_hashes(run_dir: str) -> dict[int, str]:
     out = {}
     for path in sorted(glob.glob(os.path.join(run_dir, "final", "rank*.json"))):

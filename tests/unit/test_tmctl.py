@@ -13,7 +13,7 @@ import zmq
 from typer.testing import CliRunner
 
 from tmctl import cli
-from tmctl.client import Client, CoordinatorNotFound, CoordinatorUnreachable, TimedOut, find_coordinator
+from tmctl.client import Client, CoordinatorNotFound, TimedOut, find_coordinator
 from tmd.protocol import (
     ErrorReply,
     EventsReply,
