@@ -54,10 +54,11 @@ def step_seed(seed: int, rank: int, step: int) -> int:
 
 
 class FaultPhase(enum.StrEnum):
-    """When a ``--fault`` fires within its step: before backward, as the optimizer update starts, or after the
-    step."""
+    """When a ``--fault`` fires within its step: before backward, half-way through the backward pass (as the
+    gradient of the middle parameter is computed), as the optimizer update starts, or after the step."""
 
     FORWARD = "forward"
+    BACKWARD = "backward"
     OPTIMIZER = "optimizer"
     BETWEEN = "between"
 
@@ -68,7 +69,7 @@ def parse_faults(parser: argparse.ArgumentParser, specs: list[str]) -> dict[tupl
     for f in specs:
         node, step, phase = f.split(":")
         if phase not in tuple(FaultPhase):
-            parser.error(f"--fault phase must be forward, optimizer or between, not {phase!r}")
+            parser.error(f"--fault phase must be one of {', '.join(FaultPhase)}, not {phase!r}")
         faults[(node, int(step))] = FaultPhase(phase)
     return faults
 
@@ -97,8 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated steps in which --slow-rank sleeps --slow-s (default: every step)")
     p.add_argument("--fault", action="append", default=[], metavar="NODE:STEP:PHASE",
                    help="fault injection for tests: at STEP, kill -9 every rank process of NODE (TM_NODE) during "
-                        "PHASE: forward (before backward), optimizer (as the update starts) or between (after the "
-                        "step); repeatable. Only the processes started on NODE fire it, not their replacements")
+                        "PHASE: forward (before backward), backward (half-way through it), optimizer (as the update "
+                        "starts) or between (after the step); repeatable. Only the processes started on NODE fire it, not their replacements")
     p.add_argument("--zero-grad", choices=("before-backward", "after-step"), default="before-backward",
                    help="where the step clears the gradients (set to None): before the backward pass, or after the "
                         "optimizer step (the other common pattern; identical numerics)")
@@ -198,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
         fault(step, FaultPhase.FORWARD)
         if args.zero_grad == "before-backward":
             opt.zero_grad(set_to_none=True)
+        if args.fault.get((os.environ.get("TM_NODE"), step)) == FaultPhase.BACKWARD:
+            params = [q for q in model.parameters() if q.requires_grad]
+            params[len(params) // 2].register_hook(lambda grad: fault(step, FaultPhase.BACKWARD))  # it dies there
         loss.backward()
         if args.unmanaged_model:  # what DDP would do: average the gradients
             for param in model.parameters():

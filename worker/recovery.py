@@ -5,10 +5,14 @@ failure is latched and the op completes with its outputs untouched) or tmd's ``H
 Then, on every survivor:
 
 1. the step's optimizer update is refused (:class:`StepAborted`, raised by a managed optimizer's pre-hook), so
-   the rank has committed either the step (``done``) or the one before it. A DDP model's forward pass stops
-   early too: once the failure is known (tmd's Halt, a latched collective), the next of its modules to run raises
-   StepAborted instead of computing the rest of the forward and the whole backward for a step that is void
-   (:meth:`Recovery.manage`; off with ``TM_ABORT_IN_FORWARD=0``);
+   the rank has committed either the step (``done``) or the one before it. A DDP model's forward and backward
+   passes stop early too: once the failure is known (tmd's Halt, a latched collective), the next of its modules
+   to run (a forward pre-hook), or the next of its parameters to get its gradient (a gradient hook), raises
+   StepAborted instead of computing the rest of a step that is void (:meth:`Recovery.manage`; off with
+   ``TM_STOP_VOID_PASSES=0``). A backward pass stopped half-way leaves DDP's reducer expecting the rest of it, so
+   every party of the recovery resets its reducer (:meth:`Recovery._reset_reducers`, as torch's own
+   ``DistributedDataParallel._update_process_group`` does), which regroups its gradient buckets once more after
+   the redone step, in the same assignment (a collective of all, like a job's first step);
 2. at the step boundary it reports ``collective_failed`` (if it saw the failure before tmd said anything) and,
    once tmd's Halt is there, ``halted`` with its last committed step;
 3. it waits for tmd's ``Recover`` plan, then carries it out on a helper thread (:meth:`Recovery.recover`): send
@@ -156,15 +160,23 @@ def unpack(blob: bytes) -> tuple[bytes, dict, bytes]:
     return blob[:at], json.loads(blob[at + 4:at + 4 + n]), blob[at + 4 + n:]
 
 
-ABORT_IN_FORWARD_ENV = "TM_ABORT_IN_FORWARD"  # "0": a survivor's forward pass runs to its end after a failure
+STOP_VOID_PASSES_ENV = "TM_STOP_VOID_PASSES"  # "0": a survivor's forward and backward passes run to their end
+STOP_VOID_PASSES_OLD_ENV = "TM_ABORT_IN_FORWARD"  # its earlier name (forward passes only then), still read
+
+
+def _stopping_void_passes() -> bool:
+    """Whether a DDP model's forward and backward passes stop once their step is void (env
+    ``TM_STOP_VOID_PASSES``, default on; "0" turns it off)."""
+    return os.environ.get(STOP_VOID_PASSES_ENV, os.environ.get(STOP_VOID_PASSES_OLD_ENV)) != "0"
 
 
 class StepAborted(RuntimeError):
     """Raised by a managed optimizer's ``step()`` when a collective of this step failed or tmd halted the job
     for a failure: the update is refused (nothing is modified) and :meth:`Session.run` redoes the step after
-    recovery, with the same data, so the trajectory stays bit-identical. Also raised by a module of a managed DDP
-    model when its forward pass starts after the failure is known (see :meth:`Recovery.manage`): then neither
-    the rest of the forward nor the backward runs."""
+    recovery, with the same data, so the trajectory stays bit-identical. Also raised out of a managed DDP model's
+    forward pass (by the next module to run) or out of ``loss.backward()`` (by the next parameter to get its
+    gradient) once the failure is known (see :meth:`Recovery.manage`): then the rest of the step is not
+    computed."""
 
 
 class _Superseded(Exception):
@@ -195,6 +207,15 @@ def _stoppable(obj: Any) -> bool:
     except ImportError:  # an older torch without FSDP2
         return True
     return not any(isinstance(m, FSDPModule) for m in obj.modules())
+
+
+def _backward_stoppable(obj: Any) -> bool:
+    """Whether ``obj`` is a :func:`_stoppable` DDP model whose backward pass may stop half-way too (StepAborted
+    from a parameter's gradient hook): only with torch's C++ reducer, whose ``_reset_state()`` lets the next
+    forward run although that backward never finished (no Python reducer, no delayed all-reduce, no Join)."""
+    return _stoppable(obj) and hasattr(getattr(obj, "reducer", None), "_reset_state") \
+        and not getattr(obj, "_use_python_reducer", False) and not getattr(obj, "_delay_all_reduce_all_params", False) \
+        and not obj._join_config.enable
 
 
 def _fits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -235,7 +256,7 @@ class Recovery:
         self.changing_buffers: Optional[list[tuple[str, str]]] = None  # the buffers a step changes; None: not known
         self._copied_at = -1  # the step whose begin_step took ``buffer_copies``
         self.in_step = False  # between begin_step and the step's end (Session.steps): a forward may be stopped
-        self._forward_hooked: set[int] = set()  # ids of the modules that have the forward pre-hook
+        self._forward_hooked: set[int] = set()  # ids of the modules (parameters) that have the forward (gradient) hook
         self._prefetched: Optional[_Launched] = None  # a replacement's plan carried out during its shadow iterations
         self._prefetch_lock = threading.Lock()
         self._prefetch_open = False  # prefetch() watches for the plan until replace() takes over
@@ -249,11 +270,16 @@ class Recovery:
                 self.optimizers.append(obj)
                 obj.register_step_pre_hook(self._before_optimizer_step)
                 obj.register_step_post_hook(self._after_optimizer_step)
-            if _stoppable(obj) and os.environ.get(ABORT_IN_FORWARD_ENV) != "0":
+            if _stoppable(obj) and _stopping_void_passes():
                 for module in obj.module.modules():
                     if id(module) not in self._forward_hooked:
                         self._forward_hooked.add(id(module))
                         module.register_forward_pre_hook(self._abort_forward)
+                if _backward_stoppable(obj):
+                    for param in obj.module.parameters():
+                        if param.requires_grad and id(param) not in self._forward_hooked:
+                            self._forward_hooked.add(id(param))
+                            param.register_hook(self._abort_backward)
         self.trained = self._trained_parameters()
         self.buffer_copies, self.changing_buffers = {}, None
 
@@ -340,10 +366,33 @@ class Recovery:
     def _abort_forward(self, module: torch.nn.Module, args: Any) -> None:
         """A managed DDP model's module is about to run: raise StepAborted if this step is void already (a
         halt, a latched collective), so that the survivor halts without computing the rest of the step."""
+        self._abort_if_void("forward")
+
+    def _abort_backward(self, grad: torch.Tensor) -> None:
+        """A gradient of a managed DDP model's parameter was computed: raise StepAborted (out of
+        ``backward()``) if this step is void already. The reducer is left half-way through the backward pass;
+        every party resets it in :meth:`_complete`."""
+        self._abort_if_void("backward")
+
+    def _abort_if_void(self, where: str) -> None:
         if self.in_step and self.control.stage == Stage.TRAINING and self.control.role == p.WorkerRole.ACTIVE:
             why = self.failure()
             if why:
-                raise StepAborted(f"rank {self.control.rank} step {self.control.step}: forward pass stopped, {why}")
+                message = f"rank {self.control.rank} step {self.control.step}: {where} pass stopped, {why}"
+                print(f"[worker] {message}", flush=True)
+                raise StepAborted(message)
+
+    def _reset_reducers(self) -> None:
+        """Every party of a recovery, as it swaps the new groups in: reset the reducer of every managed DDP model
+        whose backward pass may stop half-way (torch's ``Reducer._reset_state``: the next forward may run
+        although a backward did not finish). The reset also makes DDP regroup its gradient buckets once more
+        after the redone step, as after a job's first step: the same assignment (the gradients' order is the
+        model's), broadcast from rank 0 in the next step's forward. So every party resets, whether its own step
+        stopped in the forward, the backward or the optimizer, and that broadcast is a collective of all."""
+        for _, obj in self._managed():
+            if _backward_stoppable(obj) and _stopping_void_passes():
+                obj.reducer._reset_state()
+                obj._has_rebuilt_buckets = False
 
     def failure(self) -> Optional[str]:
         """Why the current step cannot commit (a latched collective failure, or tmd's halt), or None."""
@@ -685,6 +734,7 @@ class Recovery:
             self.kept = self.exchanged = None  # rank-state copies of steps that are redone
         self._snapshot_round = None  # a round of the interrupted step: the ranks resume with a fresh one (want)
         groups.install(result["built"])
+        self._reset_reducers()
         if rng_next is not None:
             torch.set_rng_state(rng_next)
         self.control.recovered(attempt)

@@ -79,7 +79,7 @@ def assert_recovered(job: Job, reference: dict[int, str], rc: int, incidents: in
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("phase", ["optimizer"])  # forward and between: test_two_failures_in_a_row_use_two_standbys
+@pytest.mark.parametrize("phase", ["optimizer"])  # forward and between: test_two_failures_in_a_row_*; backward: below
 def test_kill_node_during_a_step(tmp_path, reference, phase):
     # Also: long and slow steps are not failures. Rank 3 sleeps 2.5 s in its first step and in step 6 (its peers
     # wait at the collective, its heartbeats go on): the only node failure is the kill at step 12.
@@ -92,7 +92,7 @@ def test_kill_node_during_a_step(tmp_path, reference, phase):
     assert started["lost_ranks"] == [2, 3] and started["survivors"] == [0, 1]
     # Before the update the step is redone; killed between steps (or as it updates: its all-reduce finished on
     # the survivors), step 12 committed and the job resumes after it.
-    assert done[0]["resume_step"] in {"forward": (12,), "optimizer": (12, 13), "between": (13,)}[phase]
+    assert done[0]["resume_step"] in {"forward": (12,), "backward": (12,), "optimizer": (12, 13), "between": (13,)}[phase]
     assert done[0]["standbys"] == {"n2": "s1"}
     plan = job.events("recovery_plan")[0]
     assert sorted(dst for _, dst in plan["sends"]) == [2, 3]  # the replacements get state from replicas
@@ -155,7 +155,7 @@ def test_a_migration_to_the_guard_of_its_node_skips_the_warm_up(tmp_path, refere
 
 @pytest.mark.timeout(300)
 def test_without_a_standby_the_job_waits_then_resumes(tmp_path, reference):
-    job = Job(tmp_path, 0, "--fault", "n2:10:forward")
+    job = Job(tmp_path, 0, "--fault", "n2:10:backward")  # n2 dies half-way through its backward pass
     job.wait_event("recovery_waiting")
     status = json.loads(job.tmctl("status", "--json").stdout)
     assert status["recovery"]["waiting_standby"] is True and status["recovery"]["lost_ranks"] == [2, 3]

@@ -12,7 +12,7 @@ import torch
 
 from tmd import protocol as p
 from worker import rank_state
-from worker.control import Control, Stage
+from worker.control import Attempt, Control, Stage
 from worker import recovery
 from worker.recovery import NO_FINGERPRINT, Recovery, pack, unpack
 from worker.reports import Reporter
@@ -376,6 +376,63 @@ def test_a_forward_pass_stops_once_the_step_is_void_and_only_within_a_step(monke
 
 def test_only_a_plain_ddp_model_gets_its_forward_stopped():
     assert not recovery._stoppable(torch.nn.Linear(2, 2))  # not DDP: its forward is the script's own
+
+
+@pytest.fixture
+def world_of_one():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_ddp_backward_pass_stops_once_the_step_is_void_and_the_reset_reducer_runs_the_redone_step(world_of_one):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rec = make(rank=0)
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)))
+    assert recovery._backward_stoppable(model)
+    rec.manage({"model": model}, rank_local=False)
+    first, last = model.module[0].weight, model.module[2].weight
+
+    def step(halt_at_last_layer: bool) -> None:
+        rec.control.set_step(4)
+        rec.begin_step()
+        loss = model(torch.ones(2, 3)).sum()
+        if halt_at_last_layer:  # the halt arrives as the last layer's gradient (the first one) was computed
+            def halt(grad):
+                rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))
+
+            handle = last.register_hook(halt)
+        try:
+            loss.backward()
+        finally:
+            if halt_at_last_layer:
+                handle.remove()
+
+    step(False)  # DDP's first step: it regroups its buckets (no failure)
+    expected = [q.grad.clone() for q in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(recovery.StepAborted, match="step 4: backward pass stopped, halted by tmd: n2 lost"):
+        step(True)
+    assert last.grad is not None and first.grad is None  # the rest of the backward pass did not run
+    with pytest.raises(RuntimeError, match="finished reduction"):  # the reducer was left half-way
+        model(torch.ones(2, 3))
+    # what the recovery does before the step is redone: the incident ends, the reducer is reset, the gradients
+    rec.control.recovered(Attempt(rec.control.halt, None))  # are put back
+    rec._reset_reducers()
+    model.zero_grad(set_to_none=True)
+    step(False)
+    assert all(torch.equal(q.grad, e) for q, e in zip(model.parameters(), expected))
+    rec.in_step = False  # outside a step nothing is stopped
+    rec.control.on_halt(p.Halt(incident_id=2, reason="n1 lost", failed_ranks=[0]))
+    model(torch.ones(2, 3)).sum().backward()
 
 
 def test_a_grad_scaler_forgets_the_interrupted_step_s_unscale(monkeypatch):
