@@ -170,7 +170,8 @@ def _text(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-NODE_COLUMNS = ("name", "role", "health", "ranks", "step", "heartbeat_age_s", "step_time_s", "warm", "stragglers")
+NODE_COLUMNS = ("name", "role", "health", "ranks", "guards", "step", "heartbeat_age_s", "step_time_s", "warm",
+                "stragglers")
 
 
 def render_nodes(status: dict) -> str:

@@ -47,7 +47,10 @@ STATUS = {
                "step_time_s": 0.06, "warm": False, "stragglers": [1], "pids": {"0": 2}},
               {"name": "s1", "role": NodeRole.STANDBY, "ranks": [], "health": Health.HEALTHY, "reason": "",
                "processes": 1, "heartbeat_age_s": 0.1, "step": None, "step_time_s": None, "warm": True,
-               "stragglers": [], "pids": {"0": 3}}],
+               "stragglers": [], "pids": {"0": 3}, "guards": []},
+              {"name": "s2", "role": NodeRole.GUARDING, "ranks": [], "health": Health.HEALTHY, "reason": "",
+               "processes": 1, "heartbeat_age_s": 0.1, "step": None, "step_time_s": None, "warm": True,
+               "stragglers": [], "pids": {"0": 4}, "guards": [0, 1]}],
     "migration": {"id": 1, "state": "committed", "reason": "", "phases_s": {"transfer": 0.3, "total": 2.0}},
     "recovery": None, "failure": None, "warnings": [],
 }
@@ -133,6 +136,7 @@ def test_the_page_is_server_rendered_and_escaped(server):
     assert '<tr data-node="&lt;script&gt;alert(1)&lt;/script&gt;"' in page
     assert '<tr data-node="n2" class="role-active" title="gpu &lt;hot&gt; &amp; &quot;slow&quot;">' in page
     assert '<tr data-node="s1" class="role-standby">' in page
+    assert '<td class="guards">0, 1</td>' in page.split('data-node="s2"')[1].split("</tr>")[0]  # a guard's ranks
     assert "<script>alert" not in page and "j&lt;1&gt;" in page
     assert "migration 1: committed" in page and "transfer 0.300 s" in page
     assert page.count("<script") == 1 and TOKEN not in page
@@ -248,8 +252,9 @@ def test_chromium_renders_the_table_and_the_timeline(server, tmp_path):
            f"{server.url}?token={TOKEN}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=45).stdout
     assert 'id="nodes"' in out, out[-2000:]
-    for node in ("&lt;script&gt;alert(1)&lt;/script&gt;", "n2", "s1"):
+    for node in ("&lt;script&gt;alert(1)&lt;/script&gt;", "n2", "s1", "s2"):
         assert f'<tr data-node="{node}"' in out
+    assert '<td class="guards">0, 1</td>' in out.split('data-node="s2"')[1].split("</tr>")[0]  # the script's row
     assert out.count('<rect class="span migration"') == 1 and out.count('<rect class="span incident"') == 1
     assert '<polyline class="steps"' in out and 'class="mark node_failed"' in out
     assert '<span id="notice"></span>' in out  # the script's refresh did not fail
