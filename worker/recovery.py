@@ -256,7 +256,7 @@ class Recovery:
         self.changing_buffers: Optional[list[tuple[str, str]]] = None  # the buffers a step changes; None: not known
         self._copied_at = -1  # the step whose begin_step took ``buffer_copies``
         self.in_step = False  # between begin_step and the step's end (Session.steps): a forward may be stopped
-        self._forward_hooked: set[int] = set()  # ids of the modules (parameters) that have the forward (gradient) hook
+        self._hooked: set[int] = set()  # ids of the modules (parameters) that have the forward (gradient) hook
         self._prefetched: Optional[_Launched] = None  # a replacement's plan carried out during its shadow iterations
         self._prefetch_lock = threading.Lock()
         self._prefetch_open = False  # prefetch() watches for the plan until replace() takes over
@@ -272,13 +272,13 @@ class Recovery:
                 obj.register_step_post_hook(self._after_optimizer_step)
             if _stoppable(obj) and _stopping_void_passes():
                 for module in obj.module.modules():
-                    if id(module) not in self._forward_hooked:
-                        self._forward_hooked.add(id(module))
+                    if id(module) not in self._hooked:
+                        self._hooked.add(id(module))
                         module.register_forward_pre_hook(self._abort_forward)
                 if _backward_stoppable(obj):
                     for param in obj.module.parameters():
-                        if param.requires_grad and id(param) not in self._forward_hooked:
-                            self._forward_hooked.add(id(param))
+                        if param.requires_grad and id(param) not in self._hooked:
+                            self._hooked.add(id(param))
                             param.register_hook(self._abort_backward)
         self.trained = self._trained_parameters()
         self.buffer_copies, self.changing_buffers = {}, None
