@@ -341,6 +341,13 @@ class Migrations(Episodes[Migration]):
                 # how long training stood still on this stayer at the switch step (it may report after commit)
                 done.pause_s = round(max(done.pause_s or 0.0, msg.seconds), 6)
                 return
+        if msg.phase == MigrationPhase.SENT and msg.ok:
+            done = self.find(msg.migration_id) if msg.migration_id >= 0 else None
+            if done is not None and done.state == MigrationState.COMMITTED and done.role_of(w) == MigrationRole.LEAVER:
+                # a leaver reports SENT after the tail left; its joiner, on another connection, may have loaded
+                # the tail and committed first: journal it all the same
+                self._journal_sent(done, msg)
+                return
         m = self.current
         if m is None or msg.migration_id != m.id:
             self.journal.record(Event.STALE_PHASE_REPORT, worker=w.identity.decode(), migration_id=msg.migration_id,
@@ -370,8 +377,7 @@ class Migrations(Episodes[Migration]):
                 self._decide_if_transferred(m)  # pre-copies may have been loaded before the last ack came
         elif msg.phase == MigrationPhase.SENT and m.state in (MigrationState.SWITCHING, MigrationState.TRANSFERRED):
             self._mark_transfer_start(m, msg.seconds)  # may trail the joiner's report
-            self.journal.record(Event.MIGRATION_SENT, migration_id=m.id, rank=msg.rank, bytes_moved=msg.bytes_moved,
-                                seconds=msg.seconds, precopy_step=msg.precopy_step, kept_tensors=msg.kept_tensors)
+            self._journal_sent(m, msg)
         elif msg.phase == MigrationPhase.TRANSFERRED and m.state in (MigrationState.PREPARED,
                                                                     MigrationState.SWITCHING):
             m.bytes_moved += msg.bytes_moved
@@ -535,6 +541,10 @@ class Migrations(Episodes[Migration]):
         self._broadcast(m, p.Decide(migration_id=m.id, commit=True, reason="transferred"))
         for leaver in m.leavers.values():
             leaver.done = True
+
+    def _journal_sent(self, m: Migration, msg: p.PhaseDone) -> None:
+        self.journal.record(Event.MIGRATION_SENT, migration_id=m.id, rank=msg.rank, bytes_moved=msg.bytes_moved,
+                            seconds=msg.seconds, precopy_step=msg.precopy_step, kept_tensors=msg.kept_tensors)
 
     def _commit(self, m: Migration) -> None:
         extra = {"lost": m.lost} if m.lost else {}

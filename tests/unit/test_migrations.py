@@ -128,12 +128,18 @@ def test_stale_reports_are_ignored(world):
     assert journal.since(0, 100)[-1]["event"] == Event.STALE_PHASE_REPORT
 
 
+def switching(migs, reg):
+    """A migration n2 -> s1 that every party armed (state switching)."""
+    m = migs.request("n2", "s1")
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.WARMED, mid=m.id)
+    ack(migs, reg, ALL, MigrationPhase.PREPARED, mid=m.id)
+    ack(migs, reg, ALL, MigrationPhase.ARMED, mid=m.id, step=11)
+    return m
+
+
 def test_stayer_pause_is_recorded_even_after_commit(world):
     reg, migs, _, _ = world
-    m = migs.request("n2", "s1")
-    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.WARMED)
-    ack(migs, reg, ALL, MigrationPhase.PREPARED)
-    ack(migs, reg, ALL, MigrationPhase.ARMED, step=11)
+    m = switching(migs, reg)
     ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.TRANSFERRED)
     stayer = reg.by_identity[b"n1/0"]
     migs.on_phase(stayer, p.PhaseDone(migration_id=1, rank=0, phase=MigrationPhase.COMMITTED, ok=True, error="", step=16, bytes_moved=0, seconds=0.125, groups=[]))
@@ -144,11 +150,23 @@ def test_stayer_pause_is_recorded_even_after_commit(world):
     assert m.to_dict()["pause_s"] == 0.25
 
 
+def test_a_leaver_s_sent_report_after_the_commit_is_journalled(world):
+    # The leaver reports SENT once its tail left; its joiner (another connection) may load it and commit first.
+    reg, migs, _, journal = world
+    m = switching(migs, reg)
+    ack(migs, reg, ["n2/1"], MigrationPhase.SENT)
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.TRANSFERRED)
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.COMMITTED)
+    assert m.state == MigrationState.COMMITTED
+    ack(migs, reg, ["n2/0"], MigrationPhase.SENT)  # late
+    ack(migs, reg, ["n1/0"], MigrationPhase.SENT)  # not a leaver: stale
+    entries = journal.since(0, 100)
+    assert sorted(e["rank"] for e in entries if e["event"] == Event.MIGRATION_SENT) == [2, 3]
+    assert entries[-1]["event"] == Event.STALE_PHASE_REPORT and entries[-1]["worker"] == "n1/0"
+
+
 def commit_migration(migs, reg):
-    m = migs.request("n2", "s1")
-    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.WARMED, mid=m.id)
-    ack(migs, reg, ALL, MigrationPhase.PREPARED, mid=m.id)
-    ack(migs, reg, ALL, MigrationPhase.ARMED, mid=m.id, step=11)
+    m = switching(migs, reg)
     ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.TRANSFERRED, mid=m.id)
     ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.COMMITTED, mid=m.id)
     return m
