@@ -10,7 +10,8 @@ an inproc socket (no polling delay on the switch path).
 The DEALER is a CURVE client of the job (tmd.protocol.keys, from env ``TM_KEYS``): it authenticates with the
 job's worker key and pins tmd's public key, so a process that binds tmd's address while tmd is down is never
 heard. After a failed handshake (a stranger at tmd's address, which libzmq would otherwise never retry after) the
-agent connects again every RECONNECT_AFTER_HANDSHAKE_FAILURE_S, so the real tmd is reached once it is back. Its
+agent connects again every RECONNECT_AFTER_HANDSHAKE_FAILURE_S, so the real tmd is reached once it is back, but
+never once a handshake succeeded since (:class:`Reconnect`: that would drop the live connection). Its
 ZeroMQ identity is ``<node>/<local_rank>/<16 random hex digits>``: unique per process, so a
 restarted process never collides with its predecessor and no other connection can take the identity over.
 """
@@ -27,6 +28,7 @@ import time
 from typing import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from tmd import protocol as p
 from tmd.protocol.keys import KEYS_ENV, JobKeys, limit
@@ -36,6 +38,39 @@ _ids = itertools.count()
 RECONNECT_AFTER_HANDSHAKE_FAILURE_S = 1.0
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | \
     zmq.EVENT_HANDSHAKE_FAILED_AUTH
+_MONITORED = _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+class Reconnect:
+    """When the agent connects again after a failed handshake (see the module docstring), from its socket's
+    monitor events. Once a handshake succeeded (the real tmd), a failure event that comes later without a
+    disconnect between (a late one, of the stranger's connection) schedules nothing: connecting again then would
+    drop a live connection to tmd, and tmd's ROUTER ignores a second connection with the same identity until it
+    noticed the first one closed, so the agent would be heard no more (seen after ``tmd resume``: a worker asked
+    to re-register never answered). Times are ``time.monotonic()`` seconds."""
+
+    def __init__(self, after_s: float = RECONNECT_AFTER_HANDSHAKE_FAILURE_S) -> None:
+        self.after_s = after_s
+        self.connected = False  # a handshake succeeded and no disconnect came since
+        self.at: float | None = None  # when to connect again, or None
+
+    def on_event(self, event: int, now: float) -> bool:
+        """One monitor event; returns True when it scheduled a reconnect (the caller says why)."""
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected, self.at = True, None
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.connected = False
+        elif event & _HANDSHAKE_FAILED and not self.connected and self.at is None:
+            self.at = now + self.after_s
+            return True
+        return False
+
+    def due(self, now: float) -> bool:
+        """Whether to connect again now (then it is no longer scheduled)."""
+        if self.at is None or now < self.at:
+            return False
+        self.at = None
+        return True
 
 
 class Agent:
@@ -95,7 +130,7 @@ class Agent:
             self.keys.connect_as(sock, p.Sender.WORKER)
         else:
             limit(sock)
-        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        monitor = sock.get_monitor_socket(_MONITORED)
         sock.connect(self.address)
         self._send(sock, p.Register(node=self.node, local_rank=self.local_rank, pid=os.getpid(),
                                     host=socket.gethostname(), standby=self.standby))
@@ -104,7 +139,7 @@ class Agent:
         poller.register(self._wake_rx, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         next_beat = time.monotonic()
-        reconnect_at = None
+        reconnect = Reconnect()
         try:
             while True:
                 self._drain_outbox(sock)
@@ -117,18 +152,16 @@ class Agent:
                     except Exception:  # a failing probe must not stop the agent: tmd sees the silence
                         log.exception("heartbeat failed")
                     next_beat = now + self.heartbeat_interval_s
-                if reconnect_at is not None and now >= reconnect_at:
+                if reconnect.due(now):
                     sock.disconnect(self.address)
                     sock.connect(self.address)
-                    reconnect_at = None
                 events = dict(poller.poll(max(0, int((next_beat - time.monotonic()) * 1000)) + 1))
                 if monitor in events:
                     while monitor.poll(0):
-                        monitor.recv_multipart()
-                    if reconnect_at is None:
-                        log.warning("handshake with %s failed (not this job's tmd?): connecting again in %g s",
-                                    self.address, RECONNECT_AFTER_HANDSHAKE_FAILURE_S)
-                        reconnect_at = time.monotonic() + RECONNECT_AFTER_HANDSHAKE_FAILURE_S
+                        event = recv_monitor_message(monitor)["event"]
+                        if reconnect.on_event(event, time.monotonic()):
+                            log.warning("handshake with %s failed (not this job's tmd?): connecting again in %g s",
+                                        self.address, reconnect.after_s)
                 if self._wake_rx in events:
                     while self._wake_rx.poll(0):
                         self._wake_rx.recv()
