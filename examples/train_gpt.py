@@ -99,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault", action="append", default=[], metavar="NODE:STEP:PHASE",
                    help="fault injection for tests: at STEP, kill -9 every rank process of NODE (TM_NODE) during "
                         "PHASE: forward (before backward), backward (half-way through it), optimizer (as the update "
-                        "starts) or between (after the step); repeatable. Only the processes started on NODE fire it, not their replacements")
+                        "starts) or between (after the step); repeatable. Only the processes started on NODE fire "
+                        "it, not their replacements")
     p.add_argument("--zero-grad", choices=("before-backward", "after-step"), default="before-backward",
                    help="where the step clears the gradients (set to None): before the backward pass, or after the "
                         "optimizer step (the other common pattern; identical numerics)")

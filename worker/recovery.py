@@ -257,6 +257,7 @@ class Recovery:
         self._copied_at = -1  # the step whose begin_step took ``buffer_copies``
         self.in_step = False  # between begin_step and the step's end (Session.steps): a forward may be stopped
         self._hooked: set[int] = set()  # ids of the modules (parameters) that have the forward (gradient) hook
+        self._resettable: list[Any] = []  # the managed DDP models whose backward pass may stop: _reset_reducers
         self._prefetched: Optional[_Launched] = None  # a replacement's plan carried out during its shadow iterations
         self._prefetch_lock = threading.Lock()
         self._prefetch_open = False  # prefetch() watches for the plan until replace() takes over
@@ -276,6 +277,8 @@ class Recovery:
                         self._hooked.add(id(module))
                         module.register_forward_pre_hook(self._abort_forward)
                 if _backward_stoppable(obj):
+                    if not any(obj is m for m in self._resettable):
+                        self._resettable.append(obj)
                     for param in obj.module.parameters():
                         if param.requires_grad and id(param) not in self._hooked:
                             self._hooked.add(id(param))
@@ -384,15 +387,14 @@ class Recovery:
 
     def _reset_reducers(self) -> None:
         """Every party of a recovery, as it swaps the new groups in: reset the reducer of every managed DDP model
-        whose backward pass may stop half-way (torch's ``Reducer._reset_state``: the next forward may run
-        although a backward did not finish). The reset also makes DDP regroup its gradient buckets once more
-        after the redone step, as after a job's first step: the same assignment (the gradients' order is the
-        model's), broadcast from rank 0 in the next step's forward. So every party resets, whether its own step
+        whose backward pass may stop half-way (those :meth:`manage` hooked; torch's ``Reducer._reset_state``: the
+        next forward may run although a backward did not finish). The reset also makes DDP regroup its gradient
+        buckets once more after the redone step, as after a job's first step: the same assignment (the gradients'
+        order is the model's), broadcast from rank 0 in the next step's forward. So every party resets, whether its own step
         stopped in the forward, the backward or the optimizer, and that broadcast is a collective of all."""
-        for _, obj in self._managed():
-            if _backward_stoppable(obj) and _stopping_void_passes():
-                obj.reducer._reset_state()
-                obj._has_rebuilt_buckets = False
+        for ddp in self._resettable:
+            ddp.reducer._reset_state()
+            ddp._has_rebuilt_buckets = False
 
     def failure(self) -> Optional[str]:
         """Why the current step cannot commit (a latched collective failure, or tmd's halt), or None."""
