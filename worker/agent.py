@@ -9,11 +9,13 @@ an inproc socket (no polling delay on the switch path).
 
 The DEALER is a CURVE client of the job (tmd.protocol.keys, from env ``TM_KEYS``): it authenticates with the
 job's worker key and pins tmd's public key, so a process that binds tmd's address while tmd is down is never
-heard. After a failed handshake (a stranger at tmd's address, which libzmq would otherwise never retry after) the
-agent connects again every RECONNECT_AFTER_HANDSHAKE_FAILURE_S, so the real tmd is reached once it is back, but
-never once a handshake succeeded since (:class:`Reconnect`: that would drop the live connection). Its
-ZeroMQ identity is ``<node>/<local_rank>/<16 random hex digits>``: unique per process, so a
-restarted process never collides with its predecessor and no other connection can take the identity over.
+heard. libzmq retries a connection by itself (every 100 ms) after it was refused or closed, a failed handshake
+among them, but gives the endpoint up for good after a handshake this client itself failed (the peer's greeting
+named another security mechanism, or the peer refused our credentials): only then does the agent connect again, after
+RECONNECT_AFTER_HANDSHAKE_FAILURE_S, so the real tmd is reached once it is back (:class:`Reconnect`). Connecting again
+while libzmq still retries would leave two connections to tmd, and the DEALER sends every other message on the one
+tmd's ROUTER ignores. Its ZeroMQ identity is ``<node>/<local_rank>/<16 random hex digits>``: unique per
+process, so a restarted process never collides with its predecessor and no other connection can take the identity over.
 """
 from __future__ import annotations
 
@@ -36,18 +38,20 @@ from tmd.protocol.keys import KEYS_ENV, JobKeys, limit
 log = logging.getLogger("worker.agent")
 _ids = itertools.count()
 RECONNECT_AFTER_HANDSHAKE_FAILURE_S = 1.0
-_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | \
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH
-_MONITORED = _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# Handshake failures after which libzmq gives the endpoint up (a protocol error of this side; checked with libzmq
+# 4.3.5). EVENT_HANDSHAKE_FAILED_NO_DETAIL (the peer closed the connection mid-handshake) is retried by libzmq itself.
+_GIVEN_UP = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+_MONITORED = _GIVEN_UP | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 class Reconnect:
     """When the agent connects again after a failed handshake (see the module docstring), from its socket's
-    monitor events. Once a handshake succeeded (the real tmd), a failure event that comes later without a
-    disconnect between (a late one, of the stranger's connection) schedules nothing: connecting again then would
-    drop a live connection to tmd, and tmd's ROUTER ignores a second connection with the same identity until it
-    noticed the first one closed, so the agent would be heard no more (seen after ``tmd resume``: a worker asked
-    to re-register never answered). Times are ``time.monotonic()`` seconds."""
+    monitor events: only after a failure libzmq does not retry (``_GIVEN_UP``), and never once a handshake
+    succeeded with no disconnect since. Connecting again while libzmq still retries, or over a live connection,
+    leaves the DEALER two connections with one identity: tmd's ROUTER (no handover, on purpose) never reads the
+    second one, and the DEALER sends every other message on it, so a Rejoin answering tmd's Reregister could be
+    lost every time (seen after ``tmd resume``: n1/0 never re-registered and tmd failed n1 after its grace).
+    Times are ``time.monotonic()`` seconds."""
 
     def __init__(self, after_s: float = RECONNECT_AFTER_HANDSHAKE_FAILURE_S) -> None:
         self.after_s = after_s
@@ -60,7 +64,7 @@ class Reconnect:
             self.connected, self.at = True, None
         elif event == zmq.EVENT_DISCONNECTED:
             self.connected = False
-        elif event & _HANDSHAKE_FAILED and not self.connected and self.at is None:
+        elif event & _GIVEN_UP and not self.connected and self.at is None:
             self.at = now + self.after_s
             return True
         return False

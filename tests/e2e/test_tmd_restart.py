@@ -45,6 +45,11 @@ def rank0_step(run_dir: str) -> int:
     return int(steps[-1]) if steps else -1
 
 
+def restarted_seq(run_dir: str) -> int:
+    """The journal sequence number of the last ``tmd_restarted`` entry (0: none yet)."""
+    return max((ev["seq"] for ev in events(run_dir) if ev["event"] == "tmd_restarted"), default=0)
+
+
 def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path, gpt_reference):
     # the uninterrupted run, before the job (alone: a busy machine slows heartbeats)
     reference = gpt_reference(STEPS)
@@ -99,7 +104,13 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path, gpt_refer
             return st if ok and nodes["s1"]["warm"] and sorted(r for n in ("n1", "n2") for r in nodes[n]["ranks"]) \
                 == [0, 1, 2, 3] else None
 
-        wait_until(lambda: resumed.poll() is None and relearned(), 60, "the restarted tmd to re-learn the job")
+        try:
+            wait_until(lambda: resumed.poll() is None and relearned(), 60, "the restarted tmd to re-learn the job")
+        except AssertionError as e:  # say who did not come back
+            since = [ev for ev in events(run_dir) if ev["seq"] >= restarted_seq(run_dir)]
+            raise AssertionError(f"{e}; journal since the restart: " + "; ".join(
+                f"{ev['event']} {ev.get('worker') or ev.get('node', '')}/{ev.get('local_rank', '')} "
+                f"{ev.get('reason', '')}" for ev in since if ev["event"] != "step_times")) from None
         r = subprocess.run([sys.executable, "-m", "tmctl.cli", "status", "--json", "--run-dir", run_dir],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
