@@ -157,7 +157,10 @@ class Agent:
                         log.exception("heartbeat failed")
                     next_beat = now + self.heartbeat_interval_s
                 if reconnect.due(now):
-                    sock.disconnect(self.address)
+                    try:
+                        sock.disconnect(self.address)  # (libzmq gave the endpoint up, but may still list it)
+                    except zmq.ZMQError:  # not listed any more: an exception here would end the agent
+                        pass
                     sock.connect(self.address)
                 events = dict(poller.poll(max(0, int((next_beat - time.monotonic()) * 1000)) + 1))
                 if monitor in events:
