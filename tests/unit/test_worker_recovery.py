@@ -391,15 +391,32 @@ def world_of_one():
         dist.destroy_process_group()
 
 
-def test_a_ddp_backward_pass_stops_once_the_step_is_void_and_the_reset_reducer_runs_the_redone_step(world_of_one):
+class WithUnused(torch.nn.Module):
+    """A 3 -> 8 -> 1 MLP (``net``) and a layer the forward never uses: DDP needs ``find_unused_parameters``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_a_ddp_backward_pass_stops_once_the_step_is_void_and_the_reset_reducer_runs_the_redone_step(world_of_one,
+                                                                                                   find_unused):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rec = make(rank=0)
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)))
+    module = WithUnused() if find_unused else torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(),
+                                                                  torch.nn.Linear(8, 1))
+    model = DDP(module, find_unused_parameters=find_unused)
     assert recovery._backward_stoppable(model)
     rec.manage({"model": model}, rank_local=False)
-    first, last = model.module[0].weight, model.module[2].weight
+    net = model.module.net if find_unused else model.module
+    first, last = net[0].weight, net[2].weight
 
     def step(halt_at_last_layer: bool) -> None:
         rec.control.set_step(4)
@@ -417,7 +434,7 @@ def test_a_ddp_backward_pass_stops_once_the_step_is_void_and_the_reset_reducer_r
                 handle.remove()
 
     step(False)  # DDP's first step: it regroups its buckets (no failure)
-    expected = [q.grad.clone() for q in model.parameters()]
+    expected = [q.grad.clone() if q.grad is not None else None for q in model.parameters()]
     model.zero_grad(set_to_none=True)
     with pytest.raises(recovery.StepAborted, match="step 4: backward pass stopped, halted by tmd: n2 lost"):
         step(True)
@@ -429,7 +446,8 @@ def test_a_ddp_backward_pass_stops_once_the_step_is_void_and_the_reset_reducer_r
     rec._reset_reducers()
     model.zero_grad(set_to_none=True)
     step(False)
-    assert all(torch.equal(q.grad, e) for q, e in zip(model.parameters(), expected))
+    assert all(torch.equal(q.grad, e) if e is not None else q.grad is None
+               for q, e in zip(model.parameters(), expected))
     rec.in_step = False  # outside a step nothing is stopped
     rec.control.on_halt(p.Halt(incident_id=2, reason="n1 lost", failed_ranks=[0]))
     model(torch.ones(2, 3)).sum().backward()
