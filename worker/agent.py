@@ -162,7 +162,8 @@ class Agent:
                     except zmq.ZMQError:  # not listed any more: an exception here would end the agent
                         pass
                     sock.connect(self.address)
-                events = dict(poller.poll(max(0, int((next_beat - time.monotonic()) * 1000)) + 1))
+                wake = next_beat if reconnect.at is None else min(next_beat, reconnect.at)
+                events = dict(poller.poll(max(0, int((wake - time.monotonic()) * 1000)) + 1))
                 if monitor in events:
                     while monitor.poll(0):
                         event = recv_monitor_message(monitor)["event"]
