@@ -23,7 +23,7 @@ import time
 import pytest
 
 from tests.support.job import final_hashes
-from tests.support import wait_until
+from tests.support import stand_in_tmd, wait_until
 from tmd.slurm import Poller
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -170,44 +170,31 @@ def test_prolog_fails_an_unfit_node_with_one_line(hooks):
 
 @pytest.mark.timeout(30)
 def test_epilog_kills_leftovers_and_notifies_tmd(hooks):
-    import zmq
-
     from tmd import protocol as p
-
-    from tmd.protocol.keys import Authenticator, JobKeys, role_of_frame
+    from tmd.protocol.keys import JobKeys, role_of_frame
 
     (hooks.state / "jobs" / "77").mkdir(parents=True)
     keys = JobKeys.create(str(hooks.state / "jobs" / "77" / "keys"))  # the epilog authenticates with the hook key
-    ctx = zmq.Context()
-    auth = Authenticator(ctx, keys)
-    auth.start()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    keys.serve(sock)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    (hooks.state / "jobs" / "77" / "tmd.json").write_text(json.dumps({"address": f"tcp://127.0.0.1:{port}",
-                                                                      "keys": keys.path}))
-    env = {**os.environ, "SLURM_JOB_ID": "77", "SLURMD_NODENAME": "nx", "TM_COORDINATOR": "tcp://x:1"}
-    stray = subprocess.Popen(["sleep", "60"], env=env)
-    other = subprocess.Popen(["sleep", "60"], env={**env, "SLURMD_NODENAME": "ny"})  # another node on this host
-    try:
-        r, report = hooks("epilog")
-        assert r.returncode == 0 and report["ok"], (r, report)
-        assert report["checks"]["killed"] == [stray.pid] and stray.wait(timeout=5) == -9
-        assert other.poll() is None
-        assert report["duration_s"] < 1.0, report
-        assert sock.poll(5000), "no NodeNotice"
-        _, frame = sock.recv_multipart(copy=False)
-        assert role_of_frame(frame) == p.Sender.HOOK
-        assert p.decode(frame.bytes) == p.NodeNotice(node="nx", job_id="77", hook="epilog",
-                                                     detail="node left the job")
-    finally:
-        for proc in (stray, other):
-            proc.kill()
-            proc.wait()
-        sock.close()
-        auth.stop()
-        ctx.term()
+    with stand_in_tmd(keys) as (sock, address):
+        (hooks.state / "jobs" / "77" / "tmd.json").write_text(json.dumps({"address": address, "keys": keys.path}))
+        env = {**os.environ, "SLURM_JOB_ID": "77", "SLURMD_NODENAME": "nx", "TM_COORDINATOR": "tcp://x:1"}
+        stray = subprocess.Popen(["sleep", "60"], env=env)
+        other = subprocess.Popen(["sleep", "60"], env={**env, "SLURMD_NODENAME": "ny"})  # another node on this host
+        try:
+            r, report = hooks("epilog")
+            assert r.returncode == 0 and report["ok"], (r, report)
+            assert report["checks"]["killed"] == [stray.pid] and stray.wait(timeout=5) == -9
+            assert other.poll() is None
+            assert report["duration_s"] < 1.0, report
+            assert sock.poll(5000), "no NodeNotice"
+            _, frame = sock.recv_multipart(copy=False)
+            assert role_of_frame(frame) == p.Sender.HOOK
+            assert p.decode(frame.bytes) == p.NodeNotice(node="nx", job_id="77", hook="epilog",
+                                                         detail="node left the job")
+        finally:
+            for proc in (stray, other):
+                proc.kill()
+                proc.wait()
 
 
 # ----------------------------------------------------------------------------------------------------------------

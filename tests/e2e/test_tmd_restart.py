@@ -45,9 +45,11 @@ def rank0_step(run_dir: str) -> int:
     return int(steps[-1]) if steps else -1
 
 
-def restarted_seq(run_dir: str) -> int:
-    """The journal sequence number of the last ``tmd_restarted`` entry (0: none yet)."""
-    return max((ev["seq"] for ev in events(run_dir) if ev["event"] == "tmd_restarted"), default=0)
+def since_restart(run_dir: str) -> list[dict]:
+    """The journal's entries from the last ``tmd_restarted`` on (all of them before a restart)."""
+    journal = events(run_dir)
+    starts = [i for i, ev in enumerate(journal) if ev["event"] == "tmd_restarted"]
+    return journal[starts[-1] if starts else 0:]
 
 
 def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path, gpt_reference):
@@ -107,10 +109,9 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path, gpt_refer
         try:
             wait_until(lambda: resumed.poll() is None and relearned(), 60, "the restarted tmd to re-learn the job")
         except AssertionError as e:  # say who did not come back
-            since = [ev for ev in events(run_dir) if ev["seq"] >= restarted_seq(run_dir)]
             raise AssertionError(f"{e}; journal since the restart: " + "; ".join(
                 f"{ev['event']} {ev.get('worker') or ev.get('node', '')}/{ev.get('local_rank', '')} "
-                f"{ev.get('reason', '')}" for ev in since if ev["event"] != "step_times")) from None
+                f"{ev.get('reason', '')}" for ev in since_restart(run_dir) if ev["event"] != "step_times")) from None
         r = subprocess.run([sys.executable, "-m", "tmctl.cli", "status", "--json", "--run-dir", run_dir],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr

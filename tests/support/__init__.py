@@ -1,11 +1,16 @@
 """Helpers shared by the end-to-end tests."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from typing import Iterator
+
+import zmq
 
 from tmd import protocol as p
 from tmd.journal import read_events
+from tmd.protocol.keys import Authenticator, JobKeys
 
 
 def events(run_dir: str) -> list[dict]:
@@ -22,6 +27,29 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1):
             return value
         time.sleep(poll_s)  # polling another process's (or SLURM's) state: there is no event to wait on
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@contextlib.contextmanager
+def stand_in_tmd(keys: JobKeys, port: int = 0) -> Iterator[tuple[zmq.Socket, str]]:
+    """A ROUTER that is ``keys``' tmd as far as any client can tell (CURVE server with tmd's key, tmd's ZAP
+    handler), bound on 127.0.0.1 at ``port`` (0: a free port). Yields (the socket, its ``tcp://`` address); the
+    socket, the handler and their context are closed on exit (close a monitor of the socket before that)."""
+    ctx = zmq.Context()
+    auth = Authenticator(ctx, keys)
+    auth.start()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        keys.serve(sock)
+        if port:
+            sock.bind(f"tcp://127.0.0.1:{port}")
+        else:
+            port = sock.bind_to_random_port("tcp://127.0.0.1")
+        yield sock, f"tcp://127.0.0.1:{port}"
+    finally:
+        sock.close()
+        auth.stop()
+        ctx.term()
 
 
 class RecordingChannel:

@@ -11,7 +11,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from tmd import protocol as p
-from tmd.protocol.keys import KEYS_ENV, Authenticator, JobKeys
+from tmd.protocol.keys import KEYS_ENV, JobKeys
+from tests.support import stand_in_tmd
 from worker.agent import Agent, Reconnect
 
 OK, GONE = zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED
@@ -47,32 +48,23 @@ NULL_GREETING = b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20
 def serve_tmd(keys: JobKeys, port: int, seconds: float) -> tuple[dict[bytes, list[int]], int, int]:
     """Be the job's tmd at ``port`` for ``seconds``: (identity -> the heartbeat steps received, in order; handshakes
     that succeeded; connections that closed)."""
-    ctx = zmq.Context()
-    auth = Authenticator(ctx, keys)
-    auth.start()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    keys.serve(sock)
-    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-    sock.bind(f"tcp://127.0.0.1:{port}")
     steps: dict[bytes, list[int]] = {}
     events: list[int] = []
-    end = time.monotonic() + seconds
-    try:
-        while time.monotonic() < end:
-            if sock.poll(10):
-                identity, frame = sock.recv_multipart()
-                msg = p.decode(frame)
-                if isinstance(msg, p.Heartbeat):
-                    steps.setdefault(identity, []).append(msg.step)
-            while monitor.poll(0):
-                events.append(recv_monitor_message(monitor)["event"])
-    finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close()
-        auth.stop()
-        ctx.term()
+    with stand_in_tmd(keys, port) as (sock, _):
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end:
+                if sock.poll(10):
+                    identity, frame = sock.recv_multipart()
+                    msg = p.decode(frame)
+                    if isinstance(msg, p.Heartbeat):
+                        steps.setdefault(identity, []).append(msg.step)
+                while monitor.poll(0):
+                    events.append(recv_monitor_message(monitor)["event"])
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
     return steps, events.count(zmq.EVENT_HANDSHAKE_SUCCEEDED), events.count(zmq.EVENT_DISCONNECTED)
 
 

@@ -12,6 +12,7 @@ import pytest
 import zmq
 from typer.testing import CliRunner
 
+from tests.support import stand_in_tmd
 from tmctl import cli
 from tmctl.client import Client, CoordinatorNotFound, TimedOut, find_coordinator
 from tmd.protocol import (
@@ -368,15 +369,9 @@ def test_invalid_address_is_named_as_such(address, problem):
 @pytest.mark.timeout(20)
 def test_authentication_failure_is_named_as_such(tmp_path, monkeypatch):
     """A CURVE tmd with job A's keys: tmctl with job B's keys, and tmctl without keys, each get told why."""
-    from tmd.protocol.keys import Authenticator, JobKeys
+    from tmd.protocol.keys import JobKeys
     ours, theirs = JobKeys.create(str(tmp_path / "a")), JobKeys.create(str(tmp_path / "b"))
-    ctx = zmq.Context()
-    auth = Authenticator(ctx, ours)
-    auth.start()
-    sock = ctx.socket(zmq.ROUTER)
-    ours.serve(sock)
-    address = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
-    try:
+    with stand_in_tmd(ours) as (_, address):
         monkeypatch.chdir(tmp_path)  # no ./tmrun/tmd.json to take keys from
         monkeypatch.delenv("TM_KEYS", raising=False)
         r = run("status", "--coordinator", address, "--timeout", "0.5")
@@ -391,10 +386,6 @@ def test_authentication_failure_is_named_as_such(tmp_path, monkeypatch):
         monkeypatch.setenv("TM_KEYS", str(tmp_path / "missing"))
         r = run("status", "--coordinator", address, "--timeout", "0.5")
         assert r.exit_code == 2 and "cannot read the job's keys in" in r.stderr and "only the job's user" in r.stderr
-    finally:
-        sock.close()
-        auth.stop()
-        ctx.term()
 
 
 def write_tmd_json(directory, address):
