@@ -12,9 +12,8 @@ job's worker key and pins tmd's public key, so a process that binds tmd's addres
 heard. libzmq retries a connection by itself (every 100 ms) after it was refused or closed, a failed handshake
 among them, but gives the endpoint up for good after a handshake this client itself failed (the peer's greeting
 named another security mechanism, or the peer refused our credentials): only then does the agent connect again, after
-RECONNECT_AFTER_HANDSHAKE_FAILURE_S, so the real tmd is reached once it is back (:class:`Reconnect`). Connecting again
-while libzmq still retries would leave two connections to tmd, and the DEALER sends every other message on the one
-tmd's ROUTER ignores. Its ZeroMQ identity is ``<node>/<local_rank>/<16 random hex digits>``: unique per
+RECONNECT_AFTER_HANDSHAKE_FAILURE_S, so the real tmd is reached once it is back (:class:`Reconnect` says why never
+otherwise). Its ZeroMQ identity is ``<node>/<local_rank>/<16 random hex digits>``: unique per
 process, so a restarted process never collides with its predecessor and no other connection can take the identity over.
 """
 from __future__ import annotations
