@@ -11,7 +11,8 @@ prefix is never reused).
   stages it on the mover; leaver and joiner also build their 2-rank transfer group.
 - Phase 2, :meth:`GroupManager.commit`, runs at the switch step, between two iterations: the mover swaps the staged
   inner in atomically and drops the old one on a C++ thread (destroying a gloo group costs ~10 ms per peer).
-  Once it is destroyed, the C heap's free pages go back to the OS (:func:`trim_heap`, on a background thread):
+  Once it is destroyed and the next step committed, the C heap's free pages go back to the OS (:func:`trim_heap`,
+  on a background thread, started by :meth:`GroupManager.step_committed`):
   the new generation's threads allocate in malloc arenas of their own, and the arenas the old generation's threads
   leave behind would otherwise keep their freed buffers resident (about 1-2 % of a demo GPT rank's RSS).
 
@@ -106,6 +107,7 @@ class GroupManager:
         self.generation = -1  # the highest generation this process built or installed a group of
         self._lock = threading.Lock()
         self._pending: Optional[_Pending] = None
+        self._trim_due = False  # a swap retired a generation: trim the heap once the next step committed
 
     def set_store(self, host: str, port: int) -> None:
         """Build future groups in the store at ``host:port``: a restarted tmd hosts a new one (the old store died
@@ -240,7 +242,7 @@ class GroupManager:
             for name in pending.staged:
                 self.groups[name].mover.commit()
         self._retire(pending)
-        trim_heap_when_released()
+        self._trim_due = True
         return self.world.generation
 
     def discard(self, migration_id: int) -> None:
@@ -307,7 +309,16 @@ class GroupManager:
                 mover = self.groups[name].mover
                 mover.stage(inner)
                 mover.commit()
-        trim_heap_when_released()
+        self._trim_due = True
+
+    def step_committed(self) -> None:
+        """The training loop committed a step. After the first one since a swap (:meth:`commit`, :meth:`install`),
+        start the heap trim (:func:`trim_heap_when_released`) that the swap made due. Not at the swap itself: the
+        trim (~20-25 ms) and the page faults that bring the trimmed pages back would land in the step right after
+        it, the switch step's neighbour or a recovery's redone step, which every peer waits for."""
+        if self._trim_due:
+            self._trim_due = False
+            trim_heap_when_released()
 
     def set_mode(self, mode: p.MoverMode) -> None:
         """Set every group's mover to ``mode``; out of ``replay`` (a joiner taking its rank), groups created

@@ -30,3 +30,20 @@ def test_trim_heap_returns_the_freed_pages(trim):
         assert released > 100e6, released  # most of the ~180 MB freed
     else:
         assert released < 20e6, released  # without the trim glibc keeps it: what the trim is for
+
+
+def test_a_swap_trims_the_heap_only_after_the_next_step_committed(monkeypatch):
+    """The trim and its page faults stay out of the step right after a swap (a recovery's redone step)."""
+    from worker import groups
+
+    started = []
+    monkeypatch.setattr(groups, "trim_heap_when_released", lambda *a, **k: started.append(1))
+    manager = groups.GroupManager(None, 0, 1, None)
+    manager.step_committed()
+    assert started == []  # nothing swapped yet
+    manager.install({})  # a recovery's swap (nothing to stage here)
+    assert started == []
+    manager.step_committed()
+    assert started == [1]
+    manager.step_committed()
+    assert started == [1]  # once per swap
