@@ -571,3 +571,58 @@ def test_a_replacement_is_never_prefetched_into_sending_its_live_state(monkeypat
     rec.control.on_recover(plan(sends=((2, 3), (0, 2))))  # (no plan tmd makes: a replacement is no source)
     time.sleep(0.2)
     assert rec.control.groups.built == [] and rec.received == []
+
+
+class LateCounting(torch.nn.Module):
+    """A layer whose forward pass leaves its buffer alone until ``start`` is set (a counter that starts later)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.register_buffer("late", torch.zeros(3))
+        self.start = False
+
+    def forward(self, x):
+        if self.start:
+            with torch.no_grad():
+                self.late.add_(x.mean(0))
+        return self.lin(x)
+
+
+def _run_steps(rec, model, opt, steps):
+    for step in steps:
+        rec.control.set_step(step)
+        rec.begin_step()
+        model(torch.full((4, 3), float(step + 1))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("first_change", ["interrupted", "committed"])
+def test_a_buffer_that_starts_changing_after_the_first_step_is_put_back_too(monkeypatch, first_change):
+    """The first steps leave the buffer alone, so it is not copied at every step. ``interrupted``: the step that
+    changes it first is interrupted, and its first copy puts it back. ``committed``: a committed step changed it
+    first, so it is copied at every step from then on, and an interrupted step after that gets the committed value
+    back, not the stale first copy."""
+    rec = make(rank=0)
+    model = LateCounting()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec.manage({"model": model, "optimizer": opt}, rank_local=False)
+    World(rec, [None] + [blob(NO_FINGERPRINT, n) for n in ("n1", "n2", "n2")], monkeypatch)
+    _run_steps(rec, model, opt, range(3))
+    assert rec.changing_buffers == []  # not copied at every step
+    model.start = True
+    step = 3
+    if first_change == "committed":
+        _run_steps(rec, model, opt, [3])
+        step = 4
+    before = model.late.clone()
+    rec.control.set_step(step)
+    rec.begin_step()
+    model(torch.full((4, 3), 9.0)).sum().backward()  # the interrupted step's forward pass changed it
+    assert not torch.equal(model.late, before)
+    rec.restore_buffers()
+    assert torch.equal(model.late, before)
+    if first_change == "committed":
+        assert before.any()  # the committed value, not the zeros of the first copy
+    assert rec.changing_buffers == ([("model", "late")] if first_change == "committed" else [])
