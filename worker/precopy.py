@@ -158,6 +158,7 @@ class Precopy:
         self.migration_id = migration_id
         self.objects = objects
         self.keys = keys
+        self.step: Optional[int] = None  # the boundary the pre-copy was taken at (set by start)
         self.off: dict[str, str] = {}  # optimizer name -> why its tensors travel in the tail
         self.optimizers = {}
         for name, o in objects.items():
