@@ -1,6 +1,7 @@
 """End to end, a script that is not one of the examples (tests/e2e/scripts/varied.py): an MLP with dropout,
-LayerNorm and buffers that every forward pass changes identically on every rank (a forward counter and a running
-average of the batch mean over all ranks, as SyncBatchNorm's statistics), DDP, per-rank seeds, two optimizers (SGD
+LayerNorm and buffers that forward passes change identically on every rank (a forward counter, every pass, and a
+running average of the batch mean over all ranks, as SyncBatchNorm's statistics, from step KILL_AT on: the killed
+step is the first to change it), DDP, per-rank seeds, two optimizers (SGD
 with momentum and a managed OneCycle schedule for the body, AdamW for the output layer), two micro-batches per step
 (the first under ``no_sync()``), autocast and a GradScaler, gradient clipping, the plain ``for step in
 session.steps(n)`` loop catching ``StepAborted``, and ``zero_grad()`` after ``optimizer.step()``.
@@ -30,7 +31,7 @@ KILL_AT = 30  # after the switch step (about step 10-20 here: the joiner's warm-
 def command(run_dir: str, standbys: int, *script_args: str) -> list[str]:
     return [sys.executable, "-m", "tmd.cli", "local", "--nodes", "2", "--ranks-per-node", "2", "--standbys",
             str(standbys), "--run-dir", run_dir, "--quiet", "--", sys.executable, SCRIPT, "--steps", str(STEPS),
-            *script_args]
+            "--stats-from", str(KILL_AT), *script_args]
 
 
 @pytest.mark.timeout(300)

@@ -7,6 +7,7 @@ and ``zero_grad()`` after ``optimizer.step()``. Each step's batch is drawn from 
 step). Writes ``<run_dir>/final/rank<R>.json`` like examples/train_gpt.py.
 
     python tests/e2e/scripts/varied.py --steps 30 [--norm layer|batch] [--fault NODE:STEP] [--step-time-s S]
+                                       [--stats-from STEP]
 
 Two optimizers (the output layer's AdamW, the body's SGD) and two micro-batches per step (the first under DDP's
 ``no_sync()``, ``--accumulate``). Mixed precision as GPU scripts do it: the forward pass under ``torch.autocast``
@@ -16,6 +17,9 @@ Two optimizers (the output layer's AdamW, the body's SGD) and two micro-batches 
 ``--norm batch``: BatchNorm1d, whose running statistics are each rank's own (DDP broadcasts rank 0's at every
 forward, then each rank updates them with its batch): no two ranks hold the same state, so a failure is recovered
 by rolling back to a buddy snapshot. ``layer`` (default): LayerNorm; the ranks are replicas of each other.
+
+``--stats-from STEP``: the running average starts only at STEP (a statistic with a warm-up period; the counter
+counts from the start): a buffer that no step before STEP changes.
 
 ``--fault NODE:STEP``: every process started on NODE (``TM_NODE``) kills itself with SIGKILL in STEP, after the
 last micro-batch's forward pass (the buffers changed, the first micro-batch's gradients accumulated) and before its
@@ -44,6 +48,7 @@ def main() -> None:
     ap.add_argument("--norm", choices=("layer", "batch"), default="layer")
     ap.add_argument("--accumulate", type=int, default=2, help="micro-batches per step (all but the last in no_sync)")
     ap.add_argument("--step-time-s", type=float, default=0.0, help="pad each step to at least this (seconds)")
+    ap.add_argument("--stats-from", type=int, default=0, help="the step at which the running average starts")
     args = ap.parse_args()
 
     import torch
@@ -66,13 +71,15 @@ def main() -> None:
             super().__init__()
             self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
             self.register_buffer("running_mean", torch.zeros(16))
+            self.averaging = True  # off: the running average stays as it is (the all-reduce runs all the same)
 
         def forward(self, x):
             if self.training:
                 with torch.no_grad():
                     mean = x.mean(0)
                     torch.distributed.all_reduce(mean)
-                    self.running_mean.mul_(0.9).add_(mean / torch.distributed.get_world_size(), alpha=0.1)
+                    if self.averaging:
+                        self.running_mean.mul_(0.9).add_(mean / torch.distributed.get_world_size(), alpha=0.1)
                     self.calls += 1
             return x - self.running_mean
 
@@ -94,6 +101,7 @@ def main() -> None:
 
     for step in session.steps(args.steps):
         t0 = time.perf_counter()
+        model.module[0].averaging = step >= args.stats_from
         try:
             g = torch.Generator().manual_seed(args.seed * 1_000_003 + session.rank * 10_007 + step)
             for micro in range(args.accumulate):  # gradients accumulate locally; only the last backward syncs
