@@ -291,9 +291,9 @@ class Detector:
         died (or is stopped): the warm joiners then take its ranks over in recovery. None if they all run
         (or are not ours to see): the migration merely aborts.
 
-        A killed process closes its sockets (so the joiner sees the transfer break) before the kernel shows it
-        as a zombie; for up to ``grace_s`` seconds (0.2) the leavers are looked at again, every 10 ms, before
-        they count as running. This blocks tmd's loop only on this rare error path."""
+        The joiner may see the transfer break (a socket of the leaver closed) before the leaver shows as dead
+        here (:func:`exiting`, a zombie); for up to ``grace_s`` seconds (0.2) the leavers are looked at again,
+        every 10 ms, before they count as running. This blocks tmd's loop only on this rare error path."""
         leavers = list(leavers)
         deadline = time.monotonic() + grace_s
         while True:
