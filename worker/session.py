@@ -314,8 +314,7 @@ class Session:
                 recovery.in_step = False
                 if recovery.failure() is None:
                     step += 1
-                    if self._groups is not None:
-                        self._groups.step_committed()
+                    self._groups.step_committed()
                     continue
                 done = recovery.committed(step)
             else:
