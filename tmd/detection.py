@@ -84,8 +84,9 @@ PF_EXITING = 0x4  # Linux include/linux/sched.h: the task is in do_exit()
 def exiting(pid: int, stat_path: str = "/proc/{pid}/stat") -> bool:
     """Whether the kernel is tearing process ``pid`` down: its main thread's ``PF_EXITING`` flag (field 9,
     ``flags``, of ``/proc/<pid>/stat``; proc(5)). A SIGKILLed process shows it within microseconds of the
-    signal, while it turns zombie (and its sockets close) only once its last thread has freed the address space:
-    0.1 to 120 ms for a ~0.5 GB demo rank on this 2-core machine, measured, depending on which thread frees it.
+    signal, while its main thread turns zombie only once it has finished exiting, which includes freeing the
+    address space when it is the last thread to let go of it (its sockets close when the last thread does): 0.1 to
+    120 ms for a ~0.5 GB demo rank on this 2-core machine, measured, depending on which thread frees it.
     Also set for the last instant of a normal exit, after Python's own shutdown. False where the file cannot be
     read or parsed (not Linux, the process gone)."""
     try:
