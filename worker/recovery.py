@@ -263,6 +263,7 @@ class Recovery:
         self.in_step = False  # between begin_step and the step's end (Session.steps): a forward may be stopped
         self._hooked: set[int] = set()  # ids of the modules (parameters) that have the forward (gradient) hook
         self._resettable: list[Any] = []  # the managed DDP models whose backward pass may stop: _reset_reducers
+        self._at_backward: Optional[Callable[[], None]] = None  # see at_next_backward
         self._prefetched: Optional[_Launched] = None  # a replacement's plan carried out during its shadow iterations
         self._prefetch_lock = threading.Lock()
         self._prefetch_open = False  # prefetch() watches for the plan until replace() takes over
@@ -387,8 +388,22 @@ class Recovery:
     def _abort_backward(self, grad: torch.Tensor) -> None:
         """A gradient of a managed DDP model's parameter was computed: raise StepAborted (out of
         ``backward()``) if this step is void already. The reducer is left half-way through the backward pass;
-        every party resets it in :meth:`_complete`."""
+        every party resets it in :meth:`_complete`. Otherwise run what :meth:`at_next_backward` armed."""
         self._abort_if_void("backward")
+        if self._at_backward is not None:
+            fn, self._at_backward = self._at_backward, None
+            fn()
+
+    def at_next_backward(self, fn: Callable[[], None]) -> bool:
+        """Arm ``fn`` to run once, when the first gradient of a managed DDP model's parameter is computed in a
+        step that is not void (on the thread that runs the gradient hooks: the training thread on CPU, autograd's
+        device thread on CUDA). Returns False, arming nothing, where no managed model has these gradient hooks
+        (see :meth:`manage`: not FSDP2, DTensor or pipelined models, nor with ``TM_STOP_VOID_PASSES=0``). A later
+        call replaces what was armed; ``fn`` must tolerate running after its moment passed."""
+        if not self._resettable:
+            return False
+        self._at_backward = fn
+        return True
 
     def _abort_if_void(self, where: str) -> None:
         if self.in_step and self.control.stage == Stage.TRAINING and self.control.role == p.WorkerRole.ACTIVE:

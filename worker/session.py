@@ -314,7 +314,7 @@ class Session:
                 recovery.in_step = False
                 if recovery.failure() is None:
                     step += 1
-                    self._groups.step_committed()
+                    self._groups.step_committed(recovery.at_next_backward)
                     continue
                 done = recovery.committed(step)
             else:

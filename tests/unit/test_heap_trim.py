@@ -47,3 +47,37 @@ def test_a_swap_trims_the_heap_only_after_the_next_step_committed(monkeypatch):
     assert started == [1]
     manager.step_committed()
     assert started == [1]  # once per swap
+
+
+def test_the_trim_waits_for_the_next_step_s_backward_pass_where_one_can_be_armed(monkeypatch):
+    """Armed: the trim starts as the next step's backward pass begins (its activations allocated), once; a step
+    that ran no backward pass trims at its commit; a swap while armed disarms (its own trim comes after it)."""
+    from worker import groups
+
+    started, armed = [], []
+    monkeypatch.setattr(groups, "trim_heap_when_released", lambda *a, **k: started.append(1))
+    manager = groups.GroupManager(None, 0, 1, None)
+    manager.install({})
+    manager.step_committed(lambda fn: armed.append(fn) or True)
+    assert started == [] and len(armed) == 1
+    armed[0]()  # the backward pass began
+    assert started == [1]
+    armed[0]()  # a second gradient, or a stale call: nothing more
+    manager.step_committed(lambda fn: armed.append(fn) or True)
+    assert started == [1] and len(armed) == 1
+
+    manager.install({})
+    manager.step_committed(lambda fn: armed.append(fn) or True)
+    assert started == [1] and len(armed) == 2
+    manager.step_committed(lambda fn: armed.append(fn) or True)  # that step ran no backward pass
+    assert started == [1, 1]
+    armed[1]()
+    assert started == [1, 1]
+
+    manager.install({})
+    manager.step_committed(lambda fn: armed.append(fn) or True)
+    manager.install({})  # a recovery in the armed step: its redone step must not trim
+    armed[2]()
+    assert started == [1, 1]
+    manager.step_committed(lambda fn: False)  # nothing can be armed (no DDP gradient hooks): at once
+    assert started == [1, 1, 1]

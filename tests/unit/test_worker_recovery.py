@@ -453,6 +453,31 @@ def test_a_ddp_backward_pass_stops_once_the_step_is_void_and_the_reset_reducer_r
     model(torch.ones(2, 3)).sum().backward()
 
 
+
+def test_what_is_armed_for_the_next_backward_pass_runs_at_its_first_gradient_once(world_of_one):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rec = make(rank=0)
+    ran = []
+    assert not rec.at_next_backward(lambda: ran.append(1))  # no managed DDP model: nothing to arm
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)))
+    rec.manage({"model": model}, rank_local=False)
+    loss = model(torch.ones(2, 3)).sum()
+    assert rec.at_next_backward(lambda: ran.append(rec.in_step)) and ran == []
+    loss.backward()
+    assert ran == [False]  # once, though four parameters got gradients
+    model(torch.ones(2, 3)).sum().backward()
+    assert ran == [False]
+
+    rec.at_next_backward(lambda: ran.append("void"))  # a void step runs nothing: it stays armed
+    rec.control.set_step(4)
+    rec.begin_step()
+    rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))
+    with pytest.raises(recovery.StepAborted):
+        model(torch.ones(2, 3))
+    assert ran == [False]
+
+
 def test_a_grad_scaler_forgets_the_interrupted_step_s_unscale(monkeypatch):
     # The interrupted step ran scaler.unscale_(opt); its scaler.step(opt) was refused, so update() never came.
     rec = make(rank=0)
