@@ -564,10 +564,9 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
                 states[name] = decode(node, lambda tag, payload, name=name: ref(tag, payload, name))
                 yield
 
-    if kept is not None:  # checked now; ``kept`` (this receiver's own tensors) is asked once all was verified
-        for node in header["skeleton"].values():
-            decode(node, lambda tag, payload: (_kept(payload) if tag == "k" else _reference(tag, payload, shapes))
-                   and None)
+    # With ``kept`` (a migration's tail: its references are the bulk of the header, its data a few bytes) the
+    # skeleton is decoded once, after the data arrived and was verified: one pass that checks every reference and
+    # asks ``kept`` for this receiver's own tensors (a malformed one is refused then, with nothing loaded).
     extra = decode(header["extra"], lambda tag, payload: _from_inline(tag, payload, wire))
     steps = build()
     tail = torch.empty(MAC_BYTES + 4 * len(received), dtype=torch.uint8, device=wire)
