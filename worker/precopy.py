@@ -442,7 +442,7 @@ def follow(pg: Any, objects: dict[str, Any], buffers: Optional[list[torch.Tensor
            keys: Any = None, on_precopy: Optional[Callable[[int, float], None]] = None) -> tuple[dict, int, float]:
     """The joiner's side: receive the leaver's messages until the last one (a ``full`` state, or a pre-copy,
     its replayed optimizer steps and the tail), loading and replaying as they come. ``buffers``: pre-touched
-    receive buffers for the first message. ``on_precopy(bytes, seconds)`` is called once a pre-copy is loaded
+    receive buffers for the first message (the list is emptied once that message is loaded). ``on_precopy(bytes, seconds)`` is called once a pre-copy is loaded
     (its size and receive time; not for a ``full`` state). After the tail, the leaver is told it was loaded
     (:meth:`Precopy.delivered`). Returns (the last message's extra: ``step``, ``rng``; bytes moved in all; seconds
     the last message took from its first byte). Raises TransferRefused (a message out of order, a reference or
@@ -454,6 +454,8 @@ def follow(pg: Any, objects: dict[str, Any], buffers: Optional[list[torch.Tensor
         raise TransferRefused(f"a migration's first message must be a full state or a pre-copy, not {kind!r}")
     transfer.load_state(objects, states)
     del states
+    if buffers is not None:  # what was loaded by copy is garbage now: free it before the switch step, not in it
+        buffers.clear()
     if kind == Kind.PRECOPY and on_precopy is not None:
         on_precopy(moved, seconds)
     while kind != Kind.FULL:

@@ -575,7 +575,8 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
     ok = False
     try:
         try:
-            if segment is None:  # over the group: a malformed header is refused before a byte of data arrives
+            # over the group: a malformed header (without ``kept``) is refused before a byte of data arrives
+            if segment is None:
                 collections.deque(steps, maxlen=0)
             # the trailer's receive, posted before the data: the sender sends it once the last chunk is on its way
             tail_received = pg.recv([tail], src, 1)

@@ -79,9 +79,16 @@ def migrate(opt_cls=torch.optim.AdamW, hook=None, pre_hook=False, late_hook=None
         return pc, moved - full
 
     precopied = []  # (bytes, seconds) of the pre-copy, reported by the joiner before the tail
+    pretouched = transfer.pretouch(transfer.plan_buffers(joiner))  # the joiner's receive buffers
+    assert pretouched
+
+    def loaded(*a):
+        assert pretouched == []  # freed once the pre-copy was loaded: not in the switch step
+        precopied.append(a)
+
     with cf.ThreadPoolExecutor(2) as ex:
         left = ex.submit(leave)
-        joined = ex.submit(precopy.follow, b, joiner, on_precopy=lambda *a: precopied.append(a))
+        joined = ex.submit(precopy.follow, b, joiner, pretouched, on_precopy=loaded)
         pc, tail = left.result(timeout=50)
         extra, moved, _ = joined.result(timeout=50)
     assert moved == pc.moved
