@@ -206,12 +206,14 @@ class Precopy:
         ``rng``, the CPU RNG state). Returns (bytes moved in all, seconds this call took: the stayers' wait).
         Raises what the sender thread or the send raised (RuntimeError when the joiner died)."""
         t0 = time.perf_counter()
-        self._jobs.join()
         self._unhook()
         try:
+            # Built while the sender may still be sending the last gradients (the joiner replays them meanwhile):
+            # the versions compared were taken by the post-hooks, all run by now, and nothing here changes a tensor.
+            tail = {name: _Fixed(self._tail_state(name, obj)) for name, obj in self.objects.items()}
+            self._jobs.join()
             if self.error is not None:
                 raise self.error
-            tail = {name: _Fixed(self._tail_state(name, obj)) for name, obj in self.objects.items()}
             moved, _ = transfer.send_state(self.pg, tail, {"kind": Kind.TAIL.value, "step": step, "rng": rng},
                                            keys=self.keys)
             self.moved += moved
