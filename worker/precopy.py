@@ -444,8 +444,9 @@ def follow(pg: Any, objects: dict[str, Any], buffers: Optional[list[torch.Tensor
            keys: Any = None, on_precopy: Optional[Callable[[int, float], None]] = None) -> tuple[dict, int, float]:
     """The joiner's side: receive the leaver's messages until the last one (a ``full`` state, or a pre-copy,
     its replayed optimizer steps and the tail), loading and replaying as they come. ``buffers``: pre-touched
-    receive buffers for the first message (the list is emptied once that message is loaded). ``on_precopy(bytes, seconds)`` is called once a pre-copy is loaded
-    (its size and receive time; not for a ``full`` state). After the tail, the leaver is told it was loaded
+    receive buffers for the first message (the list is emptied once that message is loaded).
+    ``on_precopy(bytes, seconds)`` is called once a pre-copy is loaded (its size and receive time; not for a
+    ``full`` state). After the tail, the leaver is told it was loaded
     (:meth:`Precopy.delivered`). Returns (the last message's extra: ``step``, ``rng``; bytes moved in all; seconds
     the last message took from its first byte). Raises TransferRefused (a message out of order, a reference or
     gradient that does not fit), the errors of worker.transfer.recv_state and load_state, and RuntimeError when

@@ -61,8 +61,9 @@ ran, and they change state too:
   Copying only the buffers that change would first need to find them: version counters miss BatchNorm's running
   statistics (its kernel bumps none), and comparing values costs more than the copy (``torch.equal`` of a 4 MB
   causal mask: 0.7 ms against 0.1 ms for ``copy_`` on one core here) and, on a GPU, synchronises with the device
-  for every buffer at every step. Memory: one copy of every buffer, a constant mask or rotary table included. Buffers are looked up by name each time, so one that the forward pass replaces
-  (``self.avg = 0.9 * self.avg + ...``) is covered too.
+  for every buffer at every step. Memory: one copy of every buffer, a constant mask or rotary table included.
+  Buffers are looked up by name each time, so one that the forward pass replaces (``self.avg = 0.9 * self.avg +
+  ...``) is covered too.
 - *Gradients.* The backward pass accumulated this rank's own, never averaged, gradients into ``.grad``. A script
   that zeroes them *after* ``optimizer.step()`` (not before the backward) would add those to the redone step's. So
   :meth:`Recovery.begin_step` notes which trained parameters (those of the managed optimizers and modules) have no
@@ -325,7 +326,7 @@ class Recovery:
                     self.buffer_copies[k] = buf.detach().clone()
                 else:
                     copy.copy_(buf)
-        if len(self.buffer_copies) != len(now):  # a buffer was deleted
+        if self.buffer_copies.keys() != now.keys():  # a buffer was deleted
             self.buffer_copies = {k: self.buffer_copies[k] for k in now}
         self._copied_at = step
 
