@@ -123,8 +123,9 @@ SAMPLED = ("switch_step", "median_step_s", "stayer_pause_s", "joiner_lag_s", "sw
 def run_repeated(repeat: int, run_dir: str, **kwargs) -> dict:
     """:func:`run_live` ``repeat`` times (run dirs ``<run_dir>.<i>``): the run whose switch stall is the median
     (the lower middle one for an even count), with ``samples`` (each run's :data:`SAMPLED` figures, in order),
-    ``medians`` (of each numeric figure over the runs), ``all_committed`` and ``run_dir`` (the reported run's). One job's stall and downtime move by
-    tens of milliseconds from run to run on a shared 2-core host; the median of a few is what compares."""
+    ``medians`` (of each numeric figure over the runs), ``all_committed`` and ``run_dir`` (the reported run's).
+    One job's stall and downtime move by tens of milliseconds from run to run on a shared 2-core host; the median
+    of a few is what compares."""
     runs = [run_live(run_dir=f"{run_dir}.{i}", **kwargs) for i in range(repeat)]
     stalls = sorted(range(repeat), key=lambda i: runs[i]["switch_stall_s"] if runs[i]["switch_stall_s"] is not None
                     else float("inf"))

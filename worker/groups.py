@@ -328,18 +328,16 @@ class GroupManager:
         - otherwise, or when the armed step committed without a backward pass, at once.
 
         A swap while a trim is armed disarms it: that swap's own trim follows the step after it."""
-        with self._lock:
-            armed, self._trim_armed = self._trim_armed, False
-        if armed:  # armed at the last commit, and that step ran no backward pass
-            trim_heap_when_released()
+        self._trim_if_armed()  # armed at the last commit, and that step ran no backward pass
         if self._trim_due:
             self._trim_due = False
-            self._trim_armed = at_backward is not None and at_backward(self._trim_when_armed)
+            self._trim_armed = at_backward is not None and at_backward(self._trim_if_armed)
             if not self._trim_armed:
                 trim_heap_when_released()
 
-    def _trim_when_armed(self) -> None:
-        """The armed step's backward pass began (the autograd thread that runs its gradient hooks)."""
+    def _trim_if_armed(self) -> None:
+        """Start the armed trim, once: as the armed step's backward pass begins (on the thread that runs its
+        gradient hooks), or at the next commit when that step ran none."""
         with self._lock:
             armed, self._trim_armed = self._trim_armed, False
         if armed:

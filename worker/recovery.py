@@ -318,16 +318,16 @@ class Recovery:
 
     def _copy_buffers(self, step: int) -> None:
         """As an attempt of ``step`` begins: copy every buffer (see the module docstring)."""
-        now = self._buffers()
+        copies = {}  # only the buffers there now: a deleted one's copy goes
         with torch.no_grad():
-            for k, buf in now.items():
+            for k, buf in self._buffers().items():
                 copy = self.buffer_copies.get(k)
                 if copy is None or not _fits(copy, buf):
-                    self.buffer_copies[k] = buf.detach().clone()
+                    copy = buf.detach().clone()
                 else:
                     copy.copy_(buf)
-        if self.buffer_copies.keys() != now.keys():  # a buffer was deleted
-            self.buffer_copies = {k: self.buffer_copies[k] for k in now}
+                copies[k] = copy
+        self.buffer_copies = copies
         self._copied_at = step
 
     def restore_buffers(self) -> None:
