@@ -18,12 +18,15 @@ goes on, and the joiner then follows the leaver's optimizer steps, so at S only 
    earlier message turns that optimizer's replay off instead of stalling training). The joiner sets them as its parameters' ``.grad`` and runs
    the same optimizer's step function with hooks bypassed: the same inputs, code and thread count give
    bit-identical outputs.
-3. **Tail** (leaver, at the boundary before S once the queue drained): every managed object's state_dict again.
-   A tensor that the joiner's replay made identical travels as a :class:`worker.transfer.Kept` reference;
-   everything else travels by value: every tensor not owned by a replayed optimizer (buffers, an EMA copy:
-   always, because a change through ``.data`` bumps no version counter), optimizer tensors changed outside a
-   replayed step, the non-tensor values (learning rates, a scheduler's or sampler's position) and the RNG state.
-   The joiner resolves the references to its own tensors, loads only what differs and reports ``transferred``.
+3. **Tail** (leaver, at the boundary before S; built while the last gradients are still sent): every managed
+   object's state_dict again, flattened (:func:`flatten`), as a digest of its structure and its leaf count, and
+   by value only what the joiner's replay did not make identical: every tensor not owned by a replayed optimizer
+   (buffers, an EMA copy: always, because a change through ``.data`` bumps no version counter), optimizer
+   tensors changed outside a replayed step, the non-tensor values (learning rates, a scheduler's or sampler's
+   position) and the RNG state. A tensor the replay made identical has no entry in the header: the tail's CPU is
+   ~3.5 us per tensor at the slower end (``python -m benchmarks.tail``; ~27 us with a per-tensor reference). The
+   joiner flattens its own state_dicts, refuses a structure that differs from the leaver's, loads only the
+   objects whose leaves differ (:func:`load_tail`) and reports ``transferred``.
 
 Only ``torch.optim`` optimizers are replayed (a third-party optimizer's step may issue collectives), and only
 when their parameters and gradients are plain dense tensors (not DTensors) and their step takes no closure;
@@ -45,6 +48,8 @@ import collections
 import dataclasses
 import datetime
 import enum
+import hashlib
+import json
 import logging
 import queue
 import threading
@@ -54,7 +59,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from worker import transfer
-from worker.transfer import Kept, TransferRefused
+from worker.transfer import TransferRefused
 
 log = logging.getLogger("worker.precopy")
 
@@ -98,10 +103,73 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return value
 
 
+def flatten(state: Any) -> tuple[list, str]:
+    """``state`` (a state_dict) as its leaves and a digest of its structure: (every tensor and every other value
+    that is not a mapping, list or tuple, in :func:`map_tensors`' order; the SHA-256 hex digest of the structure:
+    mapping keys, sequence lengths, and each leaf's kind, a tensor's as its dtype and shape, not its values). Two
+    states with the same digest differ at most in their leaves' values. A mapping's ``_metadata`` is not part of
+    it. Raises TypeError for a mapping key worker.transfer cannot encode."""
+    leaves: list = []
+    # a prefix code: every node starts with its tag ("d", "l", "t", "v" or a tensor's dtype name, then its number
+    # of dimensions and its sizes)
+    spec: list = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            spec.append(str(value.dtype))
+            spec.append(value.dim())
+            spec.extend(value.shape)
+            leaves.append(value)
+        elif isinstance(value, dict):
+            spec.append("d")
+            spec.append(len(value))
+            for k, v in value.items():
+                spec.append(k if type(k) is str or type(k) is int else transfer.encode(k, _no_tensor_key))
+                walk(v)
+        elif type(value) is list or type(value) is tuple:
+            spec.append("l" if type(value) is list else "t")
+            spec.append(len(value))
+            for v in value:
+                walk(v)
+        else:
+            spec.append("v")
+            leaves.append(value)
+
+    walk(state)
+    return leaves, hashlib.sha256(json.dumps(spec, separators=(",", ":")).encode()).hexdigest()
+
+
+def _no_tensor_key(t: torch.Tensor) -> Any:
+    raise TypeError("a tensor as a state_dict key")
+
+
+def unflatten(state: Any, leaves: list) -> Any:
+    """``state`` with its leaves (:func:`flatten`'s) replaced by ``leaves``, in order (containers rebuilt as
+    :func:`map_tensors` does, with their ``_metadata``)."""
+    it = iter(leaves)
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return next(it)
+        if isinstance(value, dict):
+            out = type(value)() if type(value) in (dict, collections.OrderedDict) else {}
+            for k, v in value.items():
+                out[k] = walk(v)
+            metadata = getattr(value, "_metadata", None)
+            if metadata is not None:
+                out._metadata = metadata  # type: ignore[attr-defined]
+            return out
+        if type(value) is list or type(value) is tuple:
+            return type(value)(walk(v) for v in value)
+        return next(it)
+
+    return walk(state)
+
+
 def _key(t: torch.Tensor) -> tuple:
-    """Where a tensor's values live: a state_dict's detached view of a parameter has the parameter's key."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
-            str(t.device))
+    """Where a tensor's values live: a state_dict's detached view of a parameter has the parameter's key (its
+    first element's address, shape, strides, dtype and device)."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -302,20 +370,22 @@ class Precopy:
             if _plain(t):  # (a DTensor's state would make the next check fail: its optimizer is then not replayed)
                 self.seen[_key(t)] = _Seen(t, t._version, name)
 
-    def _tail_state(self, name: str, obj: Any) -> Any:
-        index = 0
-
-        def ref(t: torch.Tensor) -> Any:
-            nonlocal index
-            i, index = index, index + 1
-            seen = self.seen.get(_key(t)) if _plain(t) else None
-            if seen is not None and seen.owner not in self.off and seen.version == t._version:
-                self.kept += 1
-                return Kept(i, transfer.dtype_name(t.dtype), tuple(t.shape))
-            self.sent += 1
-            return t
-
-        return map_tensors(obj.state_dict(), ref)
+    def _tail_state(self, name: str, obj: Any) -> dict:
+        """``obj``'s state_dict as a tail (see :func:`load_tail`): its structure's digest and leaf count, and by
+        value only the leaves that the joiner's replay did not make identical: the tensors at positions ``sent``
+        among the leaves, and every leaf that is not a tensor (``values``, in order)."""
+        leaves, digest = flatten(obj.state_dict())
+        sent, values = [], []
+        for at, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                seen = self.seen.get(_key(leaf)) if _plain(leaf) else None
+                if seen is not None and seen.owner not in self.off and seen.version == leaf._version:
+                    self.kept += 1
+                    continue
+                self.sent += 1
+                sent.append(at)
+            values.append(leaf)
+        return {"structure": digest, "leaves": len(leaves), "sent": sent, "values": values}
 
     # --- the sender thread -----------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -347,53 +417,101 @@ class Precopy:
 
 
 # --- the joiner ----------------------------------------------------------------------------------------------------
-class _Own:
-    """The joiner's own tensors, by object and :class:`Kept` index, for resolving a tail's references."""
+_TAIL_FIELDS = {"structure", "leaves", "sent", "values"}
 
-    def __init__(self, objects: dict[str, Any]) -> None:
-        self.objects = objects
-        self.states: dict[str, Any] = {}
-        self.tensors: dict[str, list] = {}
 
-    def resolve(self, name: str, ref: Kept) -> torch.Tensor:
-        if name not in self.objects:
-            raise TransferRefused(f"kept tensor of unknown object {name!r}")
-        if name not in self.tensors:
-            found: list = []
-            self.states[name] = map_tensors(self.objects[name].state_dict(), lambda t: found.append(t) or t)
-            self.tensors[name] = found
-        own = self.tensors[name]
-        t = own[ref.index] if ref.index < len(own) else None
-        if t is None or not _plain(t) or transfer.dtype_name(t.dtype) != ref.dtype or tuple(t.shape) != ref.shape:
-            raise TransferRefused(f"{name}: kept tensor {ref.index} ({ref.dtype} {list(ref.shape)}) is not what "
-                                  "this joiner holds there; state refused")
-        return t
+def load_tail(objects: dict[str, Any], states: dict[str, Any]) -> None:
+    """Load a tail (as received: each managed object's ``{"structure", "leaves", "sent", "values"}``, see
+    ``Precopy._tail_state``) into the joiner's ``objects``. Each object's own state_dict must have the leaver's
+    structure (:func:`flatten`'s digest, tensors' dtypes and shapes included) and leaf count; its tensors are kept
+    but at the ``sent`` positions, which take the received tensors, and its other leaves take the received values.
+    An object whose leaves all stay as they are is not loaded at all (the demo's case). An optimizer whose changes
+    all lie in its parameter groups' hyperparameters (a scheduler's learning rate: the usual case) has them set as
+    a replayed step sets them, without a ``load_state_dict`` (which copies every group and visits every state
+    tensor). Everything is checked before the first object is loaded: raises KeyError if the sets of objects
+    differ, TransferRefused for a tail of another structure or a malformed one, and what
+    :func:`worker.transfer.load_state` raises."""
+    if set(states) != set(objects):
+        raise KeyError(f"managed objects differ: local {sorted(objects)}, received {sorted(states)}")
+    loads, hyperparameters = [], []
+    for name, obj in objects.items():
+        own = obj.state_dict()
+        leaves, digest = flatten(own)
+        changed = _tail_leaves(name, states[name], leaves, digest)
+        if changed is None:
+            continue
+        new, first = changed
+        groups = _changed_groups(obj, own, new, first)
+        if groups is not None:
+            hyperparameters.append((obj, groups))
+        else:
+            loads.append((name, obj, own, unflatten(own, new)))
+    for obj, groups in hyperparameters:
+        for new_group, group in zip(groups, obj.param_groups):
+            group.update((k, v) for k, v in new_group.items() if k != "params")
+    for name, obj, own, state in loads:
+        if isinstance(obj, torch.nn.Module) and isinstance(state, dict):
+            placed = transfer.place_shards(name, obj, state)
+            obj.load_state_dict({k: v for k, v in placed.items() if v is not own[k]}, strict=False)
+        else:
+            transfer.load_state({name: obj}, {name: state})
 
-    def load(self, states: dict[str, Any]) -> None:
-        """Load ``states`` (a tail, references resolved), skipping what is this joiner's already."""
-        if set(states) != set(self.objects):
-            raise KeyError(f"managed objects differ: local {sorted(self.objects)}, received {sorted(states)}")
-        for name, obj in self.objects.items():
-            state, own = states[name], self.states.get(name)
-            if own is not None and _same(state, own):
-                continue
-            if own is not None and isinstance(obj, torch.nn.Module) and isinstance(state, dict):
-                if set(state) != set(own):
-                    raise KeyError(f"{name}: state_dict keys differ from this joiner's")
-                placed = transfer.place_shards(name, obj, state)
-                obj.load_state_dict({k: v for k, v in placed.items() if v is not own[k]}, strict=False)
-            else:
-                transfer.load_state({name: obj}, {name: state})
+
+def _changed_groups(obj: Any, own: Any, new: list, first: int) -> Optional[list]:
+    """Optimizer ``obj``'s parameter groups as its state_dict ``own`` with ``new`` leaves holds them, when every
+    changed leaf (from position ``first``) lies in those groups and their parameter lists are as they were; else
+    None (the optimizer is then loaded whole)."""
+    if not isinstance(obj, torch.optim.Optimizer) or type(own) is not dict or list(own) != ["state", "param_groups"]:
+        return None
+    at = len(new) - len(flatten(own["param_groups"])[0])  # param_groups' leaves come last
+    if first < at:
+        return None
+    groups = unflatten(own["param_groups"], new[at:])
+    if any(type(g) is not dict or g.get("params") != o.get("params") for g, o in zip(groups, own["param_groups"])):
+        return None
+    return groups
+
+
+def _tail_leaves(name: str, tail: Any, leaves: list, digest: str) -> Optional[tuple[list, int]]:
+    """The leaves object ``name`` takes from its ``tail`` (its own ``leaves`` of structure ``digest`` where kept)
+    and the position of the first that differs from its own, or None when they are all its own already. Raises
+    TransferRefused."""
+    if type(tail) is not dict or set(tail) != _TAIL_FIELDS:
+        raise TransferRefused(f"{name}: malformed tail {transfer._short(tail)}")
+    if tail["structure"] != digest or tail["leaves"] != len(leaves):
+        raise TransferRefused(f"{name}: the leaver's state_dict has another structure than this joiner's (other "
+                              "keys, or tensors of other dtypes or shapes); state refused")
+    sent, values = tail["sent"], tail["values"]
+    if type(sent) is not list or type(values) is not list or any(
+            type(at) is not int or not 0 <= at < len(leaves) or not isinstance(leaves[at], torch.Tensor)
+            or (i and at <= sent[i - 1]) for i, at in enumerate(sent)):
+        raise TransferRefused(f"{name}: bad positions of sent tensors {transfer._short(sent)} in the tail")
+    sent_at = set(sent)
+    new, given, first = [], iter(values), None
+    for at, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and at not in sent_at:
+            new.append(leaf)  # kept: the replay made it identical
+            continue
+        value = next(given, given)
+        if value is given:
+            raise TransferRefused(f"{name}: the tail carries {len(values)} values, fewer than its structure holds")
+        if isinstance(leaf, torch.Tensor) != isinstance(value, (torch.Tensor, transfer.ReceivedShard)):
+            raise TransferRefused(f"{name}: a tensor where the tail's structure holds a value, or the reverse")
+        if isinstance(leaf, torch.Tensor) and (tuple(value.shape) != tuple(leaf.shape) or (
+                value.local if isinstance(value, transfer.ReceivedShard) else value).dtype != leaf.dtype):
+            raise TransferRefused(f"{name}: a sent tensor of another dtype or shape than this joiner's at leaf {at}")
+        if first is None and not _same(value, leaf):
+            first = at
+        new.append(value)
+    if next(given, given) is not given:
+        raise TransferRefused(f"{name}: the tail carries {len(values)} values, more than its structure holds")
+    return None if first is None else (new, first)
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal values with tensors compared by identity."""
+    """Whether leaf ``a`` is leaf ``b``: tensors by identity, other values by type and equality."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return a is b
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    if type(a) in (list, tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
 
 
@@ -462,14 +580,13 @@ def follow(pg: Any, objects: dict[str, Any], buffers: Optional[list[torch.Tensor
     if kind == Kind.PRECOPY and on_precopy is not None:
         on_precopy(moved, seconds)
     while kind != Kind.FULL:
-        own = _Own(objects)
-        states, extra, m, seconds = transfer.recv_state(pg, LEAVER, keys=keys, kept=own.resolve)
+        states, extra, m, seconds = transfer.recv_state(pg, LEAVER, keys=keys)
         moved += m
         kind = extra.get("kind") if type(extra) is dict else None
         if kind == Kind.GRADS:
             _replay(objects, extra.get("optimizer"), states.get("grads"))
         elif kind == Kind.TAIL:
-            own.load(states)
+            load_tail(objects, states)
             _confirm(pg)
             break
         else:

@@ -117,18 +117,6 @@ class ReceivedShard:
         return _describe(self.shape, self.placements, self.mesh, self.local.shape)
 
 
-@dataclasses.dataclass(frozen=True)
-class Kept:
-    """A tensor the receiver already holds, sent by reference instead of by value (worker.precopy: what the
-    joiner's replayed optimizer step made identical). ``index``: the tensor's position among its object's
-    state_dict tensors in state_dict order (worker.precopy counts them); ``dtype`` (a torch dtype name) and
-    ``shape`` let the receiver check that its own tensor there is the same kind. On the wire: ``{"k": {"i",
-    "dtype", "shape"}}``; only a receiver that passes ``kept=`` to :func:`recv_state` accepts one."""
-    index: int
-    dtype: str
-    shape: tuple[int, ...]
-
-
 def is_dtensor(value: Any) -> bool:
     """Whether ``value`` is a DTensor (``torch.distributed.tensor.DTensor``)."""
     return DTensor is not None and isinstance(value, DTensor)
@@ -193,7 +181,7 @@ def encode(value: Any, tensor: Callable[[torch.Tensor], Any], depth: int = 0) ->
         return value
     if kind is float:
         return value if math.isfinite(value) else {"f": struct.pack(">d", value).hex()}
-    if isinstance(value, torch.Tensor) or kind in (ReceivedShard, Kept):  # a received shard is sent on as it came
+    if isinstance(value, torch.Tensor) or kind is ReceivedShard:  # a received shard is sent on as it came
         return tensor(value)
     if kind is bytes:
         return {"b": base64.b64encode(value).decode("ascii")}
@@ -329,8 +317,6 @@ def _layout(objects: dict[str, Any]) -> tuple[dict, list[tuple[str, str, str]], 
     skeleton = {}
     for name, obj in objects.items():
         def ref(t: torch.Tensor, name: str = name) -> dict:
-            if isinstance(t, Kept):
-                return {"k": {"i": t.index, "dtype": t.dtype, "shape": list(t.shape)}}
             layout = None
             if is_dtensor(t):
                 layout = dtensor_layout(t)
@@ -388,7 +374,7 @@ def send_state(pg, objects: dict[str, Any], extra: dict, dst: int = 1,
     rank ``dst`` of ``pg``. ``keys``: the job's keys whose secret authenticates the header (default: env
     ``TM_KEYS``, see worker.job_keys). ``on_packed()`` is called once the objects' tensors are no longer read
     (copied into the send buffers, or sent): from then on the caller may change them (worker.precopy sends a
-    live state this way). A :class:`Kept` value in a state_dict travels as a reference, not a buffer.
+    live state this way).
 
     Returns (bytes_moved, seconds). Raises TypeError for a state that cannot be sent (nothing is sent then),
     TransferRefused for a header over ``MAX_HEADER_BYTES``, KeysUnavailable when ``TM_KEYS`` cannot be read,
@@ -497,12 +483,9 @@ def _refuse_constant(name: str) -> None:
 
 
 def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
-               keys: Optional[JobKeys] = None,
-               kept: Optional[Callable[[str, Kept], Any]] = None) -> tuple[dict, dict, int, float]:
+               keys: Optional[JobKeys] = None) -> tuple[dict, dict, int, float]:
     """Receive what :func:`send_state` sent. ``buffers``: pre-touched receive buffers (used where dtype and size
-    match). ``keys``: the job's keys (default: env ``TM_KEYS``, see worker.job_keys). ``kept(object name,
-    Kept)``: this receiver's own tensor for a :class:`Kept` reference (it raises TransferRefused when it has no
-    such tensor); without it a header holding one is refused. Returns (states by object
+    match). ``keys``: the job's keys (default: env ``TM_KEYS``, see worker.job_keys). Returns (states by object
     name, extra, bytes_moved, seconds); a sender's DTensor is a :class:`ReceivedShard` in the states (load them
     with :func:`load_state`, which makes DTensors of them again). Raises TransferRefused for a header that is not
     authenticated, malformed or out of bounds, ChecksumError (a TransferRefused) on a corrupt buffer,
@@ -543,9 +526,7 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
     views: list[list[torch.Tensor]] = [[] for _ in received]
     states: dict[str, Any] = {}
 
-    def ref(tag: str, payload: Any, name: str) -> Any:
-        if tag == "k" and kept is not None:
-            return kept(name, _kept(payload))
+    def ref(tag: str, payload: Any) -> Any:
         buffer, index = _reference(tag, payload, shapes)
         if tag == "r":
             return views[buffer][index]
@@ -553,20 +534,16 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
                              tuple(payload["mesh"]))
 
     def build():
-        """Each tensor's view of its buffer (the bytes fill them later), then, without ``kept``, the states: one
-        decode pass that also checks every value (tensor references against the listed shapes). A step per
-        buffer and per object, so that the shared-memory path runs them while it waits for the sender."""
+        """Each tensor's view of its buffer (the bytes fill them later), then the states: one decode pass that
+        also checks every value (tensor references against the listed shapes). A step per buffer and per object,
+        so that the shared-memory path runs them while it waits for the sender."""
         for i, (b, flat) in enumerate(received):
             views[i] = _views(flat, b["shapes"])
             yield
-        if kept is None:
-            for name, node in header["skeleton"].items():
-                states[name] = decode(node, lambda tag, payload, name=name: ref(tag, payload, name))
-                yield
+        for name, node in header["skeleton"].items():
+            states[name] = decode(node, ref)
+            yield
 
-    # With ``kept`` (a migration's tail: its references are the bulk of the header, its data a few bytes) the
-    # skeleton is decoded once, after the data arrived and was verified: one pass that checks every reference and
-    # asks ``kept`` for this receiver's own tensors (a malformed one is refused then, with nothing loaded).
     extra = decode(header["extra"], lambda tag, payload: _from_inline(tag, payload, wire))
     steps = build()
     tail = torch.empty(MAC_BYTES + 4 * len(received), dtype=torch.uint8, device=wire)
@@ -575,8 +552,7 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
     ok = False
     try:
         try:
-            # over the group: a malformed header (without ``kept``) is refused before a byte of data arrives
-            if segment is None:
+            if segment is None:  # over the group: a malformed header is refused before a byte of data arrives
                 collections.deque(steps, maxlen=0)
             # the trailer's receive, posted before the data: the sender sends it once the last chunk is on its way
             tail_received = pg.recv([tail], src, 1)
@@ -601,9 +577,6 @@ def recv_state(pg, src: int = 0, buffers: Optional[list[torch.Tensor]] = None,
         ok = True
     finally:  # the mapping is kept for this group's next message, unless this one failed or was refused
         datapath.done_receiving(pg, segment, ok)
-    if kept is not None:
-        states = {name: decode(node, lambda tag, payload, name=name: ref(tag, payload, name))
-                  for name, node in header["skeleton"].items()}
     return states, extra, moved, time.perf_counter() - start
 
 
@@ -612,15 +585,6 @@ def _views(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
     counts = [math.prod(shape) for shape in shapes]
     parts = flat[:sum(counts)].split(counts) if counts else ()
     return [part.view(shape) for part, shape in zip(parts, shapes)]
-
-
-def _kept(payload: Any) -> Kept:
-    """A :class:`Kept` reference's payload, checked. Raises TransferRefused."""
-    if type(payload) is not dict or set(payload) != {"i", "dtype", "shape"} or type(payload["i"]) is not int \
-            or payload["i"] < 0:
-        raise TransferRefused(f"bad kept-tensor reference {_short(payload)} in state header")
-    _wire_dtype(payload["dtype"])
-    return Kept(payload["i"], payload["dtype"], tuple(_check_shape(payload["shape"])))
 
 
 def _reference(tag: str, payload: Any, shapes: list[list]) -> tuple[int, int]:

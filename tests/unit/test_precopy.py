@@ -147,15 +147,114 @@ def test_a_hook_registered_after_the_precopy_started_turns_replay_off():
     assert same(flat_state(leaver), flat_state(joiner))
 
 
-def test_a_tail_that_does_not_fit_is_refused():
-    own = precopy._Own({"model": Net()})
-    with pytest.raises(transfer.TransferRefused):
-        own.resolve("model", transfer.Kept(0, "float32", (1, 2)))
-    with pytest.raises(transfer.TransferRefused):
-        own.resolve("model", transfer.Kept(10_000, "float32", (32, 8)))
-    with pytest.raises(transfer.TransferRefused):
-        own.resolve("other", transfer.Kept(0, "float32", (32, 8)))
-    assert own.resolve("model", transfer.Kept(0, "float32", (32, 8))).shape == (32, 8)
+def tail_of(objs, sent=()):
+    """A tail of ``objs``' states as the leaver builds it, with every tensor kept but the ``sent`` positions."""
+    out = {}
+    for name, obj in objs.items():
+        leaves, digest = precopy.flatten(obj.state_dict())
+        at = [i for i in sent if i < len(leaves)] if name == "model" else []
+        out[name] = {"structure": digest, "leaves": len(leaves), "sent": at,
+                     "values": [v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor) or i in at]}
+    return out
+
+
+def test_the_structure_digest_sees_keys_kinds_dtypes_and_shapes_but_not_values():
+    def digest(state):
+        return precopy.flatten(state)[1]
+
+    base = {"w": torch.zeros(2, 3), "lr": 0.1, "betas": (0.9, 0.99), 3: [1, "a"]}
+    assert digest(base) == digest({"w": torch.ones(2, 3), "lr": 0.5, "betas": (0.8, 0.9), 3: [7, "b"]})
+    for other in ({"w": torch.zeros(3, 2), "lr": 0.1, "betas": (0.9, 0.99), 3: [1, "a"]},  # shape
+                  {"w": torch.zeros(2, 3, dtype=torch.float64), "lr": 0.1, "betas": (0.9, 0.99), 3: [1, "a"]},
+                  {"v": torch.zeros(2, 3), "lr": 0.1, "betas": (0.9, 0.99), 3: [1, "a"]},  # key
+                  {"w": torch.zeros(2, 3), "lr": 0.1, "betas": [0.9, 0.99], 3: [1, "a"]},  # list, not tuple
+                  {"w": torch.zeros(2, 3), "lr": 0.1, "betas": (0.9, 0.99), "3": [1, "a"]},  # str key, not int
+                  {"w": torch.zeros(2, 3), "lr": torch.tensor(0.1), "betas": (0.9, 0.99), 3: [1, "a"]},
+                  {"w": torch.zeros(2, 3), "lr": 0.1, "betas": (0.9, 0.99), 3: [1, "a", None]}):
+        assert digest(other) != digest(base), other
+    leaves, _ = precopy.flatten(base)
+    assert [type(v).__name__ for v in leaves] == ["Tensor", "float", "float", "float", "int", "str"]
+    state = precopy.unflatten(base, [torch.ones(2, 3), 0.2, 0.1, 0.2, 9, "z"])
+    assert state["lr"] == 0.2 and state["betas"] == (0.1, 0.2) and state[3] == [9, "z"] and state["w"].sum() == 6
+
+
+def stepped(seed):
+    """build(seed) after one training step: the optimizer holds state tensors."""
+    objs = build(seed)
+    train_step(objs, 0)
+    return objs
+
+
+def tensors_of(obj):
+    return [t for t in precopy.flatten(obj.state_dict())[0] if isinstance(t, torch.Tensor)]
+
+
+def test_a_tail_whose_leaves_are_all_the_joiners_loads_nothing(monkeypatch):
+    joiner = stepped(2)
+    loaded = []
+    for name, obj in joiner.items():
+        monkeypatch.setattr(obj, "load_state_dict", lambda *a, name=name, **k: loaded.append(name))
+    precopy.load_tail(joiner, tail_of(joiner))
+    assert loaded == []
+
+
+def test_a_tail_loads_only_the_values_and_tensors_that_differ():
+    joiner = stepped(2)
+    tensors = tensors_of(joiner["optimizer"])
+    assert len(tensors) == 6 * 3  # step, exp_avg, exp_avg_sq of each parameter
+    tail = tail_of(joiner, sent=[0])  # the model's first tensor (a.weight) by value
+    tail["model"]["values"][0] = torch.full((32, 8), 0.5)
+    values = tail["optimizer"]["values"]
+    lr = joiner["optimizer"].param_groups[0]["lr"]
+    values[values.index(lr)] = lr / 2  # the learning rate, as a scheduler changed it
+    precopy.load_tail(joiner, tail)
+    assert torch.equal(joiner["model"].a.weight, torch.full((32, 8), 0.5))
+    assert joiner["optimizer"].param_groups[0]["lr"] == lr / 2
+    # the optimizer's state tensors stay the joiner's own objects (loaded by reference, not copied)
+    after = tensors_of(joiner["optimizer"])
+    assert len(after) == len(tensors) and all(a is b for a, b in zip(after, tensors))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t["model"].update(structure="0" * 64), "another structure"),
+    (lambda t: t["model"].update(leaves=t["model"]["leaves"] + 1), "another structure"),
+    (lambda t: t["model"].pop("sent"), "malformed tail"),
+    (lambda t: t.update(model=[1, 2]), "malformed tail"),
+    (lambda t: t["model"].update(sent=[10 ** 6]), "bad positions"),
+    (lambda t: t["model"].update(sent=[0, 0]), "bad positions"),
+    (lambda t: t["model"].update(sent=["0"]), "bad positions"),
+    (lambda t: t["optimizer"].update(sent=[t["optimizer"]["leaves"] - 1]), "bad positions"),  # a value's
+    (lambda t: t["model"]["values"].append(1.0), "more than"),
+    (lambda t: t["optimizer"]["values"].pop(), "fewer than"),
+    (lambda t: t["optimizer"]["values"].__setitem__(0, torch.zeros(1)), "a tensor where"),
+    (lambda t: t["model"]["values"].__setitem__(0, torch.zeros(8, 32)), "another dtype or shape"),
+    (lambda t: t["model"]["values"].__setitem__(0, torch.zeros(32, 8, dtype=torch.float64)), "another dtype"),
+])
+def test_a_tail_that_does_not_fit_is_refused_and_nothing_loads(edit, match):
+    joiner = stepped(2)
+    before = flat_state(joiner)
+    tail = tail_of(joiner, sent=[0])
+    tail["model"]["values"][0] = torch.zeros(32, 8)  # changes that would load, were the tail accepted
+    values = tail["optimizer"]["values"]
+    values[values.index(joiner["optimizer"].param_groups[0]["lr"])] = 1.0
+    edit(tail)
+    with pytest.raises(transfer.TransferRefused, match=match):
+        precopy.load_tail(joiner, tail)
+    assert same(before, flat_state(joiner))
+    with pytest.raises(KeyError):
+        precopy.load_tail(joiner, {"model": tail_of(joiner)["model"]})
+
+
+def test_a_joiner_of_another_model_refuses_the_tail():
+    class Wider(Net):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 32, bias=False)
+
+    leaver, joiner = stepped(1), stepped(2)
+    joiner["model"] = Wider()
+    with pytest.raises(transfer.TransferRefused, match="another structure"):
+        precopy.load_tail(joiner, tail_of(leaver))
 
 
 def test_gradients_for_a_non_optimizer_are_refused():
