@@ -23,23 +23,18 @@ payload bytes (the same count for all three; our header and framing are not coun
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import mmap
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 SIZES = {"demo": {}, "large": {"d_model": 512, "n_layer": 11, "n_head": 8}}
 TARGET = 0.8
-HOST = "127.0.0.1"
 
 
 def build_state(size: str, seed: int) -> dict[str, Any]:
@@ -113,14 +108,9 @@ def _ready(pg, rank: int) -> None:
         pg.recv([t], 1, 998).wait()
 
 
-def _child(rank: int, port: int, sizes: list[str], reps: int, keys_path: str, queue) -> None:
-    from worker import backend, transfer
-    from tmd.protocol.keys import JobKeys
+def _measure(rank: int, pg: Any, keys: Any, sizes: list[str], reps: int) -> dict:
+    from worker import transfer
 
-    torch.set_num_threads(1)
-    store = dist.TCPStore(HOST, port, 2, False, timeout=datetime.timedelta(seconds=60))
-    pg = backend.build_gloo(store, "bench-transfer", rank, 2, 60.0, HOST)
-    keys = JobKeys.load(keys_path)
     result: dict[str, Any] = {}
     for size in sizes:
         objects = build_state(size, seed=rank)
@@ -197,7 +187,7 @@ def _child(rank: int, port: int, sizes: list[str], reps: int, keys_path: str, qu
         seg_map.close()
         if rank == 1:
             result[size] = summarize(nbytes, times)
-    queue.put((rank, result))
+    return result
 
 
 class _Holder:
@@ -210,21 +200,10 @@ class _Holder:
 
 def run(sizes: list[str], reps: int) -> dict:
     """Measure every size in ``sizes`` with ``reps`` timed repetitions per method. Returns the result object."""
-    from tmd.protocol.keys import JobKeys
-
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore(HOST, 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        keys_path = os.path.join(tmp, "keys")
-        JobKeys.create(keys_path)
-        procs = [ctx.Process(target=_child, args=(r, store.port, sizes, reps, keys_path, queue)) for r in (0, 1)]
-        for proc in procs:
-            proc.start()
-        results = dict(queue.get(timeout=600) for _ in procs)
-        for proc in procs:
-            proc.join(60)
+    from benchmarks import pair
     from worker import datapath
+
+    results = pair.run(_measure, sizes, reps, name="bench-transfer")
 
     return {"benchmark": "transfer", "reps": reps, "target_ours_over_bound": TARGET,
             "checksum": datapath.CRC_IMPL, "chunk_bytes": datapath.CHUNK_BYTES, "ring_slots": datapath.RING_SLOTS,
