@@ -85,30 +85,13 @@ def replayable_class(obj: Any) -> bool:
         and getattr(type(obj).step, "__wrapped__", None) is not None
 
 
-def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``value`` (a state_dict) with every tensor ``t`` replaced by ``fn(t)``, visited in a fixed order (mapping
-    values in order, sequence items in order): both ends count :class:`Kept` indices with it."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, dict):
-        out = type(value)() if type(value) in (dict, collections.OrderedDict) else {}
-        for k, v in value.items():
-            out[k] = map_tensors(v, fn)
-        metadata = getattr(value, "_metadata", None)
-        if metadata is not None:
-            out._metadata = metadata  # type: ignore[attr-defined]
-        return out
-    if type(value) in (list, tuple):
-        return type(value)(map_tensors(v, fn) for v in value)
-    return value
-
-
 def flatten(state: Any) -> tuple[list, str]:
-    """``state`` (a state_dict) as its leaves and a digest of its structure: (every tensor and every other value
-    that is not a mapping, list or tuple, in :func:`map_tensors`' order; the SHA-256 hex digest of the structure:
-    mapping keys, sequence lengths, and each leaf's kind, a tensor's as its dtype and shape, not its values). Two
-    states with the same digest differ at most in their leaves' values. A mapping's ``_metadata`` is not part of
-    it. Raises TypeError for a mapping key worker.transfer cannot encode."""
+    """``state`` (a state_dict) as (its leaves, a digest of its structure). The leaves: every tensor and every other
+    value that is not a mapping, list or tuple, depth first (a mapping's values in its order, a sequence's items in
+    order). The digest: SHA-256, in hex, of the mapping keys, sequence lengths, and each leaf's kind (a tensor's
+    dtype and shape; not its values). Two states with the same digest differ at most in their leaves' values; a
+    mapping's type (dict or OrderedDict) and its ``_metadata`` are not part of it. Raises TypeError for a mapping
+    key worker.transfer cannot encode."""
     leaves: list = []
     # a prefix code: every node starts with its tag ("d", "l", "t", "v" or a tensor's dtype name, then its number
     # of dimensions and its sizes)
@@ -144,8 +127,9 @@ def _no_tensor_key(t: torch.Tensor) -> Any:
 
 
 def unflatten(state: Any, leaves: list) -> Any:
-    """``state`` with its leaves (:func:`flatten`'s) replaced by ``leaves``, in order (containers rebuilt as
-    :func:`map_tensors` does, with their ``_metadata``)."""
+    """``state`` with its leaves (:func:`flatten`'s) replaced by ``leaves``, in order. Containers are rebuilt: a
+    dict or OrderedDict as its own type (another mapping as a dict) with its ``_metadata``, a list or tuple as
+    itself."""
     it = iter(leaves)
 
     def walk(value: Any) -> Any:
