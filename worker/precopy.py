@@ -462,7 +462,8 @@ def _tail_leaves(name: str, tail: Any, leaves: list, digest: str) -> Optional[tu
     TransferRefused."""
     if type(tail) is not dict or set(tail) != _TAIL_FIELDS:
         raise TransferRefused(f"{name}: malformed tail {transfer._short(tail)}")
-    if tail["structure"] != digest or tail["leaves"] != len(leaves):
+    if type(tail["structure"]) is not str or type(tail["leaves"]) is not int or tail["structure"] != digest \
+            or tail["leaves"] != len(leaves):
         raise TransferRefused(f"{name}: the leaver's state_dict has another structure than this joiner's (other "
                               "keys, or tensors of other dtypes or shapes); state refused")
     sent, values = tail["sent"], tail["values"]
@@ -481,6 +482,8 @@ def _tail_leaves(name: str, tail: Any, leaves: list, digest: str) -> Optional[tu
             raise TransferRefused(f"{name}: the tail carries {len(values)} values, fewer than its structure holds")
         if isinstance(leaf, torch.Tensor) != isinstance(value, (torch.Tensor, transfer.ReceivedShard)):
             raise TransferRefused(f"{name}: a tensor where the tail's structure holds a value, or the reverse")
+        if isinstance(value, (dict, list, tuple)):  # flatten never leaves a container as a leaf
+            raise TransferRefused(f"{name}: a container {transfer._short(value)} where a leaf belongs")
         if isinstance(leaf, torch.Tensor) and (tuple(value.shape) != tuple(leaf.shape) or (
                 value.local if isinstance(value, transfer.ReceivedShard) else value).dtype != leaf.dtype):
             raise TransferRefused(f"{name}: a sent tensor of another dtype or shape than this joiner's at leaf {at}")

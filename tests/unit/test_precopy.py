@@ -227,6 +227,8 @@ def test_a_tail_loads_only_the_values_and_tensors_that_differ():
     (lambda t: t["model"]["values"].append(1.0), "more than"),
     (lambda t: t["optimizer"]["values"].pop(), "fewer than"),
     (lambda t: t["optimizer"]["values"].__setitem__(0, torch.zeros(1)), "a tensor where"),
+    (lambda t: t["optimizer"]["values"].__setitem__(-1, [0]), "a container"),
+    (lambda t: t["optimizer"].update(leaves=torch.zeros(2)), "another structure"),
     (lambda t: t["model"]["values"].__setitem__(0, torch.zeros(8, 32)), "another dtype or shape"),
     (lambda t: t["model"]["values"].__setitem__(0, torch.zeros(32, 8, dtype=torch.float64)), "another dtype"),
 ])
@@ -243,6 +245,38 @@ def test_a_tail_that_does_not_fit_is_refused_and_nothing_loads(edit, match):
     assert same(before, flat_state(joiner))
     with pytest.raises(KeyError):
         precopy.load_tail(joiner, {"model": tail_of(joiner)["model"]})
+
+
+def test_randomly_corrupted_tails_are_refused_cleanly_or_load_what_they_say():
+    """Random edits of a tail's fields and values (what a corrupted header that still carries a valid MAC could
+    hold): load_tail either loads or raises TransferRefused / KeyError with nothing loaded; never another error."""
+    import random
+
+    rng = random.Random(0)
+    junk = [None, True, 0, -1, 10 ** 9, 1.5, float("nan"), "", "x" * 70, b"\x00", [], [0], [[1]], {}, {"a": 1},
+            (1, 2), torch.zeros(2), torch.zeros(32, 8)]
+    joiner = stepped(2)
+    refused = loaded = 0
+    for _ in range(300):
+        tail = tail_of(joiner, sent=[0])
+        name = rng.choice(["model", "optimizer"])
+        field = rng.choice(["structure", "leaves", "sent", "values", "values", "values"])
+        if field == "values" and tail[name]["values"]:
+            values = tail[name]["values"]
+            values[rng.randrange(len(values))] = rng.choice(junk)
+        elif field == "sent":
+            tail[name]["sent"] = rng.choice(junk + [[1], [0, 2], [3, 1]])
+        else:
+            tail[name][field] = rng.choice(junk)
+        before = flat_state(joiner)
+        try:
+            precopy.load_tail(joiner, tail)
+            loaded += 1
+        except (transfer.TransferRefused, KeyError):
+            refused += 1
+            assert same(before, flat_state(joiner))
+        joiner = stepped(2)  # a fresh joiner for the next edit
+    assert refused > 100 and loaded > 0, (refused, loaded)
 
 
 def test_a_joiner_of_another_model_refuses_the_tail():
