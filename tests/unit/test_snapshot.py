@@ -6,7 +6,6 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tmd import protocol as p
 from worker import snapshot as snapshot_mod
@@ -257,20 +256,6 @@ def test_copy_state_detaches_parameters_and_keeps_tuples_and_plain_values():
     copied = copy_state({"p": param, "t": (1, torch.zeros(1)), "s": "x", "n": None})
     assert type(copied["p"]) is torch.Tensor and not copied["p"].requires_grad
     assert isinstance(copied["t"], tuple) and copied["t"][0] == 1 and copied["s"] == "x" and copied["n"] is None
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
-    try:
-        yield init_device_mesh("cpu", (4,))
-    finally:
-        dist.destroy_process_group()
 
 
 def sharded(mesh, rows=2):

@@ -143,22 +143,9 @@ def test_load_state_refuses_other_objects():
 
 
 # --- sharded state (DTensors) -------------------------------------------------------------------------------------
-# One process stands for rank 1 of a 4-rank world on torch's fake process group: its collectives do nothing, and
-# CommDebugMode counts every one issued (none may be, in send, receive or load).
-@pytest.fixture(scope="module")
-def mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
-    try:
-        yield init_device_mesh("cpu", (4,))
-    finally:
-        dist.destroy_process_group()
-
-
+# One process stands for rank 1 of a 4-rank world on torch's fake process group (the ``mesh`` fixture,
+# tests/unit/conftest.py): its collectives do nothing, and CommDebugMode counts every one issued (none may be, in
+# send, receive or load).
 def dtensor(mesh, local, placements=None, shape=None):
     from torch.distributed.tensor import DTensor, Shard
 

@@ -7,12 +7,9 @@ import pickle
 import pytest
 import torch
 
-from tests.unit import test_transfer
 from tests.unit.test_transfer import sharded
 from tmd import protocol as p
 from worker import misuse, rank_state
-
-mesh = test_transfer.mesh  # the fixture: rank 1 of a fake 4-rank world and its 1-D mesh
 
 
 class Sampler:
