@@ -271,6 +271,11 @@ class GroupManager:
         later ops complete without communicating until :meth:`install`. Returns the works released."""
         return sum(g.mover.fail(reason) for g in self.groups.values())
 
+    def ops_issued(self) -> int:
+        """Collectives and point-to-point ops issued so far over all of this rank's groups (the movers'
+        ``ops_issued`` counters; a migration's transfer group is not one of them)."""
+        return sum(g.mover.counters()["ops_issued"] for g in list(self.groups.values()))
+
     def failure(self) -> Optional[str]:
         """The first latched failure among this rank's groups, or None."""
         for g in self.groups.values():

@@ -189,7 +189,7 @@ class Migration:
         except RuntimeError as e:  # no transfer group: the switch step sends everything (and reports the error)
             log.warning("rank %d: no pre-copy for migration %d: %s", control.rank, switch.migration_id, e)
             return
-        self.precopy = precopy.Precopy(pg, switch.migration_id, self.objects)
+        self.precopy = precopy.Precopy(pg, switch.migration_id, self.objects, ops_issued=control.groups.ops_issued)
         self.precopy.start(step)
 
     def switch_boundary(self, switch: p.Switch) -> None:

@@ -29,8 +29,12 @@ goes on, and the joiner then follows the leaver's optimizer steps, so at S only 
    objects whose leaves differ (:func:`load_tail`) and reports ``transferred``.
 
 Only ``torch.optim`` optimizers are replayed (a third-party optimizer's step may issue collectives), and only
-when their parameters and gradients are plain dense tensors (not DTensors) and their step takes no closure;
-otherwise their tensors travel in the tail: the old cost, still exact. The script's own step hooks may stay:
+when their parameters and gradients are dense tensors, or DTensors (FSDP2, tensor parallel) whose local shards
+are and whose gradients have their parameters' placements, and their step takes no closure; otherwise their
+tensors travel in the tail: the old cost, still exact. A DTensor optimizer's step is elementwise on the local
+shards, which the joiner replays without communicating (its sandbox would answer a collective with recorded
+values): the leaver counts the collectives its job's groups issue during each step (``ops_issued``) and turns
+replay off for an optimizer whose step issued any. The script's own step hooks may stay:
 the pre-hook here runs after every other pre-hook (it sees what they changed, and the arguments they passed on)
 and the post-hook here before every other post-hook (what they change afterwards shows in the version counters
 at the tail); a hook registered after the pre-copy started turns replay off. One change is invisible to version
@@ -152,7 +156,8 @@ def unflatten(state: Any, leaves: list) -> Any:
 
 def _key(t: torch.Tensor) -> tuple:
     """Where a tensor's values live: a state_dict's detached view of a parameter has the parameter's key (its
-    first element's address, shape, strides, dtype and device)."""
+    first element's address, shape, strides, dtype and device; a DTensor's local shard's)."""
+    t = _local(t)
     return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
 
@@ -170,14 +175,33 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return out
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself otherwise), without a collective."""
+    return t._local_tensor if transfer.is_dtensor(t) else t
+
+
 def _plain(t: Any) -> bool:
+    """A dense tensor, or a DTensor whose local shard is one: what replay tracks and moves."""
+    if transfer.is_dtensor(t):
+        t = t._local_tensor
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+
+
+def _version(t: torch.Tensor) -> Any:
+    """``t``'s version counter; a DTensor's with its local shard's (an in-place op on the DTensor bumps the first,
+    one on ``to_local()`` the second)."""
+    return (t._version, t._local_tensor._version) if transfer.is_dtensor(t) else t._version
+
+
+def _placed(t: torch.Tensor) -> Any:
+    """A DTensor's mesh and placements (None for a plain tensor)."""
+    return (t.device_mesh, tuple(t.placements)) if transfer.is_dtensor(t) else None
 
 
 @dataclasses.dataclass
 class _Seen:
     tensor: torch.Tensor  # held, so its memory cannot hold another tensor while tracked
-    version: int
+    version: Any  # _version()
     owner: str  # the managed optimizer's name
 
 
@@ -203,21 +227,28 @@ class _Job:
 class Precopy:
     """The leaver's side (see the module docstring): :meth:`start` at a boundary before the switch step,
     :meth:`finish` at it, :meth:`cancel` when the migration was aborted first. ``objects``: the managed objects
-    by name; ``keys``: the job's keys (default: env ``TM_KEYS``)."""
+    by name; ``keys``: the job's keys (default: env ``TM_KEYS``); ``ops_issued()``: how many collectives the job's
+    process groups issued so far (worker.groups.GroupManager.ops_issued; None: no DTensor optimizer is replayed,
+    since a step that communicates could not be told from one that does not)."""
 
-    def __init__(self, pg: Any, migration_id: int, objects: dict[str, Any], keys: Any = None) -> None:
+    def __init__(self, pg: Any, migration_id: int, objects: dict[str, Any], keys: Any = None,
+                 ops_issued: Optional[Callable[[], int]] = None) -> None:
         self.pg = pg
         self.migration_id = migration_id
         self.objects = objects
         self.keys = keys
         self.step: Optional[int] = None  # the boundary the pre-copy was taken at (set by start)
         self.off: dict[str, str] = {}  # optimizer name -> why its tensors travel in the tail
+        self.ops_issued = ops_issued
+        self._ops_before: Optional[int] = None  # ops_issued() as the current step's update began
         self.optimizers = {}
         for name, o in objects.items():
             if isinstance(o, torch.optim.Optimizer):
                 why = "" if replayable_class(o) else "not one of torch.optim's optimizers"
-                why = why or ("" if all(_plain(p) for p in _params(o)) else "its parameters are not plain tensors "
-                                                                           "(DTensors: sharded)")
+                why = why or ("" if all(_plain(p) for p in _params(o)) else "its parameters are not dense tensors "
+                                                                           "or DTensors of dense shards")
+                why = why or ("" if ops_issued is not None or not any(map(transfer.is_dtensor, _params(o)))
+                              else "its parameters are DTensors and no count of collectives is available")
                 if why:
                     self._turn_off(name, why)
                 else:
@@ -314,6 +345,7 @@ class Precopy:
         job = self._grads = _Job(lambda job: self._send_grads(job, name, grads, groups))
         self.replayed[name] += 1
         self._jobs.put(job)
+        self._ops_before = self.ops_issued() if self.ops_issued is not None else None
 
     def _after_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         name = self._names[id(opt)]
@@ -325,6 +357,8 @@ class Precopy:
         if not job.packed.wait(PACK_TIMEOUT_S):
             self._turn_off(name, f"its gradients were not packed within {PACK_TIMEOUT_S:.0f} s (the sender is "
                                  "behind)")
+        if self._ops_before is not None and self.ops_issued() != self._ops_before:  # the joiner's replay of this
+            self._turn_off(name, "its step issued collectives")  # step would have had them answered from records
         if name not in self.off:
             self._track(name, opt)
 
@@ -341,18 +375,19 @@ class Precopy:
                 or next(iter(opt._optimizer_step_post_hooks)) != post.id:
             return "a step hook was registered after the pre-copy started"
         for p in _params(opt):
-            if not _plain(p) or (p.grad is not None and (not _plain(p.grad) or p.grad.shape != p.shape)):
-                return "a parameter or gradient is not a plain dense tensor"
+            if not _plain(p) or (p.grad is not None and (not _plain(p.grad) or p.grad.shape != p.shape
+                                                          or _placed(p.grad) != _placed(p))):
+                return "a parameter or gradient is not a dense tensor, or a gradient is placed unlike its parameter"
         for t in _optimizer_tensors(opt):
             seen = self.seen.get(_key(t)) if _plain(t) else None
-            if seen is None or seen.owner != name or seen.version != t._version:
+            if seen is None or seen.owner != name or seen.version != _version(t):
                 return "its parameters or state changed outside its step"
         return ""
 
     def _track(self, name: str, opt: torch.optim.Optimizer) -> None:
         for t in _optimizer_tensors(opt):
-            if _plain(t):  # (a DTensor's state would make the next check fail: its optimizer is then not replayed)
-                self.seen[_key(t)] = _Seen(t, t._version, name)
+            if _plain(t):  # (another tensor subclass would make the next check fail: replay then turns off)
+                self.seen[_key(t)] = _Seen(t, _version(t), name)
 
     def _tail_state(self, name: str, obj: Any) -> dict:
         """``obj``'s state_dict as a tail (see :func:`load_tail`): its structure's digest and leaf count, and by
@@ -363,7 +398,7 @@ class Precopy:
         for at, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 seen = self.seen.get(_key(leaf)) if _plain(leaf) else None
-                if seen is not None and seen.owner not in self.off and seen.version == leaf._version:
+                if seen is not None and seen.owner not in self.off and seen.version == _version(leaf):
                     self.kept += 1
                     continue
                 self.sent += 1
@@ -504,7 +539,8 @@ def _same(a: Any, b: Any) -> bool:
 
 def _replay(objects: dict[str, Any], name: Any, state: Any) -> None:
     """Run managed optimizer ``name``'s step with the leaver's gradients ``state["grads"]`` (one per parameter,
-    in param_groups order, None where the leaver had none) and hyperparameters ``state["groups"]`` (each param
+    in param_groups order, None where the leaver had none; a DTensor parameter's as a worker.transfer.ReceivedShard,
+    made a DTensor of the parameter's own mesh and placements) and hyperparameters ``state["groups"]`` (each param
     group's values but its parameters: what a scheduler changed since), hooks bypassed. Each parameter's ``.grad``
     is then put back as it was (the joiner's own, from its shadow iterations): a step of a script that calls
     ``zero_grad()`` after ``optimizer.step()`` would otherwise add its gradients to the replayed ones. Raises
@@ -520,9 +556,7 @@ def _replay(objects: dict[str, Any], name: Any, state: Any) -> None:
     if type(groups) is not list or len(groups) != len(opt.param_groups) or any(
             type(new) is not dict or set(new) != set(g) - {"params"} for new, g in zip(groups, opt.param_groups)):
         raise TransferRefused(f"{name}: hyperparameters of {len(opt.param_groups)} parameter groups expected")
-    for p, g in zip(params, grads):
-        if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape or g.dtype != p.dtype):
-            raise TransferRefused(f"{name}: a gradient does not fit its parameter ({list(p.shape)} {p.dtype})")
+    grads = [_as_gradient(name, i, p, g) for i, (p, g) in enumerate(zip(params, grads))]
     own = [p.grad for p in params]  # what this joiner's own steps left there (None after a zero_grad)
     for p, g in zip(params, grads):
         p.grad = g
@@ -533,6 +567,20 @@ def _replay(objects: dict[str, Any], name: Any, state: Any) -> None:
     finally:  # a script that zeroes its gradients after the step must find none left by the replay
         for p, g in zip(params, own):
             p.grad = g
+
+
+def _as_gradient(name: str, i: int, p: torch.Tensor, g: Any) -> Optional[torch.Tensor]:
+    """The received gradient ``g`` of optimizer ``name``'s ``i``-th parameter ``p``, as ``p.grad`` takes it.
+    Raises TransferRefused where it does not fit."""
+    if g is None:
+        return None
+    if isinstance(g, transfer.ReceivedShard) and transfer.is_dtensor(p):
+        if g.local.dtype != p.dtype:
+            raise TransferRefused(f"{name}: gradient {i} is {g.local.dtype}, its parameter {p.dtype}")
+        return transfer._wrap(g, p, ("grads", i), name)  # checks shape, placements, mesh and local shape
+    if not isinstance(g, torch.Tensor) or transfer.is_dtensor(p) or g.shape != p.shape or g.dtype != p.dtype:
+        raise TransferRefused(f"{name}: gradient {i} does not fit its parameter ({list(p.shape)} {p.dtype})")
+    return g
 
 
 def _confirm(pg: Any, timeout_s: float = CONFIRM_TIMEOUT_S) -> None:

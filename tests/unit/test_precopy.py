@@ -336,3 +336,79 @@ def test_a_sender_that_falls_behind_turns_replay_off_instead_of_stalling(monkeyp
     leaver, joiner, pc, _, _ = migrate()
     assert "not packed within" in pc.off["optimizer"]
     assert same(flat_state(leaver), flat_state(joiner))
+
+
+# --- DTensor optimizers (FSDP2, tensor parallel) ------------------------------------------------------------------
+# Both ends stand for rank 1 of a 4-rank world on torch's fake process group (the ``mesh`` fixture): an
+# AdamW step on DTensors is elementwise on the local shards and issues no collective.
+def sharded_pair(mesh):
+    from tests.unit.test_transfer import sharded
+
+    return sharded(mesh, 1), sharded(mesh, 2)
+
+
+def dtensor_step(objs, step):
+    from tests.unit.test_transfer import dtensor
+
+    weight = objs["model"].weight
+    g = torch.Generator().manual_seed(step)
+    weight.grad = dtensor(mesh=weight.device_mesh, local=torch.randn(weight.to_local().shape, generator=g),
+                          placements=list(weight.placements), shape=weight.shape)
+    objs["optimizer"].step()
+    objs["optimizer"].zero_grad()
+
+
+@pytest.mark.parametrize("communicates", [False, True])
+def test_a_dtensor_optimizer_is_replayed_unless_its_step_communicates(mesh, communicates):
+    from tests.unit.test_transfer import local_state
+
+    leaver, joiner = sharded_pair(mesh)
+    opt, weight = leaver["optimizer"], leaver["model"].weight
+
+    def ops_issued():  # the job groups' collectives so far: one per optimizer step when the step communicates
+        return int(opt.state[weight]["step"]) if communicates else 0
+
+    a, b = pair()
+
+    def leave():
+        dtensor_step(leaver, 0)
+        pc = precopy.Precopy(a, 7, leaver, ops_issued=ops_issued)
+        pc.start(1)
+        for step in (1, 2):
+            dtensor_step(leaver, step)
+        pc.finish(3, torch.get_rng_state())
+        pc.delivered(20)
+        return pc
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        left = ex.submit(leave)
+        joined = ex.submit(precopy.follow, b, joiner)
+        pc = left.result(timeout=50)
+        joined.result(timeout=50)
+    assert same(local_state(leaver), local_state(joiner))
+    if communicates:
+        assert "issued collectives" in pc.off["optimizer"] and pc.kept == 0
+    else:  # the weight and AdamW's step, exp_avg, exp_avg_sq: no entry in the tail; the plain buffer is sent
+        assert pc.off == {} and pc.replayed == {"optimizer": 2} and (pc.kept, pc.sent) == (4, 1)
+        assert transfer.is_dtensor(joiner["optimizer"].state[joiner["model"].weight]["exp_avg"])
+
+
+def test_a_dtensor_optimizer_without_a_count_of_collectives_is_not_replayed(mesh):
+    leaver, _ = sharded_pair(mesh)
+    a, _ = pair()
+    assert "no count of collectives" in precopy.Precopy(a, 7, leaver).off["optimizer"]
+
+
+def test_a_dtensor_gradient_of_another_layout_is_refused(mesh):
+    from torch.distributed.tensor import Replicate
+
+    leaver, joiner = sharded_pair(mesh)
+    weight = joiner["model"].weight
+    shard = transfer.ReceivedShard(torch.zeros(weight.to_local().shape), tuple(weight.shape), ("R",), (4,))
+    with pytest.raises(transfer.TransferRefused):
+        precopy._replay(joiner, "optimizer", {"grads": [shard], "groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in joiner["optimizer"].param_groups]})
+    assert Replicate() not in weight.placements
+    with pytest.raises(transfer.TransferRefused):  # a plain tensor for a DTensor parameter
+        precopy._replay(joiner, "optimizer", {"grads": [torch.zeros(weight.shape)], "groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in joiner["optimizer"].param_groups]})
