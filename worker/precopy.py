@@ -466,14 +466,20 @@ def load_tail(objects: dict[str, Any], states: dict[str, Any]) -> None:
         else:
             loads.append((name, obj, own, unflatten(own, new)))
     for obj, groups in hyperparameters:
-        for new_group, group in zip(groups, obj.param_groups):
-            group.update((k, v) for k, v in new_group.items() if k != "params")
+        _set_hyperparameters(obj, groups)
     for name, obj, own, state in loads:
         if isinstance(obj, torch.nn.Module) and isinstance(state, dict):
             placed = transfer.place_shards(name, obj, state)
             obj.load_state_dict({k: v for k, v in placed.items() if v is not own[k]}, strict=False)
         else:
             transfer.load_state({name: obj}, {name: state})
+
+
+def _set_hyperparameters(opt: torch.optim.Optimizer, groups: list) -> None:
+    """Set each of ``opt``'s parameter groups' values to ``groups``' (one dict per group; its ``params``, where
+    present, are left as they are): what a replayed step and a tail's new learning rate both do."""
+    for new, group in zip(groups, opt.param_groups):
+        group.update((k, v) for k, v in new.items() if k != "params")
 
 
 def _changed_groups(obj: Any, own: Any, new: list, first: int) -> Optional[list]:
@@ -560,8 +566,7 @@ def _replay(objects: dict[str, Any], name: Any, state: Any) -> None:
     own = [p.grad for p in params]  # what this joiner's own steps left there (None after a zero_grad)
     for p, g in zip(params, grads):
         p.grad = g
-    for new, g in zip(groups, opt.param_groups):
-        g.update(new)
+    _set_hyperparameters(opt, groups)
     try:
         type(opt).step.__wrapped__(opt)
     finally:  # a script that zeroes its gradients after the step must find none left by the replay
