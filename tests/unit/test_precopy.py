@@ -215,6 +215,18 @@ def test_a_tail_loads_only_the_values_and_tensors_that_differ():
     assert len(after) == len(tensors) and all(a is b for a, b in zip(after, tensors))
 
 
+def test_a_changed_learning_rate_alone_is_set_without_loading_the_optimizer(monkeypatch):
+    joiner = stepped(2)
+    opt = joiner["optimizer"]
+    monkeypatch.setattr(opt, "load_state_dict", lambda *a, **k: pytest.fail("the optimizer was loaded whole"))
+    tail = tail_of(joiner)
+    lr = opt.param_groups[0]["lr"]
+    values = tail["optimizer"]["values"]
+    values[values.index(lr)] = lr / 2
+    precopy.load_tail(joiner, tail)
+    assert opt.param_groups[0]["lr"] == lr / 2
+
+
 @pytest.mark.parametrize("edit, match", [
     (lambda t: t["model"].update(structure="0" * 64), "another structure"),
     (lambda t: t["model"].update(leaves=t["model"]["leaves"] + 1), "another structure"),
