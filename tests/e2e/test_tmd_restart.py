@@ -210,6 +210,9 @@ def test_nothing_to_resume(tmp_path):
         load(_write_job(tmp_path, {"event": "job_finished"}, {"event": "tmd_stopped", "exit_code": 0}))
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "tmd"])  # stands in for tmd
     try:
+        # Popen returns once execve closed the child's close-on-exec pipe, which the kernel does before it sets
+        # the new image's arguments: /proc/<pid>/cmdline can read empty for a moment after (seen once in CI)
+        wait_until(lambda: "tmd" in psutil.Process(alive.pid).cmdline(), 10, "the stand-in tmd's command line")
         with pytest.raises(ResumeError, match=f"still runs \\(pid {alive.pid}\\)"):
             load(_write_job(tmp_path, pid=alive.pid))
     finally:
