@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NoReturn, Optional
 
 import typer
 
+from tmd.protocol.messages import MIN_RECORD_STEPS
 from tmd.protocol.vocab import ExitCode
 
 if TYPE_CHECKING:
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="TrainMover coordinator daemon (one per job).")
 
 DEFAULT_COMMAND = [sys.executable, "-m", "examples.train_gpt"]
+RECORD_STEPS_HELP = (f"Steps recorded at job start (at least {MIN_RECORD_STEPS}: DDP regroups its buckets in the "
+                     "second); joiners replay them as shadow iterations.")
 GUARDS_HELP = ("Standby nodes kept warm as particular active nodes' ranks (guards, tmd.guards): a failure of a "
                "guarded node skips the replacement's warm-up, and a migration of it to its guard skips the "
                "joiners'. A guard is no migration target for another node (0: off).")
@@ -38,7 +41,7 @@ def local(
     ranks_per_node: int = typer.Option(2, min=1, help="Rank processes per node."),
     standbys: int = typer.Option(1, min=0, help="Standby nodes (s1, s2, ...), each with ranks-per-node processes."),
     run_dir: str = typer.Option("tmrun", envvar="TM_RUN_DIR", help="Events, logs, recordings and tmd.json."),
-    record_steps: int = typer.Option(3, min=1, help="Steps recorded at job start; joiners replay them as shadow iterations."),
+    record_steps: int = typer.Option(3, min=MIN_RECORD_STEPS, help=RECORD_STEPS_HELP),
     snapshot_every: int = typer.Option(10, min=0, help="Buddy snapshots every this many steps where a rank's state has no replica on another node (0: off)."),
     guards: int = typer.Option(0, min=0, help=GUARDS_HELP),
     heartbeat_timeout_s: float = typer.Option(5.0, help="Seconds of silence before a node is marked unhealthy."),
@@ -139,7 +142,7 @@ def slurm(
     reservation: str = typer.Option("standby", envvar="TM_RESERVATION", help="Reservation holding the standby jobs."),
     run_dir: Optional[str] = typer.Option(None, envvar="TM_RUN_DIR",
                                           help="Events, logs, recordings and tmd.json (default ./tmrun/<JOBID>)."),
-    record_steps: int = typer.Option(3, min=1, help="Steps recorded at job start; joiners replay them as shadow iterations."),
+    record_steps: int = typer.Option(3, min=MIN_RECORD_STEPS, help=RECORD_STEPS_HELP),
     snapshot_every: int = typer.Option(10, min=0, help="Buddy snapshots every this many steps where a rank's state has no replica on another node (0: off)."),
     guards: int = typer.Option(0, min=0, help=GUARDS_HELP),
     heartbeat_timeout_s: float = typer.Option(5.0, help="Seconds of silence before a node is marked unhealthy."),
@@ -218,7 +221,7 @@ def standby(
 @app.command()
 def resume(
     run_dir: str = typer.Option("tmrun", envvar="TM_RUN_DIR", help="The run directory of the job (tmd.json, events)."),
-    record_steps: int = typer.Option(3, min=1, help="Used only when the journal does not say (older tmd)."),
+    record_steps: int = typer.Option(3, min=MIN_RECORD_STEPS, help="Used only when the journal does not say (older tmd)."),
     heartbeat_timeout_s: float = typer.Option(5.0, help="Seconds of silence before a node is marked unhealthy."),
     quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
 ) -> None:

@@ -83,7 +83,8 @@ class Daemon:
                  resume: Optional[JobState] = None, keys_dir: Optional[str] = None, auth: bool = True,
                  snapshot_every: int = 10, metrics_port: Optional[int] = None, guards: int = 0) -> None:
         """``record_steps``: steps whose collective outputs the active ranks record for joiners' replay (and
-        the joiners' number of shadow iterations). ``heartbeat_timeout_s``: silence after which a node is
+        the joiners' number of shadow iterations); ValueError below ``p.MIN_RECORD_STEPS`` (a resumed job keeps
+        its own). ``heartbeat_timeout_s``: silence after which a node is
         failed whatever its peers do (seconds). ``suspect_after_s``: silence after which a node is failed if a
         peer has been blocked in a collective for ``blocked_after_s`` (seconds; see tmd.detection).
         ``migrate_stragglers``: move a node with a straggler rank to a warm standby (a planned migration).
@@ -99,6 +100,10 @@ class Daemon:
         nodes tmd keeps warm as particular active nodes' ranks (tmd.guards; 0: none). Raises zmq.ZMQError when the address is taken, KeysUnavailable when a
         resumed job's keys cannot be read."""
         from tmd.store import host_store  # only tmd pays for torch: it hosts the job's store
+
+        if resume is None and record_steps < p.MIN_RECORD_STEPS:  # a resumed job keeps what its ranks recorded
+            raise ValueError(f"record_steps must be at least {p.MIN_RECORD_STEPS}, not {record_steps}: "
+                             "see tmd.protocol.messages.MIN_RECORD_STEPS")
 
         os.umask(0o077)  # the run dir's files (journal, recordings, logs; the workers inherit it) are the user's only
         self.job = job

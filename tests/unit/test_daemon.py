@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(30)
 def daemon(tmp_path):
     """2 active nodes of 1 rank and standby s1, each with its process registered and past step 5; what the
     daemon sends is recorded in ``d.sent`` as (identity, message)."""
-    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], record_steps=1, echo=False)
+    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], record_steps=2, echo=False)
     d.sent = []
     d.send = lambda w, msg: d.sent.append((w.identity.decode(), msg))  # observe, no sockets
     for node in ("n1", "n2", "s1"):
@@ -36,6 +36,23 @@ def daemon(tmp_path):
 
 def events(d: Daemon) -> list[str]:
     return [e["event"] for e in d.journal.since(0, 1000)]
+
+
+def test_fewer_recorded_steps_than_a_joiner_needs_are_refused_at_start(tmp_path):
+    """One recorded step leaves DDP's bucket regrouping (a broadcast in a process's second forward) out of the
+    recording: a joiner would make it live at its first real step and hang the job (tmd.protocol.messages.
+    MIN_RECORD_STEPS). tmd refuses it before it binds anything; ``tmd local --record-steps 1`` exits 2."""
+    from typer.testing import CliRunner
+
+    from tmd import cli
+
+    with pytest.raises(ValueError, match="record_steps must be at least 2, not 1"):
+        Daemon("t", str(tmp_path / "one"), ["n1", "n2"], 1, ["s1"], record_steps=1, echo=False)
+    assert not (tmp_path / "one").exists()
+    result = CliRunner().invoke(cli.app, ["local", "--record-steps", "1", "--run-dir", str(tmp_path / "cli"),
+                                          "--", "true"])
+    assert result.exit_code == 2 and "--record-steps" in result.output, result.output
+    assert not (tmp_path / "cli").exists()
 
 
 def test_job_end_aborts_a_migration_in_flight_and_releases_the_standbys(daemon):

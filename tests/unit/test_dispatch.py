@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.fixture
 def daemon(tmp_path):
-    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], record_steps=1, echo=False)
+    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], record_steps=2, echo=False)
     d.sent = []
     d.reply = lambda identity, msg: d.sent.append((identity, msg))  # observe, no sockets
     d.bad_input.window_s = 0.0  # every refusal journalled (tmd.bad_input: one per sender per second otherwise)

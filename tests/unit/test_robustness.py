@@ -130,7 +130,7 @@ class FakeLauncher:
 def daemon(tmp_path, monkeypatch):
     monkeypatch.setenv("TM_KEYS", "")  # recorded, so the Daemon's export of its keys is undone after the test
     monkeypatch.delenv("TM_KEYS")
-    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], record_steps=1, echo=False)
+    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], record_steps=2, echo=False)
     d.sent = []
     d.reply = lambda identity, msg: d.sent.append((identity, msg))  # observe, no sockets
     d.launcher = FakeLauncher()
@@ -412,7 +412,7 @@ def test_supervise_restarts_a_real_daemon_from_its_journal_on_the_same_address(t
     built = []
 
     def build(state):
-        d = Daemon("t", str(tmp_path), ["n1"], 1, ["s1"], record_steps=1, echo=False, resume=state,
+        d = Daemon("t", str(tmp_path), ["n1"], 1, ["s1"], record_steps=2, echo=False, resume=state,
                    port=0 if state is None else int(state.address.rpartition(":")[2]))
         if state is None:
             d.launcher = launcher

@@ -214,6 +214,15 @@ class RankWarning(Message, sender=Sender.WORKER):
 # --------------------------------------------------------------------------------------------------------------
 # tmd -> worker agent
 # --------------------------------------------------------------------------------------------------------------
+# The fewest steps a job may record (tmd's ``--record-steps``). A joiner must do in its shadow iterations every
+# one-time collective the stayers did in the steps it skips: DDP regroups its gradient buckets in the forward of
+# a process's second iteration with a broadcast from rank 0 (torch's ``Reducer::rebuild_buckets``). With one step
+# recorded that broadcast is not in the recording, so the joiner would make it live at its first real step, where
+# the stayers make none: their collectives then pair up wrongly until gloo's timeout (seen: a 120 s hang and a
+# recovery in a planned migration with ``--record-steps 1``).
+MIN_RECORD_STEPS = 2
+
+
 @dataclasses.dataclass(kw_only=True)
 class Assign(Message, sender=Sender.COORDINATOR):
     """Gives a worker its rank. ``role`` is ``active`` (a rank at job start) or ``joiner`` (a standby that
