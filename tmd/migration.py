@@ -111,6 +111,7 @@ class Migration(Episode):
     pause_s: Optional[float] = None  # longest time a stayer stood at the switch step (seconds)
     ready_unix_s: dict[bytes, float] = dataclasses.field(default_factory=dict)  # party -> ready at S (committed)
     joiner_lag_s: Optional[float] = None  # last joiner ready at S - last stayer ready at S (seconds; see on_phase)
+    shadow_steps: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> its joiner's shadow iterations
     lost: str = ""  # after the decision: why a party was lost (failure recovery repairs it)
 
     @property
@@ -359,6 +360,7 @@ class Migrations(Episodes[Migration]):
         acks = m.acks.setdefault(msg.phase, set())
         acks.add(w.identity)
         if msg.phase == MigrationPhase.WARMED and m.state == MigrationState.WARMING:
+            m.shadow_steps.update({r: msg.shadow_steps for r, j in m.joiners.items() if j is w})  # its rank, not msg's
             if len(acks) == len(m.joiners):
                 self._prepare(m)
         elif msg.phase == MigrationPhase.PREPARED and m.state == MigrationState.WARMING and \
@@ -549,7 +551,8 @@ class Migrations(Episodes[Migration]):
     def _commit(self, m: Migration) -> None:
         extra = {"lost": m.lost} if m.lost else {}
         self._enter(m, MigrationState.COMMITTED, switch_step=m.switch_step, bytes_moved=m.bytes_moved,
-                    phases_s=m.phases_s(), **extra)
+                    phases_s=m.phases_s(), shadow_steps={str(r): n for r, n in sorted(m.shadow_steps.items())},
+                    **extra)
 
     @staticmethod
     def _note_ready(m: Migration, w: Worker, ready_unix_s: float) -> None:

@@ -108,7 +108,7 @@ class Migration:
         if pretouch:
             self.prealloc = transfer.pretouch(transfer.plan_buffers(self.objects))
         if report_warmed:
-            self.reports.report(self.migration_id, p.MigrationPhase.WARMED)
+            self.reports.report(self.migration_id, p.MigrationPhase.WARMED, shadow_steps=self.shadow_steps)
 
     def drop_buffers(self) -> None:
         """Free the pre-touched receive buffers (a replacement receives its state into fresh ones)."""

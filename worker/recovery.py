@@ -20,9 +20,9 @@ Then, on every survivor:
    ``plan.generation`` of every group, load what it received, restore the RNG and swap the groups in; it reports
    ``recovered`` and redoes the interrupted step with the same data.
 
-A replacement (a standby given a lost rank) runs ``REPLACEMENT_SHADOW_STEPS`` shadow iterations, fewer than a
-migration's joiner: its warm-up is on the failure's critical path; one only, when :func:`regroup_ddp_buckets` can do
-the second iteration's only one-time collective work itself. tmd sends the plan once every survivor halted,
+A replacement (a standby given a lost rank) runs at most ``REPLACEMENT_SHADOW_STEPS`` shadow iterations: its warm-up
+is on the failure's critical path; one only, when :func:`regroup_ddp_buckets` can do the second iteration's only
+one-time collective work itself (a migration's joiner takes the same shortcut). tmd sends the plan once every survivor halted,
 without waiting for that warm-up, and the replacement carries its part out (receive the replicated state from a
 replica, build the next generation of every group) on a helper thread during the shadow iterations
 (:meth:`Recovery.prefetch`); after them it reports ``warmed``, loads what it received and swaps the groups in
@@ -103,8 +103,8 @@ from worker.reports import Reporter
 log = logging.getLogger("worker.recovery")
 
 RECOVERY_TIMEOUT_S = 600.0  # a halted rank that hears nothing from tmd this long (seconds) exits with an error
-# Shadow iterations a failure's replacement runs (at most the job's record_steps; a planned migration's joiner runs
-# all record_steps, in the background). The replacement's warm-up is on the failure's critical path, so it runs the
+# Shadow iterations a failure's replacement or a guard runs (at most the job's record_steps; a planned migration's
+# joiner runs up to record_steps, in the background, with the same one-iteration shortcut). The replacement's warm-up is on the failure's critical path, so it runs the
 # fewest that leave its process doing what the survivors do at the redone step: two, because DDP regroups its
 # gradient buckets in the forward of a process's second iteration with a broadcast from rank 0 (a replacement
 # that skipped it would make that broadcast live, where the survivors make none), or one when

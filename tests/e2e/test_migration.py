@@ -150,6 +150,11 @@ def test_cold_standby_is_busy_then_a_second_migration_commits(job):
     # the commit was decided once the joiners loaded the pre-copy, before the tail left at S: the stayers found
     # the decision waiting at S (a pause of a group swap), and the joiners' lag behind them was measured
     order = [e["event"] for e in events(job["run_dir"]) if e.get("migration_id") == m["id"]]
+    # each joiner ran one shadow iteration: DDP's bucket regrouping (the second's one-time collective) was
+    # replayed right after it (worker.recovery.regroup_ddp_buckets), as a failure's replacement does
+    committed = next(e for e in events(job["run_dir"]) if e["event"] == "migration_committed"
+                     and e["migration_id"] == m["id"])
+    assert committed["shadow_steps"] == {"2": 1, "3": 1}, committed
     assert order.index("migration_transferred") < order.index("migration_sent") < order.index("migration_committed")
     down = wait_until(lambda: next((e for e in events(job["run_dir"]) if e["event"] == "migration_downtime"
                                     and e["migration_id"] == m["id"]), None), 30, "the downtime window")

@@ -32,10 +32,12 @@ def world():
     return reg, migs, sent, journal
 
 
-def ack(migs, reg, who, phase, mid=1, step=-1, ok=True, error=""):
+def ack(migs, reg, who, phase, mid=1, step=-1, ok=True, error="", shadow_steps=0):
     for ident in who:
         w = reg.by_identity[ident.encode()]
-        migs.on_phase(w, p.PhaseDone(migration_id=mid, rank=w.rank if w.rank is not None else -1, phase=phase, ok=ok, error=error, step=step, bytes_moved=10, seconds=0.01, groups=[]))
+        migs.on_phase(w, p.PhaseDone(migration_id=mid, rank=w.rank if w.rank is not None else -1, phase=phase, ok=ok,
+                                     error=error, step=step, bytes_moved=10, seconds=0.01, groups=[],
+                                     shadow_steps=shadow_steps))
 
 
 ALL = ["n1/0", "n1/1", "n2/0", "n2/1", "s1/0", "s1/1"]
@@ -71,6 +73,20 @@ def test_happy_path_messages_and_states(world):
     assert reg.nodes["s1"].role == NodeRole.ACTIVE and reg.nodes["s1"].ranks == [2, 3]
     assert reg.nodes["n2"].role == NodeRole.LEFT
     assert reg.rank_owner[2].identity == b"s1/0"
+
+
+def test_the_commit_journals_each_joiner_s_shadow_iterations(world):
+    reg, migs, _, journal = world
+    m = migs.request("n2", "s1")
+    ack(migs, reg, ["s1/0"], MigrationPhase.WARMED, shadow_steps=1)  # DDP regrouped after its first iteration
+    ack(migs, reg, ["s1/1"], MigrationPhase.WARMED, shadow_steps=3)
+    ack(migs, reg, ALL, MigrationPhase.PREPARED)
+    ack(migs, reg, ALL, MigrationPhase.ARMED, step=11)
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.TRANSFERRED)
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.COMMITTED)
+    assert m.state == MigrationState.COMMITTED
+    committed = [e for e in journal.since(0, 100) if e["event"] == Event.MIGRATION_COMMITTED]
+    assert [e["shadow_steps"] for e in committed] == [{"2": 1, "3": 3}]
 
 
 def test_requests_that_are_refused_change_nothing(world):

@@ -97,7 +97,8 @@ class PhaseDone(Message, sender=Sender.WORKER):
     ``precopy_step`` is the step whose boundary its pre-copy started at (-1: the whole state moved at the switch
     step) and ``kept_tensors`` how many tensors its tail sent as references (worker.precopy). A ``committed``
     report of a stayer or joiner carries ``ready_unix_s``: when (Unix time, seconds) that rank was ready to run the
-    switch step in the new groups (0.0: not given); tmd compares the joiners' with the stayers'.
+    switch step in the new groups (0.0: not given); tmd compares the joiners' with the stayers'. A joiner's
+    ``warmed`` carries ``shadow_steps``, the shadow iterations it ran (journalled with the commit).
     """
 
     migration_id: int
@@ -112,6 +113,7 @@ class PhaseDone(Message, sender=Sender.WORKER):
     precopy_step: int = -1
     kept_tensors: int = 0
     ready_unix_s: float = 0.0
+    shadow_steps: int = 0  # ``warmed``: how many shadow iterations this joiner ran
 
 
 @dataclasses.dataclass(kw_only=True)
