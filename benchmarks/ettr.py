@@ -28,7 +28,12 @@ run is from the end of ``first_step`` to the end of the last step (``step_times`
     ETTR = (last_step - first_step) x uninterrupted median step / wall time of the training part
 
 ``ettr_own_median`` uses instead the run's own median step before its first event (for comparison; on a shared
-machine the two medians differ by the noise between runs). A step redone after a failure counts once; the time of
+machine the two medians differ by the noise between runs, and a run's step time drifts by +-20 % over minutes).
+Each event also gets its ``loss`` (:func:`event_loss`): the wall time of its window (from the step at the request
+to ``AFTER_STEPS`` steps after the switch or redone step) over that many of the median of the ``BASELINE_STEPS``
+steps just before it; ``lost_s_per_event`` is their median and ``ettr_event_losses`` = 1 - their sum / wall time,
+the ETTR with no drift between or within runs in it. A migration's event also carries its joiners' ``warm_up_s``
+and ``shadow_steps`` (from ``migration_committed``): in local mode the joiners warm up on the stayers' cores. A step redone after a failure counts once; the time of
 the lost attempt is in the wall time. ``bit_identical``: every rank's final state hash equals the reference's.
 Targets (issue 12, target 5): ETTR >= 0.995 with migrations, >= 0.98 with kills, bit-identical final state in
 both. Reported, not asserted.
@@ -57,6 +62,8 @@ MIN_STEPS_LEFT = 30  # no event once fewer steps than this remain (a migration's
 POLL_S = 0.5  # status poll period (seconds)
 FOLLOW_TIMEOUT_S = 300.0  # how long (seconds) to follow one event before giving up on the run
 WARM_TIMEOUT_S = 600.0  # how long (seconds) the standbys get to be warm
+BASELINE_STEPS = 20  # an event's own baseline: the median of this many steps before it (event_loss)
+AFTER_STEPS = 5  # an event's window ends this many steps after its switch or redone step (tmd's downtime window)
 TARGETS = {"migrate": 0.995, "kill": 0.98, "kill_guarded": 0.98}
 KIND = {"migrate": "migrate", "kill": "kill", "kill_guarded": "kill"}  # a run's events
 GUARDS = {"kill_guarded": 2}  # tmd local --guards: with 2 active nodes, every node is guarded (tmd.guards)
@@ -93,6 +100,26 @@ def ettr(series: dict[int, tuple[float, float]], first_step: int, median_s: floa
     steps = last - first_step
     return {"first_step": first_step, "last_step": last, "steps": steps, "wall_s": round(wall, 3),
             "ideal_s": round(steps * median_s, 3), "ettr": round(steps * median_s / wall, 5)}
+
+
+def event_loss(series: dict[int, tuple[float, float]], event_ts: float, end_step: int,
+               before: int = BASELINE_STEPS) -> Optional[dict]:
+    """The wall time one event cost, against the run's own steps just before it (drift between runs and over a
+    run does not enter). The event's window runs from ``start``, the first step to end after ``event_ts`` (epoch
+    s), to ``end_step`` (the switch step or the redone step plus ``AFTER_STEPS``); its baseline is the median
+    time of the ``before`` steps before ``start``. Returns ``{"start_step", "end_step", "baseline_s", "window_s",
+    "lost_s"}`` (seconds; ``lost_s`` = window wall time - its steps x baseline, a failed attempt's time
+    included), or None when the window or its baseline is not in ``series``."""
+    start = min((s for s, (ts, _) in series.items() if ts >= event_ts), default=None)
+    if start is None or end_step < start or (start - 1) not in series or end_step not in series:
+        return None
+    base = [series[s][1] for s in range(start - before, start) if s in series]
+    if len(base) < before // 2:
+        return None
+    baseline = statistics.median(base)
+    window = series[end_step][0] - series[start - 1][0]
+    return {"start_step": start, "end_step": end_step, "baseline_s": round(baseline, 6),
+            "window_s": round(window, 3), "lost_s": round(window - (end_step - start + 1) * baseline, 3)}
 
 
 def standbys_needed(expected_s: float, every_s: float) -> int:
@@ -247,7 +274,13 @@ def run_job(name: str, run_dir: str, steps: int, standbys: int, tiny: bool, kind
     except BaseException:
         run.finish(timeout_s=0.1) if run.proc.poll() is None else None
         raise
-    series = step_series(read_events(run_dir))
+    events = read_events(run_dir)
+    series = step_series(events)
+    committed = {e["migration_id"]: e for e in events if e["event"] == p.Event.MIGRATION_COMMITTED}
+    for e in run.events:  # what each migration's joiners did before the switch
+        if e["kind"] == "migrate" and e.get("id") in committed:
+            e["warm_up_s"] = (committed[e["id"]].get("phases_s") or {}).get("warm_up")
+            e["shadow_steps"] = committed[e["id"]].get("shadow_steps")
     return {"name": name, "run_dir": run_dir, "exit_code": rc, "standbys": standbys, "first_step": run.first_step,
             "t0": run.t0, "events": run.events, "series": series, "final_hashes": final_hashes(run_dir)}
 
@@ -263,6 +296,13 @@ def summarise(job: dict, ref_median_s: float, ref_hashes: dict) -> dict:
     fig["events_done"] = sum(1 for e in job["events"]
                              if e.get("state") in (p.MigrationState.COMMITTED, p.IncidentState.RECOVERED))
     fig["bit_identical"] = bool(ref_hashes) and job["final_hashes"] == ref_hashes
+    for e in job["events"]:
+        end = e.get("switch_step") if e["kind"] == "migrate" else e.get("resume_step")
+        e["loss"] = event_loss(series, e["ts"], end + AFTER_STEPS) if isinstance(end, int) and "ts" in e else None
+    lost = [e["loss"]["lost_s"] for e in job["events"] if e["loss"]]
+    fig["lost_s_per_event"] = round(statistics.median(lost), 3) if lost else None
+    fig["ettr_event_losses"] = round(1 - sum(lost) / fig["wall_s"], 5) \
+        if lost and len(lost) == len(job["events"]) else None
     return {**job, **fig}
 
 

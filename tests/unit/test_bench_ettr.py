@@ -51,3 +51,34 @@ def test_memory_windows_take_the_highest_sample_per_process():
     assert t["per_process"]["1"]["rss_after_bytes"] == 102
     assert t["total"]["rss_before_bytes"] == 301 and t["total"]["rss_after_bytes"] == 300
     assert t["total"]["rss_growth_after"] == round(300 / 301 - 1, 5)
+
+
+def test_an_event_s_loss_is_its_window_over_its_own_baseline():
+    # steps of 1 s ending at t = step; the event at t = 20.5 slows steps 21-23 by 0.5 s and redoes nothing
+    s = {k: (float(k), 1.0) for k in range(0, 21)}
+    t = 20.0
+    for k in range(21, 40):
+        step_s = 1.5 if k <= 23 else 1.0
+        t += step_s
+        s[k] = (t, step_s)
+    loss = ettr.event_loss(s, 20.5, end_step=28)
+    assert loss == {"start_step": 21, "end_step": 28, "baseline_s": 1.0, "window_s": 9.5, "lost_s": 1.5}
+    # a failed attempt's time is in the window even though the series keeps only the redone step's time
+    s2 = dict(s)
+    s2.update({k: (ts + 4.0, sec) for k, (ts, sec) in s.items() if k >= 22})
+    assert ettr.event_loss(s2, 20.5, end_step=28)["lost_s"] == 5.5
+    assert ettr.event_loss(s, 50.0, end_step=28) is None  # no step after the event
+    assert ettr.event_loss(s, 20.5, end_step=45) is None  # the window's end is not in the series
+    assert ettr.event_loss({k: v for k, v in s.items() if k > 15}, 20.5, end_step=28) is None  # no baseline
+
+
+def test_summarise_counts_every_event_s_loss_or_gives_no_figure():
+    s = {k: (float(k), 1.0) for k in range(0, 101)}
+    job = {"series": s, "first_step": 10, "final_hashes": {0: "h"},
+           "events": [{"kind": "migrate", "ts": 30.5, "switch_step": 35, "state": "committed",
+                       "step_at_request": 30}]}
+    fig = ettr.summarise(dict(job, events=[dict(job["events"][0])]), 1.0, {0: "h"})
+    assert fig["events"][0]["loss"]["lost_s"] == 0.0 and fig["ettr_event_losses"] == 1.0
+    lost = dict(job["events"][0], switch_step=None)  # an event whose window is unknown
+    fig = ettr.summarise(dict(job, events=[dict(job["events"][0]), lost]), 1.0, {0: "h"})
+    assert fig["ettr_event_losses"] is None and fig["lost_s_per_event"] == 0.0
