@@ -27,16 +27,22 @@ run is from the end of ``first_step`` to the end of the last step (``step_times`
 
     ETTR = (last_step - first_step) x uninterrupted median step / wall time of the training part
 
+A step redone after a failure counts once; the time of the lost attempt is in the wall time.
 ``ettr_own_median`` uses instead the run's own median step before its first event (for comparison; on a shared
 machine the two medians differ by the noise between runs, and a run's step time drifts by +-20 % over minutes).
+
 Each event also gets its ``loss`` (:func:`event_loss`): the wall time of its window (from the step at the request
 to ``AFTER_STEPS`` steps after the switch or redone step) over that many of the median of the ``BASELINE_STEPS``
-steps just before it; ``lost_s_per_event`` is their median and ``ettr_event_losses`` = 1 - their sum / wall time,
-the ETTR with no drift between or within runs in it. A migration's event also carries its joiners' ``warm_up_s``
-and ``shadow_steps`` (from ``migration_committed``): in local mode the joiners warm up on the stayers' cores. A step redone after a failure counts once; the time of
-the lost attempt is in the wall time. ``bit_identical``: every rank's final state hash equals the reference's.
+steps just before it. Per run, ``lost_s_per_event`` is their median, ``ettr_event_losses`` = 1 - their sum / wall
+time (the ETTR with no drift between or within runs in it), and ``ettr_at_cadence`` = 1 - ``lost_s_per_event`` /
+the event period (that ETTR with events at the target's cadence all the way: a run's last minute or two has none,
+``MIN_STEPS_LEFT``). A migration's event also carries its joiners' ``warm_up_s`` and ``shadow_steps`` (from
+``migration_committed``): in local mode the joiners warm up on the stayers' cores. ``bit_identical``: every
+rank's final state hash equals the reference's.
+
 Targets (issue 12, target 5): ETTR >= 0.995 with migrations, >= 0.98 with kills, bit-identical final state in
-both. Reported, not asserted.
+both. ``met`` judges ``ettr_at_cadence``, ``met_vs_reference`` the ETTR against the reference's median (which the
+drift between runs moves by a few percent either way). Reported, not asserted.
 """
 from __future__ import annotations
 
@@ -120,6 +126,14 @@ def event_loss(series: dict[int, tuple[float, float]], event_ts: float, end_step
     window = series[end_step][0] - series[start - 1][0]
     return {"start_step": start, "end_step": end_step, "baseline_s": round(baseline, 6),
             "window_s": round(window, 3), "lost_s": round(window - (end_step - start + 1) * baseline, 3)}
+
+
+def at_cadence(lost_s_per_event: Optional[float], every_s: float) -> Optional[float]:
+    """ETTR of a run with an event every ``every_s`` seconds that each cost ``lost_s_per_event`` seconds:
+    ``1 - lost / every`` (5 decimals); None without a loss or a cadence."""
+    if lost_s_per_event is None or every_s <= 0:
+        return None
+    return round(1 - lost_s_per_event / every_s, 5)
 
 
 def standbys_needed(expected_s: float, every_s: float) -> int:
@@ -339,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         job = run_job(r, dirs[r], steps, standbys[r], args.tiny, KIND[r], every[r], GUARDS.get(r, 0))
         results[r] = summarise(job, ref_median, results["reference"]["final_hashes"])
+        results[r]["ettr_at_cadence"] = at_cadence(results[r]["lost_s_per_event"], every[r])
     result = {
         "workload": {"model": "tiny" if args.tiny else "gpt-256x4", "nodes": 2, "ranks_per_node": 2, "steps": steps},
         "uninterrupted_median_step_s": round(ref_median, 6),
@@ -347,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         "guards": {r: GUARDS[r] for r in runs if r in GUARDS},
         "runs": results,
         "targets": {r: TARGETS[r] for r in runs},
-        "met": {r: results[r]["ettr"] >= TARGETS[r] and results[r]["bit_identical"] for r in runs},
+        "met": {r: (results[r]["ettr_at_cadence"] or 0.0) >= TARGETS[r] and results[r]["bit_identical"]
+                for r in runs},
+        "met_vs_reference": {r: results[r]["ettr"] >= TARGETS[r] and results[r]["bit_identical"] for r in runs},
     }
     print(json.dumps(result, default=str), flush=True)
     if not args.no_save:

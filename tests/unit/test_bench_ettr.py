@@ -82,3 +82,8 @@ def test_summarise_counts_every_event_s_loss_or_gives_no_figure():
     lost = dict(job["events"][0], switch_step=None)  # an event whose window is unknown
     fig = ettr.summarise(dict(job, events=[dict(job["events"][0]), lost]), 1.0, {0: "h"})
     assert fig["ettr_event_losses"] is None and fig["lost_s_per_event"] == 0.0
+
+
+def test_ettr_at_the_event_cadence():
+    assert ettr.at_cadence(1.2, 60.0) == 0.98
+    assert ettr.at_cadence(None, 60.0) is None and ettr.at_cadence(1.0, 0.0) is None
