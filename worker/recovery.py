@@ -22,12 +22,11 @@ Then, on every survivor:
 
 A replacement (a standby given a lost rank) runs at most ``REPLACEMENT_SHADOW_STEPS`` shadow iterations: its warm-up
 is on the failure's critical path; one only, when :func:`regroup_ddp_buckets` can do the second iteration's only
-one-time collective work itself (a migration's joiner takes the same shortcut). tmd sends the plan once every survivor halted,
-without waiting for that warm-up, and the replacement carries its part out (receive the replicated state from a
-replica, build the next generation of every group) on a helper thread during the shadow iterations
-(:meth:`Recovery.prefetch`); after them it reports ``warmed``, loads what it received and swaps the groups in
-(:meth:`Recovery.replace`). A newer Halt while a plan is
-carried out abandons it (nothing it received is loaded) and the rank halts again under the new incident.
+one-time collective work itself (a migration's joiner takes the same shortcut). tmd sends the plan once every
+survivor halted, without waiting for that warm-up, and the replacement carries its part out (receive the
+replicated state from a replica, build the next generation of every group) on a helper thread during the shadow
+iterations (:meth:`Recovery.prefetch`); after them it reports ``warmed``, loads what it received and swaps the groups
+in (:meth:`Recovery.replace`). A newer Halt while a plan is carried out abandons it (nothing it received is loaded) and the rank halts again under the new incident.
 
 **Each rank's own state.** In the first managed optimizer's step pre-hook of every step (only when the step is not
 already failing), every rank serialises its rank state (CPU and CUDA RNG, the ``rank_local`` managed objects;
@@ -104,11 +103,11 @@ log = logging.getLogger("worker.recovery")
 
 RECOVERY_TIMEOUT_S = 600.0  # a halted rank that hears nothing from tmd this long (seconds) exits with an error
 # Shadow iterations a failure's replacement or a guard runs (at most the job's record_steps; a planned migration's
-# joiner runs up to record_steps, in the background, with the same one-iteration shortcut). The replacement's warm-up is on the failure's critical path, so it runs the
-# fewest that leave its process doing what the survivors do at the redone step: two, because DDP regroups its
-# gradient buckets in the forward of a process's second iteration with a broadcast from rank 0 (a replacement
-# that skipped it would make that broadcast live, where the survivors make none), or one when
-# regroup_ddp_buckets can do that regrouping itself after the first. What the later steps would warm (the
+# joiner runs up to record_steps, in the background, with the same one-iteration shortcut). The replacement's warm-up
+# is on the failure's critical path, so it runs the fewest that leave its process doing what the survivors do at the
+# redone step: two, because DDP regroups its gradient buckets in the forward of a process's second iteration with a
+# broadcast from rank 0 (a replacement that skipped it would make that broadcast live, where the survivors make none),
+# or one when regroup_ddp_buckets can do that regrouping itself after the first. What the later steps would warm (the
 # allocator's steady state) the redone step warms at a small cost.
 REPLACEMENT_SHADOW_STEPS = 2
 # Compare the replicas' fingerprints at every step, not only at the first step after a migration or recovery. Off:

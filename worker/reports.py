@@ -42,9 +42,9 @@ class Reporter:
         ``seconds`` measure a transfer or a wait; ``groups`` (migration ``prepared`` only) names the groups this
         rank rebuilt; ``snapshots`` (recovery ``halted`` only) the steps of the complete snapshots this rank
         holds (worker.snapshot); ``precopy_step`` and ``kept_tensors`` (migration ``sent`` only): see
-        :class:`tmd.protocol.messages.PhaseDone`, as is ``ready_unix_s`` (migration ``committed`` only); ``shadow_steps``: a joiner's
-        shadow iterations (``warmed`` only, migration or recovery). Raises TypeError for a phase of neither kind and ValueError for ``groups`` on a recovery
-        phase."""
+        :class:`tmd.protocol.messages.PhaseDone`, as is ``ready_unix_s`` (migration ``committed`` only);
+        ``shadow_steps``: a joiner's shadow iterations (``warmed`` only, migration or recovery). Raises TypeError
+        for a phase of neither kind and ValueError for ``groups`` on a recovery phase."""
         if isinstance(phase, p.MigrationPhase):
             self.send(p.PhaseDone(migration_id=episode_id, rank=self.rank(), phase=phase, ok=ok,
                                   error=describe_error(error), step=step, bytes_moved=bytes_moved, seconds=seconds,

@@ -272,9 +272,10 @@ class Session:
             # failure) runs at most REPLACEMENT_SHADOW_STEPS shadow iterations, a planned migration's joiner up to
             # record_steps. Every joiner stops after one where regroup_ddp_buckets can do DDP's regrouping (the
             # only reason for a second): each iteration is a step of compute, on the failure's critical path for a
-            # replacement, and taken from the stayers where a standby shares their host. A planned joiner's first
-            # real step was not slower for it (demo GPT, 3 + 3 jobs: joiner lag 52 ms median either way, warm-up
-            # 4.0 -> 2.3 s, the stayers' lost time 1.86 -> 1.25 s per migration on this 2-core host).
+            # replacement, and taken from the stayers where a standby shares their host. Demo GPT on a 2-core host,
+            # one against three shadow iterations, 7 + 7 jobs alternated: joiner lag at the switch step 52 against
+            # 47 ms (median; 24-89 ms either way), warm-up 2.4 against 4.1 s, the stayers' lost time per migration
+            # 1.3-1.4 against 1.9 s.
             planned = a.incident_id == 0 and not a.guard
             shadow_steps = a.record_steps if planned else min(a.record_steps, REPLACEMENT_SHADOW_STEPS)
             if a.incident_id != 0:
