@@ -454,7 +454,8 @@ MAX_HOST_CHARS = 255  # a host name (RFC 1035's limit on a full domain name)
 INT_RANGE = (-2 ** 63, 2 ** 63 - 1)  # every integer, anywhere in a frame (beyond: OverflowError in float math)
 NAME_FIELDS = frozenset({"node", "job_id"})
 HOST_FIELDS = frozenset({"host"})
-NON_NEGATIVE_FIELDS = frozenset({"step_time_s", "seconds", "bytes_moved", "bytes_per_copy", "copy_s", "kept_tensors"})
+NON_NEGATIVE_FIELDS = frozenset({"step_time_s", "seconds", "bytes_moved", "bytes_per_copy", "copy_s", "kept_tensors",
+                                 "shadow_steps"})
 MAX_COUNTER_KEYS = 64  # keys of Heartbeat.counters and of its ``gpu`` sample
 MAX_GROUPS = 4096  # PhaseDone.groups entries
 MAX_LABEL_CHARS = 256  # a counter's text value (mode), a GPU uuid or throttle reason, a group name
@@ -660,7 +661,7 @@ def decode(frame: bytes) -> Message:
     everywhere: no field carries them); nesting deeper than MAX_DEPTH; an integer outside INT_RANGE (or over
     json's digit limit); a lone surrogate; an unknown version or type; a missing or extra field; a field of the
     wrong type (an enum field with a value outside the enum included); a name field (NAME_FIELDS) longer than
-    MAX_NAME_CHARS or a host longer than MAX_HOST_CHARS; a negative time or byte count (NON_NEGATIVE_FIELDS);
+    MAX_NAME_CHARS or a host longer than MAX_HOST_CHARS; a negative time, byte count or count (NON_NEGATIVE_FIELDS);
     Heartbeat counters or PhaseDone groups of the wrong shape (see _check_counters); MigrateRequest node lists
     that are empty, longer than MAX_MIGRATE_NODES or hold a name of 0 or over MAX_NAME_CHARS characters. Free
     text (errors, tracebacks, reasons) is not cut here: the frame limit bounds it and the journal cuts what it
