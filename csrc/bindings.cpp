@@ -100,6 +100,13 @@ with no inner backend; "bypass" completes barrier/send/recv at once and forwards
           },
           "Index of the next recorded op replay will consume (int).")
       .def_property_readonly(
+          "recorded_ops",
+          [](MoverBackend& self) {
+            py::gil_scoped_release nogil;
+            return self.recordedOps();
+          },
+          "Ops recorded so far and not yet taken by take_recording (int; in flight ones included).")
+      .def_property_readonly(
           "replay_remaining",
           [](MoverBackend& self) {
             py::gil_scoped_release nogil;

@@ -500,6 +500,11 @@ int64_t MoverBackend::replayRemaining() {
   return static_cast<int64_t>(state_->replay.size() - state_->replayPos);
 }
 
+int64_t MoverBackend::recordedOps() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return static_cast<int64_t>(state_->recording.size());
+}
+
 int64_t MoverBackend::abortPending(const std::string& reason) {
   // The inner ops are abandoned, not waited for: gloo's abort() cannot unblock them anyway.
   return releasePending(abortError(reason), [&] {

@@ -221,6 +221,8 @@ class MoverBackend : public c10d::Backend {
   void loadRecording(std::vector<std::pair<std::string, std::vector<at::Tensor>>> entries);
   int64_t replayPosition();
   int64_t replayRemaining();
+  // Ops recorded so far (in record mode; finished or in flight), not yet taken.
+  int64_t recordedOps();
   int64_t abortPending(const std::string& reason);
   bool aborted();
   // Latch the failure and complete every pending work successfully (outputs as they are): a

@@ -30,10 +30,13 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from tmd import protocol as p
 from worker import backend as mb
+
+if TYPE_CHECKING:
+    from worker import sandbox
 
 log = logging.getLogger("worker.groups")
 
@@ -77,11 +80,13 @@ def trim_heap_when_released(wait_s: float = RELEASE_WAIT_S, delay_s: float = 0.0
 
 @dataclasses.dataclass
 class Group:
-    """One of this rank's process groups: its name (the same on every process), global ranks, mover."""
+    """One of this rank's process groups: its name (the same on every process), global ranks, mover, and on a
+    joiner in its sandbox what it replays (worker.sandbox)."""
 
     name: str
     ranks: list[int]
     mover: "mb.MoverBackend"
+    recording: Optional[sandbox.Recording] = None
 
 
 @dataclasses.dataclass
@@ -161,16 +166,17 @@ class GroupManager:
         name = f"pg{torch_name}"
         if name in self.groups:
             raise ValueError(f"process group {name} exists already on rank {self.rank}")
+        recording = None
         if self.replay_dir is not None:
             mover = mb.MoverBackend(group_rank, size, None)
-            sandbox.start_replay(mover, self.replay_dir, self.rank, name, ranks=list(ranks))
+            recording = sandbox.start_replay(mover, self.replay_dir, self.rank, name, ranks=list(ranks))
         else:
             inner = mb.build_inner(self.store, p.layout.created_group_prefix(name), group_rank, size,
                                    self.timeout_s, self.host)
             mover = mb.MoverBackend(group_rank, size, inner)
             mover.set_mode(self.world.mode)
             mover.tolerant = self.world.tolerant
-        self.groups[name] = Group(name, list(ranks), mover)
+        self.groups[name] = Group(name, list(ranks), mover, recording)
         return mover
 
     # --- phase 1 -----------------------------------------------------------------------------------------------

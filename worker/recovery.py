@@ -21,8 +21,9 @@ Then, on every survivor:
    ``recovered`` and redoes the interrupted step with the same data.
 
 A replacement (a standby given a lost rank) runs at most ``REPLACEMENT_SHADOW_STEPS`` shadow iterations: its warm-up
-is on the failure's critical path; one only, when :func:`regroup_ddp_buckets` can do the second iteration's only
-one-time collective work itself (a migration's joiner takes the same shortcut). tmd sends the plan once every
+is on the failure's critical path; one only, when the second would do what the job's later steps do (DDP's one-time
+regrouping done by :func:`regroup_ddp_buckets`, the job's recorded steps 1 and 2 alike: worker.sandbox; a
+migration's joiner takes the same shortcut). tmd sends the plan once every
 survivor halted, without waiting for that warm-up, and the replacement carries its part out (receive the
 replicated state from a replica, build the next generation of every group) on a helper thread during the shadow
 iterations (:meth:`Recovery.prefetch`); after them it reports ``warmed``, loads what it received and swaps the groups
@@ -107,7 +108,8 @@ RECOVERY_TIMEOUT_S = 600.0  # a halted rank that hears nothing from tmd this lon
 # is on the failure's critical path, so it runs the fewest that leave its process doing what the survivors do at the
 # redone step: two, because DDP regroups its gradient buckets in the forward of a process's second iteration with a
 # broadcast from rank 0 (a replacement that skipped it would make that broadcast live, where the survivors make none),
-# or one when regroup_ddp_buckets can do that regrouping itself after the first. What the later steps would warm (the
+# or one when regroup_ddp_buckets can do that regrouping itself after the first and the job's recorded steps 1 and 2
+# issued the same collectives (worker.session's _one_shadow_iteration_enough). What the later steps would warm (the
 # allocator's steady state) the redone step warms at a small cost.
 REPLACEMENT_SHADOW_STEPS = 2
 # Compare the replicas' fingerprints at every step, not only at the first step after a migration or recovery. Off:
@@ -117,15 +119,15 @@ NO_FINGERPRINT = bytes(32)  # sent in place of a fingerprint by a rank that does
 
 
 def regroup_ddp_buckets() -> bool:
-    """A replacement after its first shadow iteration: do what the forward of its second iteration would do
+    """A joiner after its first shadow iteration: do what the forward of its second iteration would do
     first, DDP's one-time regrouping of its gradient buckets (torch's ``Reducer::rebuild_buckets``: the bucket
     assignment of the first backward pass's gradient order, broadcast from rank 0; replayed here from the
     recording like any shadow collective), without that iteration's compute (one step of the failure's
-    critical path). Returns True when the second shadow iteration is no longer needed: exactly one
-    DistributedDataParallel in this process still had to regroup, with the plain C++ reducer (no static graph,
-    no Join, no unused-parameter search), and it did. Returns False otherwise (none, or several, whose order in
-    the recording is the script's; a regrouping whose broadcast is not the next recorded op, which the replay
-    refuses without consuming it): the caller runs the second iteration, which does it the usual way."""
+    critical path). Returns True when it regrouped: exactly one DistributedDataParallel in this process still had
+    to, with the plain C++ reducer (no static graph, no Join, no unused-parameter search). Returns False otherwise
+    (none, or several, whose order in the recording is the script's; a regrouping whose broadcast is not the next
+    recorded op, which the replay refuses without consuming it): a second iteration, if the caller runs one, does
+    it the usual way."""
     import gc
 
     from torch.nn.parallel import DistributedDataParallel

@@ -7,9 +7,18 @@ thread; the file appears atomically). A joiner that takes rank r loads that file
 script with the mover in ``replay`` mode: every collective is filled with the real recorded values (zeros could
 produce NaNs), barriers and sends complete at once, and nothing touches the network. Those shadow iterations warm
 up the allocator, DDP's buckets (DDP regroups them after the first step) and the optimizer state.
+
+Each recording also keeps where every recorded step began (``step_starts``: the number of ops the group had
+recorded at the boundary before that step; the ops before the first step are the script's set-up). With them a
+joiner can tell, after its first shadow iteration, whether the rest of the job's second step issued exactly the
+collectives of its third (:func:`unsteady_after_first`): then a process's second iteration does what every later
+one does, and the joiner may run it live. A script whose second step differs (DDP's one-time regrouping of its
+buckets, which worker.recovery ``regroup_ddp_buckets`` replays without an iteration's compute; a collective of
+the script's own at step 1 only; a group created after the first step) keeps running shadow iterations.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -21,14 +30,35 @@ from tmd import protocol as p
 from tmd.protocol.layout import recording_path
 
 FORMAT_VERSION = 1
+# An op's signature: (op name, ((dtype, shape), ...) of its recorded outputs)
+Signature = tuple[str, tuple[tuple[str, tuple[int, ...]], ...]]
+
+
+@dataclasses.dataclass
+class Recording:
+    """What a joiner loaded of one group's recording: ``ops`` recorded ops; ``step_starts[k]``: the index of the
+    first op of recorded step k (empty for a recording written without them); ``signatures``: each op's
+    :data:`Signature`, in call order."""
+
+    ops: int
+    step_starts: list[int]
+    signatures: list[Signature]
+
+
+def signature(op: str, outputs: list[torch.Tensor]) -> Signature:
+    """An op's name with the dtype and shape of each of its outputs: two steps whose ops have the same signatures,
+    in the same order, issue the same collectives."""
+    return op, tuple((str(t.dtype), tuple(t.shape)) for t in outputs)
 
 
 def save_recordings_async(movers: dict, record_dir: str, rank: int,
-                          ranks: Optional[dict[str, list[int]]] = None) -> threading.Thread:
+                          ranks: Optional[dict[str, list[int]]] = None,
+                          step_starts: Optional[dict[str, list[int]]] = None) -> threading.Thread:
     """Stop recording on every group's mover (``{name: mover}``; mode becomes ``live``) and write what each
     recorded, on a background thread, with each group's global ``ranks`` (``{name: ranks}``) so that a joiner
-    that creates its groups in another order is told so. The recorded tensors are freed once written: stayers
-    keep no extra memory."""
+    that creates its groups in another order is told so, and where each recorded step began (``{name: [op index
+    at each step's boundary]}``, the mover's ``recorded_ops`` there). The recorded tensors are freed once
+    written: stayers keep no extra memory."""
     taken = {}
     for name, mover in movers.items():
         mover.set_mode(p.MoverMode.LIVE.value)
@@ -39,7 +69,8 @@ def save_recordings_async(movers: dict, record_dir: str, rank: int,
             path = recording_path(record_dir, rank, name)
             tmp = f"{path}.tmp{os.getpid()}"
             torch.save({"version": FORMAT_VERSION, "rank": rank, "group": name, "entries": entries,
-                        "ranks": list((ranks or {}).get(name, []))}, tmp)
+                        "ranks": list((ranks or {}).get(name, [])),
+                        "step_starts": list((step_starts or {}).get(name, []))}, tmp)
             os.replace(tmp, path)
         taken.clear()
 
@@ -49,9 +80,9 @@ def save_recordings_async(movers: dict, record_dir: str, rank: int,
 
 
 def start_replay(mover, record_dir: str, rank: int, group: str = p.layout.WORLD_GROUP, wait_s: float = 60.0,
-                 ranks: Optional[list[int]] = None) -> int:
-    """Load rank ``rank``'s recording of ``group`` into ``mover`` and switch it to ``replay``. Returns the number
-    of recorded ops. The recording is written by another process, so a missing file is awaited up to ``wait_s``
+                 ranks: Optional[list[int]] = None) -> Recording:
+    """Load rank ``rank``'s recording of ``group`` into ``mover`` and switch it to ``replay``. Returns what was
+    loaded (:class:`Recording`). The recording is written by another process, so a missing file is awaited up to ``wait_s``
     seconds; raises FileNotFoundError after that, ValueError on a foreign format or when ``ranks`` (this
     process's group's global ranks) differ from the recorded group's (the script created its groups in another
     order than the job did)."""
@@ -67,6 +98,39 @@ def start_replay(mover, record_dir: str, rank: int, group: str = p.layout.WORLD_
         raise ValueError(f"process group {group} was created over ranks {recorded} by the job but over {list(ranks)} "
                          "here: every process must create its groups in the same order")
     entries = [(op, list(tensors)) for op, tensors in data["entries"]]
+    starts = [int(n) for n in data.get("step_starts") or []]
+    if starts != sorted(starts) or (starts and not 0 <= starts[0] <= starts[-1] <= len(entries)):
+        raise ValueError(f"{path}: step starts {starts} do not fit its {len(entries)} ops")
+    loaded = Recording(len(entries), starts, [signature(op, outputs) for op, outputs in entries])
     mover.load_recording(entries)
     mover.set_mode(p.MoverMode.REPLAY.value)
-    return len(entries)
+    return loaded
+
+
+def unsteady_after_first(recordings: dict[str, Optional[Recording]], positions: dict[str, int],
+                         recorded: set[str]) -> str:
+    """Why a joiner that ran one shadow iteration must run another, or "" when it need not. ``recordings``: the
+    joiner's groups by name (None: not replayed); ``positions``: each group's replay position (the mover's
+    ``replay_position``); ``recorded``: every group its rank recorded (tmd.protocol.layout ``recorded_groups``).
+
+    "" only when every recorded group exists here (one the script creates later would be created live, where the
+    job created it long ago) and, in each, the recorded ops from the replay position to the end of the job's
+    second step (step 1) have the signatures of the ops of its third (step 2), the position lying within step 1
+    (not before it: the joiner's first iteration did less than the job's). Needs 3 recorded steps."""
+    missing = sorted(recorded - set(recordings))
+    if missing:
+        return f"group(s) {', '.join(missing)} recorded but not created in one iteration"
+    for name, rec in sorted(recordings.items()):
+        if rec is None:
+            return f"group {name} is not replayed"
+        starts = rec.step_starts
+        if len(starts) < 3:
+            return f"group {name}: {len(starts)} recorded step(s), 3 needed to compare steps 1 and 2"
+        at, second, third = positions[name], starts[1], starts[2]
+        end = starts[3] if len(starts) > 3 else rec.ops
+        if not second <= at <= third:
+            return f"group {name}: replay at op {at}, step 1 is ops {second}..{third - 1}"
+        if rec.signatures[at:third] != rec.signatures[third:end]:
+            return (f"group {name}: step 1 issued other collectives ({third - at} ops from op {at}) "
+                    f"than step 2 ({end - third})")
+    return ""

@@ -82,6 +82,7 @@ class Session:
         self._assign: Optional[p.Assign] = None
         self._groups: Optional[GroupManager] = None
         self._record_writer: Optional[threading.Thread] = None
+        self._step_starts: dict[str, list[int]] = {}  # group -> ops it recorded before each recorded step
         self._recovery = Recovery(control, reports, self._fail)
         self._failure_reported = False
         self._misuse_checked = False
@@ -134,7 +135,8 @@ class Session:
             groups.set_tolerant()
         else:
             groups.init_world(a.generation, p.MoverMode.REPLAY, connect=False)
-            sandbox.start_replay(groups.world, a.record_dir, a.rank, p.layout.WORLD_GROUP)
+            groups.groups[p.layout.WORLD_GROUP].recording = sandbox.start_replay(
+                groups.world, a.record_dir, a.rank, p.layout.WORLD_GROUP)
             groups.replay_dir = a.record_dir  # the script's own groups replay too (GroupManager.create_group)
             self._migration.migration_id = a.migration_id
 
@@ -270,9 +272,10 @@ class Session:
             self._misuse_checked = True
             # A failure's replacement (its plan carried out meanwhile) or a guard (tmd.guards: warm before any
             # failure) runs at most REPLACEMENT_SHADOW_STEPS shadow iterations, a planned migration's joiner up to
-            # record_steps. Every joiner stops after one where regroup_ddp_buckets can do DDP's regrouping (the
-            # only reason for a second): each iteration is a step of compute, on the failure's critical path for a
-            # replacement, and taken from the stayers where a standby shares their host. Demo GPT on a 2-core host,
+            # record_steps. Every joiner stops after one where its second would do what the job's later steps do
+            # (_one_shadow_iteration_enough: DDP's regrouping replayed, the recorded steps 1 and 2 alike): each
+            # iteration is a step of compute, on the failure's critical path for a replacement, and taken from the
+            # stayers where a standby shares their host. Demo GPT on a 2-core host,
             # one against three shadow iterations, 7 + 7 jobs alternated: joiner lag at the switch step 52 against
             # 47 ms (median; 24-89 ms either way), warm-up 2.4 against 4.1 s, the stayers' lost time per migration
             # 1.3-1.4 against 1.9 s.
@@ -282,7 +285,7 @@ class Session:
                 recovery.prefetch()
             yield from self._migration.shadow(
                 min(shadow_steps, total), report_warmed=planned, pretouch=planned,
-                enough_after_one=regroup_ddp_buckets)
+                enough_after_one=self._one_shadow_iteration_enough)
             if a.guard:  # waits until a recovery adopts it (0) or a migration of the node it guards takes it
                 self._migration.drop_buffers()
                 self._migration.migration_id = recovery.guard(self._migration.shadow_steps)
@@ -302,10 +305,8 @@ class Session:
                 self._reports.step_time(step - 1, t0 - prev, shadow=False)
             prev = t0
             switch = control.boundary(step)
-            if control.role == p.WorkerRole.ACTIVE and step == a.record_steps and self._record_writer is None:
-                self._record_writer = sandbox.save_recordings_async(
-                    {g.name: g.mover for g in self._groups.groups.values()}, a.record_dir, self.rank,
-                    {g.name: g.ranks for g in self._groups.groups.values()})
+            if control.role == p.WorkerRole.ACTIVE and self._record_writer is None and step <= a.record_steps:
+                self._mark_recorded_step(step, a.record_steps, a.record_dir)
             if switch is not None:
                 self._migration.switch_boundary(switch)
                 recovery.verify_next = True
@@ -329,6 +330,40 @@ class Session:
         if prev is not None:
             self._reports.step_time(step - 1, time.perf_counter() - prev, shadow=False)
         control.set_step(step)
+
+    def _mark_recorded_step(self, step: int, record_steps: int, record_dir: str) -> None:
+        """At the boundary before ``step`` of an active rank still recording: note where that step begins in each
+        group's recording (a redone step overwrites its mark); at ``record_steps``, write the recordings."""
+        groups = self._groups.groups.values()
+        if step < record_steps:
+            for g in groups:
+                starts = self._step_starts.setdefault(g.name, [])
+                del starts[step:]  # a step redone after a recovery: its earlier attempt's mark goes
+                starts.extend([0] * (step - len(starts)))  # a group created during an earlier step
+                starts.append(g.mover.recorded_ops)
+            return
+        self._record_writer = sandbox.save_recordings_async(
+            {g.name: g.mover for g in groups}, record_dir, self.rank, {g.name: g.ranks for g in groups},
+            self._step_starts)
+
+    def _one_shadow_iteration_enough(self) -> bool:
+        """A joiner after its first shadow iteration: whether its second iteration may run live, doing what every
+        later step of the job does. First DDP's one-time regrouping is replayed without that iteration's compute
+        (``regroup_ddp_buckets``); then the rest of the job's recorded step 1 must issue the collectives of its
+        step 2 in every group, and every group the job recorded must exist here (``sandbox.unsteady_after_first``,
+        which needs ``--record-steps`` >= 3). Otherwise the joiner runs more shadow iterations, as many as it
+        would without this shortcut, and the reason goes to the log."""
+        regrouped = regroup_ddp_buckets()
+        groups = self._groups.groups.values()
+        why = sandbox.unsteady_after_first({g.name: g.recording for g in groups},
+                                           {g.name: g.mover.replay_position for g in groups},
+                                           p.layout.recorded_groups(self._assign.record_dir, self.rank))
+        if why:
+            log.info("rank %d: another shadow iteration (%s)", self.rank, why)
+        else:
+            log.info("rank %d: one shadow iteration is enough%s", self.rank,
+                     " (DDP's buckets regrouped from the recording)" if regrouped else "")
+        return not why
 
     def finish(self, note: Optional[str] = None) -> None:
         """Report the end of training to tmd (``note``, e.g. a final state hash, goes to the log) and close:

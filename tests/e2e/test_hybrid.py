@@ -102,6 +102,9 @@ def test_migration_then_kill_is_bit_identical(tmp_path, layout):
 
     committed = of(p.Event.MIGRATION_COMMITTED)
     assert len(committed) == 1, of(p.Event.MIGRATION_ABORTED)
+    # no DDP here: one shadow iteration each, because the job's recorded steps 1 and 2 issued the same collectives
+    # (worker.sandbox.unsteady_after_first); the others ran --record-steps (3) before that check
+    assert committed[0]["shadow_steps"] == {"2": 1, "3": 1}, committed[0]
     assert committed[0]["switch_step"] < KILL_AT, "the kill was due before the joiner held n2's ranks: raise KILL_AT"
     # the joiners replayed the leavers' optimizer steps, DTensor ones (FSDP2, TP) included: the tail left out the
     # tensors the replay made identical
@@ -131,8 +134,10 @@ def test_migration_then_kill_is_bit_identical(tmp_path, layout):
         assert started["adopted"] == {"n1": guard}, started
         assert [(e["standby"], e["node"]) for e in of(p.Event.GUARD_ASSIGNED)] == [(guard, "n1")]
         assert done["standbys"] == {"n1": guard} and done["phases_s"]["warm_up"] < 0.05, done
+        assert [e["shadow_steps"] for e in of(p.Event.GUARD_WARMED)] == [1], of(p.Event.GUARD_WARMED)
     else:
         assert done["standbys"] == {"s1": "s2"}
+        assert done["shadow_steps"] == {"2": 1, "3": 1}, done  # on the failure's critical path: 2 before
     final = [json.load(open(os.path.join(run_dir, "final", f))) for f in sorted(os.listdir(
         os.path.join(run_dir, "final")))]
     assert {f["steps"] for f in final} == {STEPS}

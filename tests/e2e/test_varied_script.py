@@ -10,6 +10,9 @@ One job (2 nodes x 2 ranks, 2 standbys): ``n2 -> s1`` is migrated at step 4 or l
 themselves in step KILL_AT's forward pass, after its buffers changed and before the backward; n1 is recovered on s2
 from its replicas on s1, the node that just joined. Every rank's final parameters, buffers and optimizer state
 (learning rate included) are bit-identical to an uninterrupted run: a redone step counts its batch once.
+
+A second job adds a collective each process makes once, in its own second iteration: the joiners must run it in
+their sandbox (more than one shadow iteration), and the migration commits without a hang, bit-identical.
 """
 from __future__ import annotations
 
@@ -34,14 +37,10 @@ def command(run_dir: str, standbys: int, *script_args: str) -> list[str]:
             "--stats-from", str(KILL_AT), *script_args]
 
 
-@pytest.mark.timeout(300)
-def test_a_migration_then_a_kill_mid_step_are_bit_identical(tmp_path):
-    subprocess.run(command(str(tmp_path / "reference"), 0), check=True, timeout=120, stdout=subprocess.DEVNULL)
-    expected = final_hashes(str(tmp_path / "reference"))
-    assert len(expected) == 4 and len(set(expected.values())) == 1, expected  # replicas: one state
-
-    run_dir = str(tmp_path / "job")
-    proc = subprocess.Popen(command(run_dir, 2, "--step-time-s", "0.15", "--fault", f"n1:{KILL_AT}"),
+def migrate_n2_and_finish(run_dir: str, standbys: int, *script_args: str) -> list[dict]:
+    """Run the job (steps padded to 0.15 s), migrate n2 -> s1 once it is at step 4 and s1 is warm, and return the
+    journal once the job ended with exit code 0."""
+    proc = subprocess.Popen(command(run_dir, standbys, "--step-time-s", "0.15", *script_args),
                             stdout=subprocess.DEVNULL)
     try:
         migration = migrate_when_ready(job_client(run_dir, proc), proc, 4, "n2", "s1")
@@ -49,7 +48,17 @@ def test_a_migration_then_a_kill_mid_step_are_bit_identical(tmp_path):
         assert proc.wait(timeout=240) == 0
     finally:
         end_job(proc)
-    journal = events(run_dir)
+    return events(run_dir)
+
+
+@pytest.mark.timeout(300)
+def test_a_migration_then_a_kill_mid_step_are_bit_identical(tmp_path):
+    subprocess.run(command(str(tmp_path / "reference"), 0), check=True, timeout=120, stdout=subprocess.DEVNULL)
+    expected = final_hashes(str(tmp_path / "reference"))
+    assert len(expected) == 4 and len(set(expected.values())) == 1, expected  # replicas: one state
+
+    run_dir = str(tmp_path / "job")
+    journal = migrate_n2_and_finish(run_dir, 2, "--fault", f"n1:{KILL_AT}")
 
     def of(kind: p.Event) -> list[dict]:
         return [e for e in journal if e["event"] == kind]
@@ -61,4 +70,23 @@ def test_a_migration_then_a_kill_mid_step_are_bit_identical(tmp_path):
     assert sorted(plan["sends"]) == [[2, 0], [3, 1]], plan  # from s1's ranks, the joiners
     done, = of(p.Event.RECOVERY_DONE)
     assert done["standbys"] == {"n1": "s2"}, done
+    assert final_hashes(run_dir) == expected
+
+
+@pytest.mark.timeout(300)
+def test_a_collective_of_a_process_s_second_iteration_keeps_the_joiner_in_its_sandbox(tmp_path):
+    """``--calibrate-once``: every process all-reduces once in its own second iteration. The job's recorded step 1
+    then issues a collective its step 2 does not, so each joiner runs all 3 shadow iterations
+    (worker.sandbox.unsteady_after_first) instead of stopping after one because DDP's regrouping could be replayed:
+    had it stopped, its first live step would make that all-reduce where the stayers make none, and the job would
+    hang until gloo's timeout, then recover."""
+    steps = ("--steps", "24")
+    subprocess.run(command(str(tmp_path / "reference"), 0, "--calibrate-once", *steps), check=True, timeout=120,
+                   stdout=subprocess.DEVNULL)
+    expected = final_hashes(str(tmp_path / "reference"))
+    run_dir = str(tmp_path / "job")
+    journal = migrate_n2_and_finish(run_dir, 1, "--calibrate-once", *steps)
+    committed, = [e for e in journal if e["event"] == p.Event.MIGRATION_COMMITTED]
+    assert committed["shadow_steps"] == {"2": 3, "3": 3}, committed
+    assert not [e for e in journal if e["event"] == p.Event.RECOVERY_STARTED]
     assert final_hashes(run_dir) == expected

@@ -1,11 +1,15 @@
 """worker.sandbox: a joiner replaying a group recorded over other ranks (its script created its groups in another
-order than the job's) is refused with a clear error before any op is replayed."""
+order than the job's) is refused with a clear error before any op is replayed; the record of where each recorded
+step began survives the file, and decides whether one shadow iteration is enough."""
 from __future__ import annotations
+
+import datetime
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from tmd.protocol.layout import recording_path
+from tmd.protocol.layout import recorded_groups, recording_path
 from worker import backend as mb
 from worker import sandbox
 
@@ -27,5 +31,84 @@ def test_a_group_recorded_over_other_ranks_is_refused(tmp_path):
 def test_the_same_ranks_replay(tmp_path):
     _record(tmp_path, [0, 2])
     mover = mb.MoverBackend(0, 2, None)
-    assert sandbox.start_replay(mover, str(tmp_path), 1, "pg1", wait_s=0, ranks=[0, 2]) == 1
+    loaded = sandbox.start_replay(mover, str(tmp_path), 1, "pg1", wait_s=0, ranks=[0, 2])
+    assert (loaded.ops, loaded.step_starts) == (1, [])  # written without step starts: no shortcut for it
+    assert loaded.signatures == [("allreduce", (("torch.float32", (2,)),))]
     assert mover.replay_remaining == 1
+
+
+def _op(n=2, op="allreduce"):
+    return op, [torch.ones(n)]
+
+
+def _recording(tmp_path, group, entries, starts, rank=1):
+    torch.save({"version": sandbox.FORMAT_VERSION, "rank": rank, "group": group, "ranks": [0, 1],
+                "entries": entries, "step_starts": starts}, recording_path(str(tmp_path), rank, group))
+    return sandbox.start_replay(mb.MoverBackend(0, 2, None), str(tmp_path), rank, group, wait_s=0)
+
+
+def test_the_recorded_step_starts_are_written_with_the_recording(tmp_path):
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("sandbox", dist.HashStore()), 0, 1, datetime.timedelta(seconds=10))
+    mover = mb.MoverBackend(0, 1, gloo)
+    mover.set_mode("record")
+    starts = []
+    for step in range(3):  # what Session does at each boundary while the job records
+        starts.append(mover.recorded_ops)
+        mover.allreduce([torch.ones(3)]).wait()
+        if step == 1:
+            mover.broadcast([torch.ones(2)]).wait()
+    assert starts == [0, 1, 3] and mover.recorded_ops == 4
+    sandbox.save_recordings_async({"world": mover}, str(tmp_path), 0, {"world": [0]}, {"world": starts}).join()
+    assert mover.recorded_ops == 0 and mover.mode == "live"
+    loaded = sandbox.start_replay(mb.MoverBackend(0, 1, None), str(tmp_path), 0, "world", wait_s=0)
+    assert (loaded.ops, loaded.step_starts) == (4, [0, 1, 3])
+    assert [op for op, _ in loaded.signatures] == ["allreduce", "allreduce", "broadcast", "allreduce"]
+    assert recorded_groups(str(tmp_path), 0) == {"world"} and recorded_groups(str(tmp_path), 1) == set()
+    assert recorded_groups(str(tmp_path / "absent"), 0) == set()
+
+
+def test_step_starts_that_do_not_fit_the_ops_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="do not fit its 1 ops"):
+        _recording(tmp_path, "world", [_op()], [0, 2])
+    with pytest.raises(ValueError, match="do not fit"):
+        _recording(tmp_path, "world", [_op(), _op()], [1, 0])
+
+
+def _steady(recs, positions, recorded=None):
+    return sandbox.unsteady_after_first(recs, positions, set(recs) if recorded is None else recorded)
+
+
+def test_one_shadow_iteration_is_enough_when_step_1_issues_what_step_2_does(tmp_path):
+    # set-up: 1 op; step 0: 3 ops (a one-time broadcast first); steps 1 and 2: the same 2 ops
+    entries = [_op(4, "broadcast"), _op(4, "broadcast"), _op(), _op(8), _op(), _op(8), _op(), _op(8)]
+    rec = _recording(tmp_path, "world", entries, [1, 4, 6])
+    assert _steady({"world": rec}, {"world": 4}) == ""
+    # the joiner's first iteration replayed less than the job's step 0
+    assert "replay at op 3, step 1 is ops 4..5" in _steady({"world": rec}, {"world": 3})
+    # with a fourth recorded step, step 2 ends where step 3 begins
+    rec4 = _recording(tmp_path, "world", entries + [_op(), _op(8)], [1, 4, 6, 8])
+    assert _steady({"world": rec4}, {"world": 4}) == ""
+
+
+def test_a_one_time_collective_in_step_1_needs_another_shadow_iteration(tmp_path):
+    # DDP's regrouping (a broadcast at the start of step 1), or a collective of the script's own at step 1
+    entries = [_op(), _op(8), _op(3, "broadcast"), _op(), _op(8), _op(), _op(8)]
+    rec = _recording(tmp_path, "world", entries, [0, 2, 5])
+    assert "step 1 issued other collectives (3 ops from op 2) than step 2 (2)" in _steady({"world": rec}, {"world": 2})
+    # replayed past it (worker.recovery.regroup_ddp_buckets consumed the broadcast): the rest is steady
+    assert _steady({"world": rec}, {"world": 3}) == ""
+    # same ops, other shapes: another collective
+    other = [_op(), _op(8), _op(), _op(9), _op(), _op(8)]
+    assert "other collectives" in _steady({"world": _recording(tmp_path, "world", other, [0, 2, 4])}, {"world": 2})
+
+
+def test_too_few_recorded_steps_or_a_group_created_later_need_another_shadow_iteration(tmp_path):
+    entries = [_op(), _op(), _op()]
+    two = _recording(tmp_path, "world", entries, [0, 1])
+    assert "2 recorded step(s), 3 needed" in _steady({"world": two}, {"world": 1})
+    old = _recording(tmp_path, "world", entries, [])
+    assert "0 recorded step(s)" in _steady({"world": old}, {"world": 1})
+    three = _recording(tmp_path, "world", entries, [0, 1, 2])
+    assert _steady({"world": three}, {"world": 1}) == ""
+    assert "group(s) pg3 recorded but not created" in _steady({"world": three}, {"world": 1}, {"world", "pg3"})
+    assert "group pg2 is not replayed" in _steady({"world": three, "pg2": None}, {"world": 1, "pg2": 0})

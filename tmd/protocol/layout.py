@@ -105,6 +105,18 @@ def recording_path(record_dir: str, rank: int, group: str = WORLD_GROUP) -> str:
     return os.path.join(record_dir, f"rank{rank}.{group}.pt")
 
 
+def recorded_groups(record_dir: str, rank: int) -> set[str]:
+    """The names of the groups whose recording by rank ``rank`` is in ``record_dir`` (:func:`recording_path`);
+    empty when the directory does not exist."""
+    head, tail = f"rank{rank}.", ".pt"
+    try:
+        names = os.listdir(record_dir)
+    except FileNotFoundError:
+        return set()
+    return {n[len(head):-len(tail)] for n in names
+            if n.startswith(head) and n.endswith(tail) and len(n) > len(head) + len(tail)}
+
+
 def state_dir(home: Optional[str] = None) -> str:
     """The per-user state directory: ``$TM_STATE_DIR``, else ``<home>/.trainmover`` (``home`` defaults to this
     user's; the SLURM hooks pass the job user's, since they run as root)."""

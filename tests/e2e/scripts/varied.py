@@ -7,7 +7,7 @@ and ``zero_grad()`` after ``optimizer.step()``. Each step's batch is drawn from 
 step). Writes ``<run_dir>/final/rank<R>.json`` like examples/train_gpt.py.
 
     python tests/e2e/scripts/varied.py --steps 30 [--norm layer|batch] [--fault NODE:STEP] [--step-time-s S]
-                                       [--stats-from STEP]
+                                       [--stats-from STEP] [--calibrate-once]
 
 Two optimizers (the output layer's AdamW, the body's SGD) and two micro-batches per step (the first under DDP's
 ``no_sync()``, ``--accumulate``). Mixed precision as GPU scripts do it: the forward pass under ``torch.autocast``
@@ -20,6 +20,10 @@ by rolling back to a buddy snapshot. ``layer`` (default): LayerNorm; the ranks a
 
 ``--stats-from STEP``: the running average starts only at STEP (a statistic with a warm-up period; the counter
 counts from the start): a buffer that no step before STEP changes.
+
+``--calibrate-once``: each process, in its own second iteration (whatever step that is: a joiner's shadow
+iterations count), all-reduces a calibration statistic once, as a lazily initialised module would (DDP's regrouping
+of its buckets is torch's own such collective): a joiner must run that iteration in its sandbox, not live.
 
 ``--fault NODE:STEP``: every process started on NODE (``TM_NODE``) kills itself with SIGKILL in STEP, after the
 last micro-batch's forward pass (the buffers changed, the first micro-batch's gradients accumulated) and before its
@@ -49,6 +53,8 @@ def main() -> None:
     ap.add_argument("--accumulate", type=int, default=2, help="micro-batches per step (all but the last in no_sync)")
     ap.add_argument("--step-time-s", type=float, default=0.0, help="pad each step to at least this (seconds)")
     ap.add_argument("--stats-from", type=int, default=0, help="the step at which the running average starts")
+    ap.add_argument("--calibrate-once", action="store_true",
+                    help="a collective in each process's own second iteration only")
     args = ap.parse_args()
 
     import torch
@@ -99,8 +105,10 @@ def main() -> None:
     fault_node, _, fault_step = args.fault.partition(":")
     target = torch.randn(16, 4, generator=torch.Generator().manual_seed(args.seed))
 
+    iterations = 0  # this process's own (a joiner's shadow iterations included)
     for step in session.steps(args.steps):
         t0 = time.perf_counter()
+        iterations += 1
         model.module[0].averaging = step >= args.stats_from
         try:
             g = torch.Generator().manual_seed(args.seed * 1_000_003 + session.rank * 10_007 + step)
@@ -116,6 +124,8 @@ def main() -> None:
                             and not session.is_shadow:
                         os.kill(os.getpid(), signal.SIGKILL)
                     scaler.scale(loss).backward()
+            if args.calibrate_once and iterations == 2:
+                torch.distributed.all_reduce(torch.ones(5))  # its value is not used: only the collective matters
             scaler.unscale_(opt)
             scaler.unscale_(head_opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
