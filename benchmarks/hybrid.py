@@ -12,12 +12,13 @@ nodes; PP 2 across nodes x DP 2 in node). In each job:
 1. once training is at ``--migrate-at`` and s1 is warm, a planned migration n2 -> s1 (tests.support.job's
    ``migrate_when_ready``); tmd's migration record gives ``downtime_s`` (the extra time of the switch step and the
    5 after it over the median step before the request, on the lowest stayer rank), ``stayer_pause_s`` (the
-   longest time a stayer stood still at the switch step), ``bytes_moved`` and the phases;
+   longest time a stayer stood still at the switch step), ``bytes_moved`` and the phases; the journal's
+   ``migration_committed`` each joiner's ``shadow_steps``;
 2. at step ``--kill-at`` every rank process of s1 (now holding n2's ranks) kills itself with SIGKILL during the
    forward (``--fault s1:<kill-at>:forward``); tmd recovers on s2: from a replica on another node where the
    layout has one (DDP, HSDP), otherwise by rolling every rank back to the last buddy snapshot and redoing the
    steps since. From the journal: ``recovery_done`` (``downtime_s`` = its ``phases_s.total``, detection to every
-   party recovered; ``bytes_moved``), ``recovery_plan`` (``rollback_step``, -1: no rollback; ``resume_step``) and
+   party recovered; ``bytes_moved``; each replacement's ``shadow_steps``), ``recovery_plan`` (``rollback_step``, -1: no rollback; ``resume_step``) and
    ``recovery_halted`` (the survivors' committed steps): ``steps_redone`` = committed steps the job trains again
    (highest committed + 1 - resume step; the step the kill interrupted is redone in every layout and not
    counted), ``redo_s`` = that many median steps, ``downtime_incl_redo_s`` = the sum. A snapshot of step S is
@@ -159,6 +160,7 @@ def recovery(events: list[dict], median_step_s: float | None) -> dict | None:
         "redo_s": rounded(redo_s), "downtime_incl_redo_s": rounded(total + redo_s) if total is not None and
         redo_s is not None else None,
         "sends": plan.get("sends"),
+        "shadow_steps": done.get("shadow_steps") if done else None,  # per lost rank: its replacement's
     }
 
 
@@ -218,6 +220,8 @@ def run_layout(layout: str, args: argparse.Namespace) -> dict:
     events = read_events(run_dir) if os.path.exists(os.path.join(run_dir, "events.jsonl")) else []
     failed = first_event(events, p.Event.JOB_FAILED)
     mig = planned_migration(m)
+    if mig is not None:  # per moved rank, its joiner's shadow iterations (from the journal: the record has none)
+        mig["shadow_steps"] = (first_event(events, p.Event.MIGRATION_COMMITTED) or {}).get("shadow_steps")
     median = mig["median_step_s"] if mig else None
     rec = recovery(events, median)
     snap = snapshots(events, median, args.snapshot_every, mig["bytes_per_moved_rank"] if mig else None)
