@@ -355,9 +355,13 @@ class Session:
         would without this shortcut, and the reason goes to the log."""
         regrouped = regroup_ddp_buckets()
         groups = self._groups.groups.values()
+        try:
+            recorded = p.layout.recorded_groups(self._assign.record_dir, self.rank)
+        except OSError as e:  # cannot tell which groups the job recorded: the iterations it would run anyway
+            log.warning("rank %d: another shadow iteration (the recordings cannot be listed: %s)", self.rank, e)
+            return False
         why = sandbox.unsteady_after_first({g.name: g.recording for g in groups},
-                                           {g.name: g.mover.replay_position for g in groups},
-                                           p.layout.recorded_groups(self._assign.record_dir, self.rank))
+                                           {g.name: g.mover.replay_position for g in groups}, recorded)
         if why:
             log.info("rank %d: another shadow iteration (%s)", self.rank, why)
         else:
