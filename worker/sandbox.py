@@ -82,10 +82,10 @@ def save_recordings_async(movers: dict, record_dir: str, rank: int,
 def start_replay(mover, record_dir: str, rank: int, group: str = p.layout.WORLD_GROUP, wait_s: float = 60.0,
                  ranks: Optional[list[int]] = None) -> Recording:
     """Load rank ``rank``'s recording of ``group`` into ``mover`` and switch it to ``replay``. Returns what was
-    loaded (:class:`Recording`). The recording is written by another process, so a missing file is awaited up to ``wait_s``
-    seconds; raises FileNotFoundError after that, ValueError on a foreign format or when ``ranks`` (this
-    process's group's global ranks) differ from the recorded group's (the script created its groups in another
-    order than the job did)."""
+    loaded (:class:`Recording`). The recording is written by another process, so a missing file is awaited up to
+    ``wait_s`` seconds; raises FileNotFoundError after that, ValueError on a foreign format, on step starts that
+    do not fit its ops, or when ``ranks`` (this process's group's global ranks) differ from the recorded group's
+    (the script created its groups in another order than the job did)."""
     path = recording_path(record_dir, rank, group)
     deadline = time.monotonic() + wait_s
     while not os.path.exists(path) and time.monotonic() < deadline:

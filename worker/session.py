@@ -43,7 +43,7 @@ from worker.gpu_health import probe_from_env
 from worker.groups import GroupManager
 from worker.migration import DECISION_TIMEOUT_S, LeaverExit, Migration
 from worker.recovery import (
-    RECOVERY_TIMEOUT_S, REPLACEMENT_SHADOW_STEPS, Recovery, StepAborted, regroup_ddp_buckets,
+    RECOVERY_TIMEOUT_S, REPLACEMENT_SHADOW_STEPS, Recovery, StepAborted, regroup_ddp_buckets, track_ddp_modules,
 )
 from worker.reports import Reporter
 from worker.snapshot import Snapshots
@@ -134,6 +134,7 @@ class Session:
                               connect=True)
             groups.set_tolerant()
         else:
+            track_ddp_modules()  # before the script builds its model: regroup_ddp_buckets needs no gc scan then
             groups.init_world(a.generation, p.MoverMode.REPLAY, connect=False)
             groups.groups[p.layout.WORLD_GROUP].recording = sandbox.start_replay(
                 groups.world, a.record_dir, a.rank, p.layout.WORLD_GROUP)
@@ -275,10 +276,9 @@ class Session:
             # record_steps. Every joiner stops after one where its second would do what the job's later steps do
             # (_one_shadow_iteration_enough: DDP's regrouping replayed, the recorded steps 1 and 2 alike): each
             # iteration is a step of compute, on the failure's critical path for a replacement, and taken from the
-            # stayers where a standby shares their host. Demo GPT on a 2-core host,
-            # one against three shadow iterations, 7 + 7 jobs alternated: joiner lag at the switch step 52 against
-            # 47 ms (median; 24-89 ms either way), warm-up 2.4 against 4.1 s, the stayers' lost time per migration
-            # 1.3-1.4 against 1.9 s.
+            # stayers where a standby shares their host. Demo GPT on a 2-core host, one against three shadow
+            # iterations, 7 + 7 jobs alternated: joiner lag at the switch step 52 against 47 ms (median; 24-89 ms
+            # either way), warm-up 2.4 against 4.1 s, the stayers' lost time per migration 1.3-1.4 against 1.9 s.
             planned = a.incident_id == 0 and not a.guard
             shadow_steps = a.record_steps if planned else min(a.record_steps, REPLACEMENT_SHADOW_STEPS)
             if a.incident_id != 0:

@@ -649,3 +649,29 @@ def test_a_buffer_that_starts_changing_after_the_first_step_is_put_back_too(monk
     assert torch.equal(model.late, before)
     if first_change == "committed":
         assert before.any()  # the committed value, not the zeros of the first steps
+
+
+def test_a_joiner_regroups_its_ddp_buckets_without_scanning_every_object(world_of_one, monkeypatch):
+    """track_ddp_modules (a joiner, before its script builds anything) keeps each DDP as it is built, so
+    regroup_ddp_buckets does not walk gc.get_objects() (~0.1 s for the demo GPT, on a failure's critical path)."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    monkeypatch.setattr(recovery, "_ddp_modules", None)
+    recovery.track_ddp_modules()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)))
+    assert list(recovery._ddp_modules) == [model]
+
+    def scanned():
+        raise AssertionError("gc.get_objects() was called")
+
+    monkeypatch.setattr(gc, "get_objects", scanned)
+    assert not recovery.regroup_ddp_buckets()  # no backward pass yet: nothing to regroup from
+    model(torch.randn(4, 3)).sum().backward()
+    assert recovery.regroup_ddp_buckets() and model._has_rebuilt_buckets
+    assert not recovery.regroup_ddp_buckets()  # regrouped already
+    del model
+    gc.collect()
+    assert not list(recovery._ddp_modules)  # weak: a dropped model is not kept alive
