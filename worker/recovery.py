@@ -119,8 +119,16 @@ VERIFY_EVERY_STEP = False
 NO_FINGERPRINT = bytes(32)  # sent in place of a fingerprint by a rank that does not verify this step
 
 
-# Every DistributedDataParallel built in this process since track_ddp_modules() (None: not tracking)
-_ddp_modules: Optional[weakref.WeakSet] = None
+# Every DistributedDataParallel built in this process since track_ddp_modules() (weak: a dropped model goes)
+_ddp_modules: weakref.WeakSet = weakref.WeakSet()
+_ddp_hook: Any = None  # the handle of track_ddp_modules' hook, once registered
+
+
+def _note_ddp(parent: torch.nn.Module, name: str, child: Any) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(parent, DistributedDataParallel):
+        _ddp_modules.add(parent)
 
 
 def track_ddp_modules() -> None:
@@ -129,19 +137,9 @@ def track_ddp_modules() -> None:
     ``__init__`` assigns its ``module``), so that :func:`regroup_ddp_buckets` finds them without a scan of every
     object (``gc.get_objects()``: ~0.1 s for the demo GPT's ~290,000 objects on this 2-core machine, on a
     failure's critical path for a replacement). Called by a joiner before its script builds anything; once."""
-    global _ddp_modules
-    if _ddp_modules is not None:
-        return
-    from torch.nn.parallel import DistributedDataParallel
-
-    found: weakref.WeakSet = weakref.WeakSet()
-
-    def registered(parent: torch.nn.Module, name: str, child: Any) -> None:
-        if isinstance(parent, DistributedDataParallel):
-            found.add(parent)
-
-    torch.nn.modules.module.register_module_module_registration_hook(registered)
-    _ddp_modules = found
+    global _ddp_hook
+    if _ddp_hook is None:
+        _ddp_hook = torch.nn.modules.module.register_module_module_registration_hook(_note_ddp)
 
 
 def regroup_ddp_buckets() -> bool:
@@ -149,20 +147,13 @@ def regroup_ddp_buckets() -> bool:
     first, DDP's one-time regrouping of its gradient buckets (torch's ``Reducer::rebuild_buckets``: the bucket
     assignment of the first backward pass's gradient order, broadcast from rank 0; replayed here from the
     recording like any shadow collective), without that iteration's compute (one step of the failure's
-    critical path). Returns True when it regrouped: exactly one DistributedDataParallel in this process still had
-    to, with the plain C++ reducer (no static graph, no Join, no unused-parameter search). Returns False otherwise
-    (none, or several, whose order in the recording is the script's; a regrouping whose broadcast is not the next
-    recorded op, which the replay refuses without consuming it): a second iteration, if the caller runs one, does
-    it the usual way."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if _ddp_modules is not None:
-        built = list(_ddp_modules)
-    else:  # not tracked from the start: look at every object
-        import gc
-
-        built = [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
-    pending = [o for o in built if not getattr(o, "_has_rebuilt_buckets", True) and not o.find_unused_parameters]
+    critical path). Returns True when it regrouped: exactly one DistributedDataParallel built since
+    :func:`track_ddp_modules` still had to, with the plain C++ reducer (no static graph, no Join, no
+    unused-parameter search). Returns False otherwise (none, or several, whose order in the recording is the
+    script's; a regrouping whose broadcast is not the next recorded op, which the replay refuses without
+    consuming it): a second iteration, if the caller runs one, does it the usual way."""
+    pending = [o for o in _ddp_modules if not getattr(o, "_has_rebuilt_buckets", True)
+               and not o.find_unused_parameters]
     if len(pending) != 1:
         return False
     ddp = pending[0]

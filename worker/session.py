@@ -134,7 +134,7 @@ class Session:
                               connect=True)
             groups.set_tolerant()
         else:
-            track_ddp_modules()  # before the script builds its model: regroup_ddp_buckets needs no gc scan then
+            track_ddp_modules()  # before the script builds its model: regroup_ddp_buckets finds its DDP there
             groups.init_world(a.generation, p.MoverMode.REPLAY, connect=False)
             groups.groups[p.layout.WORLD_GROUP].recording = sandbox.start_replay(
                 groups.world, a.record_dir, a.rank, p.layout.WORLD_GROUP)

@@ -658,7 +658,9 @@ def test_a_joiner_regroups_its_ddp_buckets_without_scanning_every_object(world_o
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    monkeypatch.setattr(recovery, "_ddp_modules", None)
+    import weakref
+
+    monkeypatch.setattr(recovery, "_ddp_modules", weakref.WeakSet())  # none from the tests before
     recovery.track_ddp_modules()
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)))
