@@ -92,6 +92,13 @@ with no inner backend; "bypass" completes barrier/send/recv at once and forwards
           py::arg("recording"),
           py::call_guard<py::gil_scoped_release>(),
           "Set the replay source ([(op_name, [tensors...]), ...]) and rewind it to op #0.")
+      .def(
+          "seek_replay",
+          &MoverBackend::seekReplay,
+          py::arg("position"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Make recorded op #position the next one replay consumes (a joiner skipping recorded ops it has no "
+          "need to replay). Raises RuntimeError when position is outside 0..len(recording).")
       .def_property_readonly(
           "replay_position",
           [](MoverBackend& self) {

@@ -495,6 +495,18 @@ int64_t MoverBackend::replayPosition() {
   return static_cast<int64_t>(state_->replayPos);
 }
 
+void MoverBackend::seekReplay(int64_t position) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  TORCH_CHECK(
+      position >= 0 && static_cast<size_t>(position) <= state_->replay.size(),
+      "replay position ",
+      position,
+      " is outside the recording (",
+      state_->replay.size(),
+      " ops)");
+  state_->replayPos = static_cast<size_t>(position);
+}
+
 int64_t MoverBackend::replayRemaining() {
   std::lock_guard<std::mutex> lock(state_->mu);
   return static_cast<int64_t>(state_->replay.size() - state_->replayPos);

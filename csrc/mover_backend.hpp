@@ -221,6 +221,7 @@ class MoverBackend : public c10d::Backend {
   void loadRecording(std::vector<std::pair<std::string, std::vector<at::Tensor>>> entries);
   int64_t replayPosition();
   int64_t replayRemaining();
+  void seekReplay(int64_t position);
   // Ops recorded so far (in record mode; finished or in flight), not yet taken.
   int64_t recordedOps();
   int64_t abortPending(const std::string& reason);

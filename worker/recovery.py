@@ -104,14 +104,16 @@ from worker.reports import Reporter
 log = logging.getLogger("worker.recovery")
 
 RECOVERY_TIMEOUT_S = 600.0  # a halted rank that hears nothing from tmd this long (seconds) exits with an error
-# Shadow iterations a failure's replacement or a guard runs (at most the job's record_steps; a planned migration's
-# joiner runs up to record_steps, in the background, with the same one-iteration shortcut). The replacement's warm-up
-# is on the failure's critical path, so it runs the fewest that leave its process doing what the survivors do at the
-# redone step: two, because DDP regroups its gradient buckets in the forward of a process's second iteration with a
-# broadcast from rank 0 (a replacement that skipped it would make that broadcast live, where the survivors make none),
-# or one when regroup_ddp_buckets can do that regrouping itself after the first and the job's recorded steps 1 and 2
-# issued the same collectives (worker.session's _one_shadow_iteration_enough). What the later steps would warm (the
-# allocator's steady state) the redone step warms at a small cost.
+# Shadow iterations a failure's replacement or a guard runs at most (at most the job's record_steps; a planned
+# migration's joiner runs up to record_steps, in the background, with the same one-iteration shortcut). The
+# replacement's warm-up is on the failure's critical path, so it runs the fewest that leave its process doing what
+# the survivors do at the redone step: none when the job's recorded steps 0, 1 and 2 issued the same collectives
+# (DDP's bucket layout and regrouping aside; worker.session's _no_shadow_iteration_needed), else one when
+# regroup_ddp_buckets can do DDP's regrouping itself after it and the recorded steps 1 and 2 are alike
+# (_one_shadow_iteration_enough), else two, because DDP regroups its gradient buckets in the forward of a process's
+# second iteration with a broadcast from rank 0 (a replacement that skipped it would make that broadcast live, where
+# the survivors make none). What the skipped iterations would warm (the allocator, lazily built optimizer state)
+# the redone step warms at a small cost.
 REPLACEMENT_SHADOW_STEPS = 2
 # Compare the replicas' fingerprints at every step, not only at the first step after a migration or recovery. Off:
 # a fingerprint costs ~10 ms on the demo GPT (~3 % of its step on this machine).
@@ -142,27 +144,54 @@ def track_ddp_modules() -> None:
         _ddp_hook = torch.nn.modules.module.register_module_module_registration_hook(_note_ddp)
 
 
-def regroup_ddp_buckets() -> bool:
+# The collectives of DDP's regrouping (torch's ``Reducer::sync_bucket_indices``, reducer.cpp): two broadcasts from rank
+# 0 on the DDP's process group, the bucket indices with their count (int32, [parameters + 1]), then the bucket
+# sizes (int32, [buckets]).
+REGROUP_OPS = 2
+
+
+def ddp_to_regroup() -> tuple[bool, Optional[Any]]:
+    """What :func:`regroup_ddp_buckets` would regroup: ``(True, None)`` when no DistributedDataParallel built since
+    :func:`track_ddp_modules` has a regrouping ahead (none built, or each regrouped already or searching for
+    unused parameters, which never regroups), ``(True, ddp)`` for the one that has, with the plain C++ reducer (no
+    static graph, no Join), and ``(False, None)`` otherwise (several, whose order in the recording is the
+    script's, or one of another kind): the joiner then lets its iterations do it."""
+    pending = [o for o in _ddp_modules if not getattr(o, "_has_rebuilt_buckets", True)
+               and not o.find_unused_parameters]
+    if not pending:
+        return True, None
+    ddp = pending[0]
+    if len(pending) > 1 or ddp.static_graph or getattr(ddp, "_use_python_reducer", False) or \
+            getattr(ddp, "_delay_all_reduce_all_params", False) or ddp._join_config.enable:
+        return False, None
+    return True, ddp
+
+
+def regroup_ddp_buckets(before_first: bool = False) -> bool:
     """A joiner after its first shadow iteration: do what the forward of its second iteration would do
     first, DDP's one-time regrouping of its gradient buckets (torch's ``Reducer::rebuild_buckets``: the bucket
     assignment of the first backward pass's gradient order, broadcast from rank 0; replayed here from the
     recording like any shadow collective), without that iteration's compute (one step of the failure's
-    critical path). Returns True when it regrouped: exactly one DistributedDataParallel built since
-    :func:`track_ddp_modules` still had to, with the plain C++ reducer (no static graph, no Join, no
-    unused-parameter search). Returns False otherwise (none, or several, whose order in the recording is the
-    script's; a regrouping whose broadcast is not the next recorded op, which the replay refuses without
-    consuming it): a second iteration, if the caller runs one, does it the usual way."""
-    pending = [o for o in _ddp_modules if not getattr(o, "_has_rebuilt_buckets", True)
-               and not o.find_unused_parameters]
-    if len(pending) != 1:
+    critical path). Returns True when it regrouped the DistributedDataParallel :func:`ddp_to_regroup` names.
+    Returns False otherwise (none, or one it cannot regroup; a regrouping whose broadcast is not the next recorded
+    op, which the replay refuses without consuming it): a second iteration, if the caller runs one, does it the
+    usual way.
+
+    ``before_first``: a failure's replacement that runs no shadow iteration at all (its replay moved to the
+    recorded step 1 first). No backward pass gave the gradients' order, so every parameter is pushed in index
+    order (``Reducer._push_all_rebuilt_params``, what a static graph does): that order only shapes rank 0's
+    proposal, and every rank adopts the assignment rank 0 broadcast, here the recorded one. A refusal then raises
+    RuntimeError instead (the pushed order cannot be taken back, so no iteration may follow)."""
+    _, ddp = ddp_to_regroup()
+    if ddp is None:
         return False
-    ddp = pending[0]
-    if ddp.static_graph or getattr(ddp, "_use_python_reducer", False) or \
-            getattr(ddp, "_delay_all_reduce_all_params", False) or ddp._join_config.enable:
-        return False
+    if before_first:
+        ddp.reducer._push_all_rebuilt_params()
     try:
         rebuilt = ddp.reducer._rebuild_buckets()
     except RuntimeError as e:  # the replay refused it (the script's own collective comes first): no harm done
+        if before_first:
+            raise
         log.info("DDP buckets not regrouped after the first shadow iteration (%s): running a second one", e)
         return False
     if rebuilt:

@@ -110,6 +110,70 @@ def start_replay(mover, record_dir: str, rank: int, group: str = p.layout.WORLD_
     return loaded
 
 
+def _not_comparable(recordings: dict[str, Optional[Recording]], recorded: set[str], when: str) -> str:
+    """Why the recorded steps of this rank's groups cannot be compared (a group recorded by the job but not
+    created here ``when``, one not replayed, fewer than 3 recorded steps), or ""."""
+    missing = sorted(recorded - set(recordings))
+    if missing:
+        return f"group(s) {', '.join(missing)} recorded but not created {when}"
+    for name, rec in sorted(recordings.items()):
+        if rec is None:
+            return f"group {name} is not replayed"
+        if len(rec.step_starts) < 3:
+            return f"group {name}: {len(rec.step_starts)} recorded step(s), 3 needed to compare steps"
+    return ""
+
+
+def _bucket_runs_merged(signatures: list[Signature]) -> list[Signature]:
+    """``signatures`` with every run of consecutive all-reduces of one flat tensor of one dtype merged into one
+    entry (op ``allreduce*``) of their summed length: DDP's gradient buckets, whatever the layout."""
+    out: list[Signature] = []
+    for op, outputs in signatures:
+        flat = op == "allreduce" and len(outputs) == 1 and len(outputs[0][1]) == 1
+        last = out[-1] if out else None
+        if flat and last is not None and last[0] == "allreduce*" and last[1][0][0] == outputs[0][0]:
+            out[-1] = (last[0], ((outputs[0][0], (last[1][0][1][0] + outputs[0][1][0],)),))
+        else:
+            out.append(("allreduce*", outputs) if flat else (op, outputs))
+    return out
+
+
+def unsteady_from_start(recordings: dict[str, Optional[Recording]], positions: dict[str, int],
+                        recorded: set[str], regroup: Optional[str] = None, regroup_ops: int = 0) -> str:
+    """Why a failure's replacement must run a shadow iteration at all, or "" when its first live step may be the
+    redone step itself: then its process's first iteration must do what the job's later steps do. Arguments as
+    for :func:`unsteady_after_first`; ``regroup``: the group of the one DDP model whose buckets are regrouped
+    before that step (worker.recovery ``regroup_ddp_buckets``), whose recorded step 1 then begins with
+    ``regroup_ops`` broadcasts.
+
+    "" only when every recorded group exists here, each group's replay stands where the job's step 0 began (the
+    script's set-up issued what the job's did), and in each the ops of the job's step 0, and of its step 1 past
+    the regrouping, have the signatures of the ops of its step 2. Needs 3 recorded steps."""
+    why = _not_comparable(recordings, recorded, "before the first step")
+    if why:
+        return why
+    if regroup is not None and regroup not in recordings:
+        return f"the DDP model's group {regroup} is not one of this rank's groups"
+    for name, rec in sorted(recordings.items()):
+        starts = rec.step_starts
+        first, second, third = starts[0], starts[1], starts[2]
+        end = starts[3] if len(starts) > 3 else rec.ops
+        steady = rec.signatures[third:end]
+        if positions[name] != first:
+            return f"group {name}: replay at op {positions[name]} after the set-up, the job's step 0 began at {first}"
+        # DDP's step 0 reduces its gradients in the buckets of its first layout, its later steps in the regrouped
+        # ones: the same gradients in runs of all-reduces of other sizes, compared by what they reduce
+        same = _bucket_runs_merged if name == regroup else list
+        if same(rec.signatures[first:second]) != same(steady):
+            return f"group {name}: step 0 issued other collectives ({second - first} ops) than step 2 ({end - third})"
+        skip = regroup_ops if name == regroup else 0
+        if any(op != "broadcast" for op, _ in rec.signatures[second:second + skip]) or \
+                rec.signatures[second + skip:third] != steady:
+            return (f"group {name}: step 1 issued other collectives ({third - second} ops"
+                    f"{f', {skip} of them regrouping DDP' if skip else ''}) than step 2 ({end - third})")
+    return ""
+
+
 def unsteady_after_first(recordings: dict[str, Optional[Recording]], positions: dict[str, int],
                          recorded: set[str]) -> str:
     """Why a joiner that ran one shadow iteration must run another, or "" when it need not. ``recordings``: the
@@ -120,15 +184,11 @@ def unsteady_after_first(recordings: dict[str, Optional[Recording]], positions: 
     job created it long ago) and, in each, the recorded ops from the replay position to the end of the job's
     second step (step 1) have the signatures of the ops of its third (step 2), the position lying within step 1
     (not before it: the joiner's first iteration did less than the job's). Needs 3 recorded steps."""
-    missing = sorted(recorded - set(recordings))
-    if missing:
-        return f"group(s) {', '.join(missing)} recorded but not created in one iteration"
+    why = _not_comparable(recordings, recorded, "in one iteration")
+    if why:
+        return why
     for name, rec in sorted(recordings.items()):
-        if rec is None:
-            return f"group {name} is not replayed"
         starts = rec.step_starts
-        if len(starts) < 3:
-            return f"group {name}: {len(starts)} recorded step(s), 3 needed to compare steps 1 and 2"
         at, second, third = positions[name], starts[1], starts[2]
         end = starts[3] if len(starts) > 3 else rec.ops
         if not second <= at <= third:

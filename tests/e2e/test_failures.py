@@ -82,23 +82,25 @@ def assert_recovered(job: Job, reference: dict[int, str], rc: int, incidents: in
 @pytest.mark.parametrize("phase", ["optimizer"])  # forward and between: test_two_failures_in_a_row_*; backward: below
 def test_kill_node_during_a_step(tmp_path, reference, phase):
     # Also: long and slow steps are not failures. Rank 3 sleeps 2.5 s in its first step and in step 6 (its peers
-    # wait at the collective, its heartbeats go on): the only node failure is the kill at step 12.
-    job = Job(tmp_path, 1, "--fault", f"n2:12:{phase}", "--slow-rank", "3", "--slow-steps", "0,6", "--slow-s", "2.5")
+    # wait at the collective, its heartbeats go on): the only node failure is the kill of n1 at step 12. n1 holds
+    # rank 0, the root of DDP's bucket regrouping, which its replacement replays before its first step.
+    job = Job(tmp_path, 1, "--fault", f"n1:12:{phase}", "--slow-rank", "3", "--slow-steps", "0,6", "--slow-s", "2.5")
     done = assert_recovered(job, reference, job.finish())
     failed = job.events("node_failed")
-    assert [(e["node"], e["signal"]) for e in failed] == [("n2", "process_exit")]
+    assert [(e["node"], e["signal"]) for e in failed] == [("n1", "process_exit")]
     assert len(job.events("recovery_started")) == 1
     started = job.events("recovery_started")[0]
-    assert started["lost_ranks"] == [2, 3] and started["survivors"] == [0, 1]
+    assert started["lost_ranks"] == [0, 1] and started["survivors"] == [2, 3]
     # Before the update the step is redone; killed between steps (or as it updates: its all-reduce finished on
     # the survivors), step 12 committed and the job resumes after it.
     assert done[0]["resume_step"] in {"forward": (12,), "backward": (12,), "optimizer": (12, 13), "between": (13,)}[phase]
-    assert done[0]["standbys"] == {"n2": "s1"}
+    assert done[0]["standbys"] == {"n1": "s1"}
     plan = job.events("recovery_plan")[0]
-    assert sorted(dst for _, dst in plan["sends"]) == [2, 3]  # the replacements get state from replicas
-    # one shadow iteration each: the replacements regrouped their DDP buckets themselves after it
-    # (worker.recovery.regroup_ddp_buckets) instead of running a second one on the critical path
-    assert done[0]["shadow_steps"] == {"2": 1, "3": 1}, done[0]
+    assert sorted(dst for _, dst in plan["sends"]) == [0, 1]  # the replacements get state from replicas
+    # no shadow iteration: the job's recorded steps 0, 1 and 2 were alike (DDP's layout and regrouping aside), so
+    # the replacements regrouped their DDP buckets from the recording and ran the redone step as their first
+    # (Session._no_shadow_iteration_needed): one step less on the failure's critical path
+    assert done[0]["shadow_steps"] == {"0": 0, "1": 0}, done[0]
 
 
 # A SIGSTOP hang, then SIGCONT: test_fidelity.test_sigstop_hang_then_sigcont_is_fenced_and_bit_identical
@@ -124,6 +126,7 @@ def test_two_failures_in_a_row_with_guards_adopted_then_released(tmp_path, refer
     assert [d["standbys"] for d in done] == [{"n2": "s2"}, {"s2": "s1"}]
     assert [d["resume_step"] for d in done] == [10, 31]
     assert done[0]["shadow_steps"] == {} and done[0]["phases_s"]["warm_up"] < 0.05, done[0]  # warm already
+    assert done[1]["shadow_steps"] == {"2": 0, "3": 0}, done[1]  # s1, fresh: none needed (the test above)
     released = job.events("guard_released")
     assert [(e["standby"], e["ranks"]) for e in released] == [("s1", [0, 1])], released
     assert "no general standby" in released[0]["reason"]

@@ -112,3 +112,71 @@ def test_too_few_recorded_steps_or_a_group_created_later_need_another_shadow_ite
     assert _steady({"world": three}, {"world": 1}) == ""
     assert "group(s) pg3 recorded but not created" in _steady({"world": three}, {"world": 1}, {"world", "pg3"})
     assert "group pg2 is not replayed" in _steady({"world": three, "pg2": None}, {"world": 1, "pg2": 0})
+
+
+def _from_start(recs, positions, recorded=None, regroup=None):
+    return sandbox.unsteady_from_start(recs, positions, set(recs) if recorded is None else recorded, regroup, 2)
+
+
+def test_a_replacement_runs_no_shadow_iteration_when_steps_0_1_and_2_are_alike(tmp_path):
+    # set-up: 1 op; steps 0, 1 and 2: the same 2 ops
+    entries = [_op(4, "broadcast")] + [_op(), _op(8)] * 3
+    rec = _recording(tmp_path, "world", entries, [1, 3, 5])
+    assert _from_start({"world": rec}, {"world": 1}) == ""
+    # the script's set-up replayed other ops than the job's: its first step would not be the job's
+    assert "replay at op 0 after the set-up, the job's step 0 began at 1" in _from_start({"world": rec}, {"world": 0})
+    # a collective of step 0 only (a statistic the first iteration of a process computes)
+    once = [_op(4, "broadcast"), _op(), _op(3, "broadcast"), _op(8)] + [_op(), _op(8)] * 2
+    rec = _recording(tmp_path, "world", once, [1, 4, 6])
+    assert "step 0 issued other collectives (3 ops) than step 2 (2)" in _from_start({"world": rec}, {"world": 1})
+
+
+def test_ddp_s_first_bucket_layout_and_its_regrouping_are_allowed_for_its_own_group_only(tmp_path):
+    # DDP: step 0 reduces one bucket of 12; step 1 begins with the regrouping's two broadcasts, then reduces the
+    # regrouped buckets of 4 and 8 (torch's Reducer::rebuild_buckets), as step 2 does; the rank-state exchange
+    # (an allgather) follows each step's reduction
+    gather = ("allgather", [torch.ones(1)])
+    entries = [_op(4, "broadcast"), _op(12), gather, _op(5, "broadcast"), _op(2, "broadcast"), _op(4), _op(8),
+               gather, _op(4), _op(8), gather]
+    rec = _recording(tmp_path, "world", entries, [1, 3, 8])
+    assert _from_start({"world": rec}, {"world": 1}, regroup="world") == ""
+    assert "step 0 issued other collectives (2 ops) than step 2 (3)" in _from_start({"world": rec}, {"world": 1})
+    assert "is not one of this rank's groups" in _from_start({"world": rec}, {"world": 1}, regroup="pg2")
+    # the buckets of step 0 reduced less than step 2's: not DDP's layout alone
+    short = entries[:1] + [_op(11)] + entries[2:]
+    rec = _recording(tmp_path, "world", short, [1, 3, 8])
+    assert "step 0 issued other" in _from_start({"world": rec}, {"world": 1}, regroup="world")
+    # step 1 begins with something else than the regrouping's broadcasts (a collective of the script's own)
+    other = entries[:3] + [_op(5, "allgather"), _op(2, "broadcast")] + entries[5:]
+    rec = _recording(tmp_path, "world", other, [1, 3, 8])
+    assert "step 1 issued other collectives (5 ops, 2 of them regrouping DDP) than step 2 (3)" in \
+        _from_start({"world": rec}, {"world": 1}, regroup="world")
+
+
+def test_a_replacement_s_missing_groups_or_short_recordings_need_a_shadow_iteration(tmp_path):
+    entries = [_op(), _op(), _op()]
+    three = _recording(tmp_path, "world", entries, [0, 1, 2])
+    assert _from_start({"world": three}, {"world": 0}) == ""
+    two = _recording(tmp_path, "world", entries, [0, 1])
+    assert "2 recorded step(s), 3 needed" in _from_start({"world": two}, {"world": 0})
+    assert "pg3 recorded but not created before the first step" in \
+        _from_start({"world": three}, {"world": 0}, {"world", "pg3"})
+    assert "group pg2 is not replayed" in _from_start({"world": three, "pg2": None}, {"world": 0, "pg2": 0})
+
+
+def test_replay_seeks_within_the_recording_only(tmp_path):
+    mover = mb.MoverBackend(0, 1, None)
+    mover.load_recording([("allreduce", [torch.full((2,), float(i))]) for i in range(3)])
+    mover.set_mode("replay")
+    mover.seek_replay(2)
+    assert (mover.replay_position, mover.replay_remaining) == (2, 1)
+    out = torch.zeros(2)
+    mover.allreduce([out]).wait()
+    assert out.tolist() == [2.0, 2.0]  # the op seeked to
+    mover.seek_replay(0)
+    assert mover.replay_position == 0
+    with pytest.raises(RuntimeError, match="outside the recording"):
+        mover.seek_replay(4)
+    with pytest.raises(RuntimeError, match="outside the recording"):
+        mover.seek_replay(-1)
+    assert mover.replay_position == 0
