@@ -12,7 +12,8 @@ from its replicas on s1, the node that just joined. Every rank's final parameter
 (learning rate included) are bit-identical to an uninterrupted run: a redone step counts its batch once.
 
 A second job adds a collective each process makes once, in its own second iteration: the joiners must run it in
-their sandbox (more than one shadow iteration), and the migration commits without a hang, bit-identical.
+their sandbox (more than one shadow iteration), and the migration commits without a hang, bit-identical. A third
+makes it in each process's first iteration and kills a node: its replacements run one shadow iteration, not none.
 """
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ def test_a_migration_then_a_kill_mid_step_are_bit_identical(tmp_path):
     assert sorted(plan["sends"]) == [[2, 0], [3, 1]], plan  # from s1's ranks, the joiners
     done, = of(p.Event.RECOVERY_DONE)
     assert done["standbys"] == {"n1": "s2"}, done
+    # no shadow iteration: the recorded steps 0, 1 and 2 issued the same collectives (DDP's bucket layout and
+    # regrouping aside; the statistic's all-reduce and DDP's buffer broadcast in every forward pass)
+    assert done["shadow_steps"] == {"0": 0, "1": 0}, done
     assert final_hashes(run_dir) == expected
 
 
@@ -89,4 +93,29 @@ def test_a_collective_of_a_process_s_second_iteration_keeps_the_joiner_in_its_sa
     committed, = [e for e in journal if e["event"] == p.Event.MIGRATION_COMMITTED]
     assert committed["shadow_steps"] == {"2": 3, "3": 3}, committed
     assert not [e for e in journal if e["event"] == p.Event.RECOVERY_STARTED]
+    assert final_hashes(run_dir) == expected
+
+
+@pytest.mark.timeout(300)
+def test_a_collective_of_a_process_s_first_iteration_gives_a_replacement_a_shadow_iteration(tmp_path):
+    """``--calibrate-first``: every process all-reduces once in its own first iteration, then n2 is killed. The
+    job's recorded step 0 issues a collective its step 2 does not, so the replacements (a general standby) replay
+    it in one shadow iteration (worker.sandbox.unsteady_from_start) instead of running none: had they run none,
+    their redone step would make that all-reduce live where the survivors make none, and the job would hang until
+    gloo's timeout."""
+    steps = ("--steps", "24", "--step-time-s", "0.15")
+    subprocess.run(command(str(tmp_path / "reference"), 0, "--calibrate-first", *steps), check=True, timeout=120,
+                   stdout=subprocess.DEVNULL)
+    expected = final_hashes(str(tmp_path / "reference"))
+    run_dir = str(tmp_path / "job")
+    proc = subprocess.Popen(command(run_dir, 1, "--calibrate-first", "--fault", "n2:12", *steps),
+                            stdout=subprocess.DEVNULL)
+    try:
+        assert proc.wait(timeout=240) == 0
+    finally:
+        end_job(proc)
+    journal = events(run_dir)
+    done, = [e for e in journal if e["event"] == p.Event.RECOVERY_DONE]
+    assert done["standbys"] == {"n2": "s1"} and done["shadow_steps"] == {"2": 1, "3": 1}, done
+    assert done["phases_s"]["total"] < 30, done  # no gloo timeout on the way
     assert final_hashes(run_dir) == expected

@@ -7,7 +7,7 @@ and ``zero_grad()`` after ``optimizer.step()``. Each step's batch is drawn from 
 step). Writes ``<run_dir>/final/rank<R>.json`` like examples/train_gpt.py.
 
     python tests/e2e/scripts/varied.py --steps 30 [--norm layer|batch] [--fault NODE:STEP] [--step-time-s S]
-                                       [--stats-from STEP] [--calibrate-once]
+                                       [--stats-from STEP] [--calibrate-once] [--calibrate-first]
 
 Two optimizers (the output layer's AdamW, the body's SGD) and two micro-batches per step (the first under DDP's
 ``no_sync()``, ``--accumulate``). Mixed precision as GPU scripts do it: the forward pass under ``torch.autocast``
@@ -24,6 +24,8 @@ counts from the start): a buffer that no step before STEP changes.
 ``--calibrate-once``: each process, in its own second iteration (whatever step that is: a joiner's shadow
 iterations count), all-reduces a calibration statistic once, as a lazily initialised module would (DDP's regrouping
 of its buckets is torch's own such collective): a joiner must run that iteration in its sandbox, not live.
+``--calibrate-first``: the same in each process's own first iteration: a failure's replacement must run one shadow
+iteration (it runs none where the job's first steps are alike).
 
 ``--fault NODE:STEP``: every process started on NODE (``TM_NODE``) kills itself with SIGKILL in STEP, after the
 last micro-batch's forward pass (the buffers changed, the first micro-batch's gradients accumulated) and before its
@@ -55,6 +57,8 @@ def main() -> None:
     ap.add_argument("--stats-from", type=int, default=0, help="the step at which the running average starts")
     ap.add_argument("--calibrate-once", action="store_true",
                     help="a collective in each process's own second iteration only")
+    ap.add_argument("--calibrate-first", action="store_true",
+                    help="a collective in each process's own first iteration only")
     args = ap.parse_args()
 
     import torch
@@ -124,7 +128,7 @@ def main() -> None:
                             and not session.is_shadow:
                         os.kill(os.getpid(), signal.SIGKILL)
                     scaler.scale(loss).backward()
-            if args.calibrate_once and iterations == 2:
+            if (args.calibrate_once and iterations == 2) or (args.calibrate_first and iterations == 1):
                 torch.distributed.all_reduce(torch.ones(5))  # its value is not used: only the collective matters
             scaler.unscale_(opt)
             scaler.unscale_(head_opt)
