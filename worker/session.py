@@ -349,6 +349,22 @@ class Session:
             {g.name: g.mover for g in groups}, record_dir, self.rank, {g.name: g.ranks for g in groups},
             self._step_starts)
 
+    def _recorded_groups(self) -> Optional[set[str]]:
+        """Every group this rank's recordings cover (tmd.protocol.layout ``recorded_groups``), or None (logged)
+        when they cannot be listed: the joiner then runs the shadow iterations it would run anyway."""
+        try:
+            return p.layout.recorded_groups(self._assign.record_dir, self.rank)
+        except OSError as e:
+            log.warning("rank %d: the shadow iterations it would run anyway (the recordings cannot be listed: %s)",
+                        self.rank, e)
+            return None
+
+    def _replay_state(self) -> tuple[dict, dict]:
+        """Each group's :class:`sandbox.Recording` and its mover's replay position now, by group name: the first
+        two arguments of ``sandbox.unsteady_from_start`` and ``unsteady_after_first``."""
+        groups = self._groups.groups.values()
+        return {g.name: g.recording for g in groups}, {g.name: g.mover.replay_position for g in groups}
+
     def _no_shadow_iteration_needed(self) -> bool:
         """A failure's replacement, before any shadow iteration: whether it may run none, its first live step
         being the redone step. The shadow iteration would cost a step of compute on the failure's critical path
@@ -361,20 +377,17 @@ class Session:
         iteration. What a first step warms (the allocator, lazily built optimizer state) the redone step does,
         at a small cost (~0.05 s of CPU for the demo GPT). Exits the process (a fresh standby takes over) when
         the replay refuses the regrouping the check allowed."""
-        groups = list(self._groups.groups.values())
-        try:
-            recorded = p.layout.recorded_groups(self._assign.record_dir, self.rank)
-        except OSError as e:
-            log.warning("rank %d: a shadow iteration (the recordings cannot be listed: %s)", self.rank, e)
+        recorded = self._recorded_groups()
+        if recorded is None:
             return False
+        groups = list(self._groups.groups.values())
         ok, ddp = ddp_to_regroup()
         regroup = None
         if ddp is not None:
             mover = backend.mover_of(ddp.process_group)
             regroup = next((g.name for g in groups if g.mover is mover), "(not a group of this session)")
         why = "DDP models this joiner cannot regroup" if not ok else sandbox.unsteady_from_start(
-            {g.name: g.recording for g in groups}, {g.name: g.mover.replay_position for g in groups}, recorded,
-            regroup, REGROUP_OPS)
+            *self._replay_state(), recorded, regroup, REGROUP_OPS)
         if why:
             log.info("rank %d: a shadow iteration before the redone step (%s)", self.rank, why)
             return False
@@ -386,8 +399,7 @@ class Session:
         except RuntimeError as e:
             exit_process(p.ExitCode.FAILED, f"replacement for rank {self.rank}: DDP's regrouping before the first "
                                             f"step failed: {e}")
-        why = sandbox.unsteady_after_first({g.name: g.recording for g in groups},
-                                           {g.name: g.mover.replay_position for g in groups}, recorded)
+        why = sandbox.unsteady_after_first(*self._replay_state(), recorded)
         if why:
             exit_process(p.ExitCode.FAILED, f"replacement for rank {self.rank}: after DDP's regrouping: {why}")
         log.info("rank %d: no shadow iteration (the job's first steps were alike%s)", self.rank,
@@ -402,14 +414,10 @@ class Session:
         which needs ``--record-steps`` >= 3). Otherwise the joiner runs more shadow iterations, as many as it
         would without this shortcut, and the reason goes to the log."""
         regrouped = regroup_ddp_buckets()
-        groups = self._groups.groups.values()
-        try:
-            recorded = p.layout.recorded_groups(self._assign.record_dir, self.rank)
-        except OSError as e:  # cannot tell which groups the job recorded: the iterations it would run anyway
-            log.warning("rank %d: another shadow iteration (the recordings cannot be listed: %s)", self.rank, e)
+        recorded = self._recorded_groups()
+        if recorded is None:
             return False
-        why = sandbox.unsteady_after_first({g.name: g.recording for g in groups},
-                                           {g.name: g.mover.replay_position for g in groups}, recorded)
+        why = sandbox.unsteady_after_first(*self._replay_state(), recorded)
         if why:
             log.info("rank %d: another shadow iteration (%s)", self.rank, why)
         else:
