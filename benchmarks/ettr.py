@@ -115,9 +115,16 @@ def event_loss(series: dict[int, tuple[float, float]], event_ts: float, end_step
     s), to ``end_step`` (the switch step or the redone step plus ``AFTER_STEPS``); its baseline is the median
     time of the ``before`` steps before ``start``. Returns ``{"start_step", "end_step", "baseline_s", "window_s",
     "lost_s"}`` (seconds; ``lost_s`` = window wall time - its steps x baseline, a failed attempt's time
-    included), or None when the window or its baseline is not in ``series``."""
+    included), or None when the window or its baseline is not in ``series``.
+
+    A step the series lacks just before the window (tmd journals a step's time only once every rank reported it,
+    and a kill can take a rank's report of its last step with it) moves the window's start back to the last step
+    the series has, with the steps between counted in the window."""
     start = min((s for s, (ts, _) in series.items() if ts >= event_ts), default=None)
-    if start is None or end_step < start or (start - 1) not in series or end_step not in series:
+    if start is None or end_step < start or end_step not in series:
+        return None
+    start = next((s + 1 for s in range(start - 1, start - 1 - before, -1) if s in series), None)
+    if start is None:
         return None
     base = [series[s][1] for s in range(start - before, start) if s in series]
     if len(base) < before // 2:

@@ -70,6 +70,11 @@ def test_an_event_s_loss_is_its_window_over_its_own_baseline():
     assert ettr.event_loss(s, 50.0, end_step=28) is None  # no step after the event
     assert ettr.event_loss(s, 20.5, end_step=45) is None  # the window's end is not in the series
     assert ettr.event_loss({k: v for k, v in s.items() if k > 15}, 20.5, end_step=28) is None  # no baseline
+    # the step just before the window has no entry (a killed rank never reported it): the window starts one
+    # step earlier and counts that step too
+    gap = {k: v for k, v in s.items() if k != 20}
+    assert ettr.event_loss(gap, 20.5, end_step=28) == {"start_step": 20, "end_step": 28, "baseline_s": 1.0,
+                                                       "window_s": 10.5, "lost_s": 1.5}
 
 
 def test_summarise_counts_every_event_s_loss_or_gives_no_figure():
