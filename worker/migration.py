@@ -175,22 +175,27 @@ class Migration:
     def before_switch(self, step: int) -> None:
         """At a boundary before ``step`` that is not a switch step: a leaver whose switch step is armed at most
         ``PRECOPY_LEAD_STEPS`` ahead starts its pre-copy (worker.precopy) here, once (a later start means fewer
-        optimizer steps for the joiner to replay); one whose migration ended without a switch drops it."""
+        optimizer steps for the joiner to replay), and tells it when ``step`` is the last before the switch step;
+        one whose migration ended without a switch drops it."""
         control = self.control
         switch, pc = control.switch, self.precopy
         if pc is not None and (switch is None or switch.migration_id != pc.migration_id):
             pc.cancel()
             self.precopy = None
-        if self.precopy is not None or switch is None or not 0 < switch.step - step <= PRECOPY_LEAD_STEPS \
-                or control.migration_role != p.MigrationRole.LEAVER or os.environ.get(PRECOPY_ENV) == "0":
+        if switch is None:
             return
-        try:
-            pg = control.groups.transfer_group(switch.migration_id, 1.0)
-        except RuntimeError as e:  # no transfer group: the switch step sends everything (and reports the error)
-            log.warning("rank %d: no pre-copy for migration %d: %s", control.rank, switch.migration_id, e)
-            return
-        self.precopy = precopy.Precopy(pg, switch.migration_id, self.objects, ops_issued=control.groups.ops_issued)
-        self.precopy.start(step)
+        if self.precopy is None and 0 < switch.step - step <= PRECOPY_LEAD_STEPS \
+                and control.migration_role == p.MigrationRole.LEAVER and os.environ.get(PRECOPY_ENV) != "0":
+            try:
+                pg = control.groups.transfer_group(switch.migration_id, 1.0)
+            except RuntimeError as e:  # no transfer group: the switch step sends everything (and reports it)
+                log.warning("rank %d: no pre-copy for migration %d: %s", control.rank, switch.migration_id, e)
+                return
+            self.precopy = precopy.Precopy(pg, switch.migration_id, self.objects,
+                                           ops_issued=control.groups.ops_issued)
+            self.precopy.start(step)
+        if self.precopy is not None and switch.step - step == 1:
+            self.precopy.last_step()
 
     def switch_boundary(self, switch: p.Switch) -> None:
         """At the start of the switch step: the leaver sends its state; stayers and leaver wait for the decision

@@ -72,6 +72,8 @@ def migrate(opt_cls=torch.optim.AdamW, hook=None, pre_hook=False, late_hook=None
         if late_hook is not None:
             leaver["optimizer"].register_step_pre_hook(late_hook)
         for step in range(START, SWITCH):
+            if step == SWITCH - 1:
+                pc.last_step()  # as worker.migration does: its gradients are sent in place
             train_step(leaver, step, **step_kw)
         full = pc.moved
         moved, seconds = pc.finish(SWITCH, torch.get_rng_state())
@@ -116,6 +118,22 @@ def test_sgd_with_zero_grad_in_place_and_clamping():
     # the clamp changes a parameter outside the step: SGD's tensors then travel in the tail, and it is still exact
     assert "outside its step" in pc.off["optimizer"]
     assert pc.kept == 0
+    assert same(flat_state(leaver), flat_state(joiner))
+
+
+def test_the_last_step_s_gradients_travel_unpacked_and_a_zero_grad_in_place_cannot_tear_them(monkeypatch):
+    packed = []  # per gradient message: was it packed first (send_state got on_packed)?
+    send = transfer.send_state
+
+    def spy(pg, objects, extra, *a, **kw):
+        if extra.get("kind") == precopy.Kind.GRADS:
+            packed.append(kw.get("on_packed") is not None)
+        return send(pg, objects, extra, *a, **kw)
+
+    monkeypatch.setattr(transfer, "send_state", spy)
+    leaver, joiner, pc, _, _ = migrate(zero_in_place=True)
+    assert packed == [True] * (SWITCH - START - 1) + [False]
+    assert pc.off == {} and pc.replayed == {"optimizer": SWITCH - START}
     assert same(flat_state(leaver), flat_state(joiner))
 
 
@@ -340,9 +358,9 @@ def test_a_sender_that_falls_behind_turns_replay_off_instead_of_stalling(monkeyp
     monkeypatch.setattr(precopy, "PACK_TIMEOUT_S", 0.05)
     slow = precopy.Precopy._send_grads
 
-    def late(self, job, name, grads, groups):
+    def late(self, job, name, grads, groups, pack):
         time.sleep(0.3)  # still busy when the post-hook waits
-        slow(self, job, name, grads, groups)
+        slow(self, job, name, grads, groups, pack)
 
     monkeypatch.setattr(precopy.Precopy, "_send_grads", late)
     leaver, joiner, pc, _, _ = migrate()
