@@ -137,6 +137,26 @@ def test_the_last_step_s_gradients_travel_unpacked_and_a_zero_grad_in_place_cann
     assert same(flat_state(leaver), flat_state(joiner))
 
 
+def test_the_joiner_receives_every_step_s_gradients_into_buffers_touched_after_the_precopy(monkeypatch):
+    made, used = [], []
+    gradient_buffers, replay = precopy.gradient_buffers, precopy._replay
+
+    def buffers(objects):
+        made.extend(gradient_buffers(objects))
+        return made
+
+    def spy(objects, name, state):
+        used.append({g.untyped_storage().data_ptr() for g in state["grads"]})
+        return replay(objects, name, state)
+
+    monkeypatch.setattr(precopy, "gradient_buffers", buffers)
+    monkeypatch.setattr(precopy, "_replay", spy)
+    leaver, joiner, pc, _, _ = migrate()
+    assert len(made) == 1 and made[0].numel() == sum(p.numel() for p in joiner["model"].parameters())
+    assert used == [{made[0].untyped_storage().data_ptr()}] * (SWITCH - START)  # one buffer, every step
+    assert same(flat_state(leaver), flat_state(joiner))
+
+
 def test_the_scripts_step_hooks_run_around_the_replay_and_stay_exact():
     calls = []
 
