@@ -17,8 +17,11 @@ goes on, and the joiner then follows the leaver's optimizer steps, so at S only 
    so a ``zero_grad`` after the step cannot tear them (at most ``PACK_TIMEOUT_S``: a sender still busy with an
    earlier message turns that optimizer's replay off instead of stalling training). In the last step before S
    (:meth:`Precopy.last_step`) nothing is packed: the sender reads the gradients in place and the post-hook waits
-   until they are sent. The joiner's replay of that step is what the stayers wait for at S, and the copy cost
-   it ~15-25 ms on a busy 2-core host; the leaver's own lateness in its last step delays nobody. The joiner sets them as its parameters' ``.grad`` and runs
+   until they are sent (at most ``DELIVERY_TIMEOUT_S``: turning replay off there would only put the whole
+   optimizer state in the tail). The joiner's replay of that step is what the stayers wait for at S, and the copy
+   cost it ~15-25 ms on a busy 2-core host; the leaver's own lateness in its last step delays nobody. The joiner
+   receives them into buffers it touched once the pre-copy was loaded (:func:`gradient_buffers`), sets them as
+   its parameters' ``.grad`` and runs
    the same optimizer's step function with hooks bypassed: the same inputs, code and thread count give
    bit-identical outputs.
 3. **Tail** (leaver, at the boundary before S; built while the last gradients are still sent): every managed
@@ -225,6 +228,7 @@ class _Fixed:
 class _Job:
     run: Callable[["_Job"], None]  # sends; sets ``packed`` once the tensors it reads may change
     packed: threading.Event = dataclasses.field(default_factory=threading.Event)
+    in_place: bool = False  # the tensors are sent unpacked: ``packed`` is set once they are sent
 
 
 class Precopy:
@@ -291,8 +295,8 @@ class Precopy:
     def last_step(self) -> None:
         """At the boundary before the last step before the switch step: from now on each optimizer step's
         gradients are sent as they are, not packed first, and its post-hook waits until they are sent (at most
-        ``PACK_TIMEOUT_S``, then that optimizer is not replayed). Earlier steps pack them, so that the leaver goes
-        on training while they travel."""
+        ``DELIVERY_TIMEOUT_S`` seconds, then that optimizer is not replayed). Earlier steps pack them, so that the
+        leaver goes on training while they travel."""
         self.in_place = True
 
     def finish(self, step: int, rng: torch.Tensor) -> tuple[int, float]:
@@ -353,7 +357,8 @@ class Precopy:
             return
         grads = [p.grad for p in _params(opt)]
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]  # a scheduler's lr...
-        job = self._grads = _Job(lambda job: self._send_grads(job, name, grads, groups, pack=not self.in_place))
+        job = self._grads = _Job(lambda job: self._send_grads(job, name, grads, groups, pack=not job.in_place),
+                                 in_place=self.in_place)
         self.replayed[name] += 1
         self._jobs.put(job)
         self._ops_before = self.ops_issued() if self.ops_issued is not None else None
@@ -363,12 +368,13 @@ class Precopy:
         job, self._grads = self._grads, None
         if job is None:
             return
-        # Once the gradients are copied (sent, in the last step) the script may zero them. The sender packs them
-        # right away unless it is still sending something earlier (a slow link, a stopped joiner): then stop
-        # replaying (the tail sends that optimizer's tensors by value), never stall here.
-        if not job.packed.wait(PACK_TIMEOUT_S):
-            self._turn_off(name, f"its gradients were not packed within {PACK_TIMEOUT_S:.0f} s (sent, in the last "
-                                 "step; the sender is behind)")
+        # Once the gradients are copied the script may zero them. The sender packs them right away unless it is
+        # still sending something earlier (a slow link, a stopped joiner): then stop replaying (the tail sends that
+        # optimizer's tensors by value), never stall here. In the last step, wait until they are sent.
+        wait_s = DELIVERY_TIMEOUT_S if job.in_place else PACK_TIMEOUT_S
+        if not job.packed.wait(wait_s):
+            self._turn_off(name, f"its gradients were not {'sent' if job.in_place else 'packed'} within "
+                                 f"{wait_s:.0f} s (the sender is behind)")
         if self._ops_before is not None and self.ops_issued() != self._ops_before:  # the joiner's replay of this
             self._turn_off(name, "its step issued collectives")  # step would have had them answered from records
         if name not in self.off:

@@ -388,6 +388,22 @@ def test_a_sender_that_falls_behind_turns_replay_off_instead_of_stalling(monkeyp
     assert same(flat_state(leaver), flat_state(joiner))
 
 
+def test_in_the_last_step_a_slow_send_is_waited_for_and_replay_stays_on(monkeypatch):
+    # turning replay off there would only move the whole optimizer state in the tail
+    monkeypatch.setattr(precopy, "PACK_TIMEOUT_S", 0.05)
+    send = precopy.Precopy._send_grads
+
+    def late(self, job, name, grads, groups, pack):
+        if not pack:
+            time.sleep(0.3)  # the last step's send: longer than PACK_TIMEOUT_S
+        send(self, job, name, grads, groups, pack)
+
+    monkeypatch.setattr(precopy.Precopy, "_send_grads", late)
+    leaver, joiner, pc, _, _ = migrate(zero_in_place=True)
+    assert pc.off == {} and pc.replayed == {"optimizer": SWITCH - START}
+    assert same(flat_state(leaver), flat_state(joiner))
+
+
 # --- DTensor optimizers (FSDP2, tensor parallel) ------------------------------------------------------------------
 # Both ends stand for rank 1 of a 4-rank world on torch's fake process group (the ``mesh`` fixture): an
 # AdamW step on DTensors is elementwise on the local shards and issues no collective.
