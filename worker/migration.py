@@ -81,14 +81,15 @@ class Migration:
         self.finish_agent = finish_agent
         self.migration_id = 0  # a joiner's migration (from its Assign; 0 for a failure's replacement)
         self.prealloc: Optional[list[torch.Tensor]] = None  # a joiner's pre-touched receive buffers
+        self.grad_buffers: list[torch.Tensor] = []  # and those of its replayed steps' gradients (worker.precopy)
         self.shadow_steps = 0  # shadow iterations this joiner ran
 
     # --- joiner ------------------------------------------------------------------------------------------------------
     def shadow(self, n: int, report_warmed: bool, pretouch: bool = True,
                enough_after_one: Optional[Callable[[], bool]] = None) -> Iterator[int]:
         """Yield the ``n`` shadow steps ``0 .. n-1`` (stage SHADOW: collectives replayed, results thrown away),
-        then free the recordings, pre-touch the receive buffers (if ``pretouch``: a failure's replacement receives
-        into fresh ones) and, if ``report_warmed``, report ``warmed``. ``enough_after_one``: called (still in
+        then free the recordings, pre-touch the receive buffers, for the state and for the gradients of replayed
+        optimizer steps (if ``pretouch``: a failure's replacement receives into fresh ones) and, if ``report_warmed``, report ``warmed``. ``enough_after_one``: called (still in
         SHADOW) after the first step; True ends the shadow iterations there."""
         groups = self.control.groups
         self.control.enter(Stage.SHADOW)
@@ -107,12 +108,13 @@ class Migration:
             g.mover.load_recording([])  # free the recordings
         if pretouch:
             self.prealloc = transfer.pretouch(transfer.plan_buffers(self.objects))
+            self.grad_buffers = precopy.gradient_buffers(self.objects)
         if report_warmed:
             self.reports.report(self.migration_id, p.MigrationPhase.WARMED, shadow_steps=self.shadow_steps)
 
     def drop_buffers(self) -> None:
         """Free the pre-touched receive buffers (a replacement receives its state into fresh ones)."""
-        self.prealloc = None
+        self.prealloc, self.grad_buffers = None, []
 
     def join(self) -> Optional[int]:
         """Joiner: wait for the switch, receive and verify the leaver's state, commit, and return the switch step
@@ -140,7 +142,7 @@ class Migration:
             # Load before the decision: on an abort this sandboxed process is thrown away. A state that does not
             # fit (other keys, shards of another layout) is refused here, tmd aborts and training goes on.
             early_ok = os.environ.get(EARLY_COMMIT_ENV) != "0"
-            extra, moved, seconds = precopy.follow(pg, self.objects, self.prealloc,
+            extra, moved, seconds = precopy.follow(pg, self.objects, self.prealloc, self.grad_buffers,
                                                    on_precopy=precopied if early_ok else None)
         except Exception as e:  # noqa: BLE001 - reported; tmd aborts, or falls back to a replica (after an
             # early ``transferred`` the commit may be decided already: this rank is then lost, see below)
@@ -152,7 +154,7 @@ class Migration:
                 return None
             exit_process(p.ExitCode.FAILED, f"joiner for rank {control.rank}: state transfer of migration {mid} "
                                             f"failed ({type(e).__name__}: {e}) and no recovery plan came")
-        self.prealloc = None
+        self.drop_buffers()
         torch.set_rng_state(extra["rng"])
         if not early:
             self.reports.report(mid, p.MigrationPhase.TRANSFERRED, bytes_moved=moved, seconds=seconds)

@@ -64,7 +64,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -621,9 +621,9 @@ def gradient_buffers(objects: dict[str, Any]) -> list[torch.Tensor]:
     """Touched receive buffers for the gradients of every replayable managed optimizer of ``objects``: for each,
     the flat buffers (one per dtype and device; a DTensor parameter's local shard) that a message of its
     parameters' gradients fills (worker.transfer.plan_buffers, with the joiner's own parameters standing for the
-    leaver's gradients). Allocated (bytes: the parameters' size) and page-faulted once the pre-copy is loaded, so
-    the last step's gradients, which the stayers wait for at the switch step, land in memory that is already
-    mapped (6-8 ms of CPU for the demo GPT's 13 MB on this machine). A message whose layout differs (a parameter
+    leaver's gradients). Allocated (bytes: the parameters' size) and page-faulted at the end of a joiner's
+    warm-up (worker.migration), so the last step's gradients, which the stayers wait for at the switch step, land
+    in memory that is already mapped (6-8 ms of CPU for the demo GPT's 13 MB on this machine). A message whose layout differs (a parameter
     without a gradient, a tensor learning rate) gets fresh buffers instead."""
     out: list[torch.Tensor] = []
     for obj in objects.values():
@@ -633,14 +633,15 @@ def gradient_buffers(objects: dict[str, Any]) -> list[torch.Tensor]:
 
 
 def follow(pg: Any, objects: dict[str, Any], buffers: Optional[list[torch.Tensor]] = None,
-           keys: Any = None, on_precopy: Optional[Callable[[int, float], None]] = None) -> tuple[dict, int, float]:
+           grad_buffers: Sequence[torch.Tensor] = (), keys: Any = None,
+           on_precopy: Optional[Callable[[int, float], None]] = None) -> tuple[dict, int, float]:
     """The joiner's side: receive the leaver's messages until the last one (a ``full`` state, or a pre-copy,
     its replayed optimizer steps and the tail), loading and replaying as they come. ``buffers``: pre-touched
-    receive buffers for the first message (the list is emptied once that message is loaded).
+    receive buffers for the first message (the list is emptied once that message is loaded); ``grad_buffers``:
+    for every replayed step's gradients (:func:`gradient_buffers`; a step's gradients are garbage once replayed,
+    so every step uses them again).
     ``on_precopy(bytes, seconds)`` is called once a pre-copy is loaded (its size and receive time; not for a
-    ``full`` state); then the gradients' receive buffers are made (:func:`gradient_buffers`; each replayed
-    step's gradients are garbage once replayed, so every step uses them again). After the tail, the leaver is
-    told it was loaded
+    ``full`` state). After the tail, the leaver is told it was loaded
     (:meth:`Precopy.delivered`). Returns (the last message's extra: ``step``, ``rng``; bytes moved in all; seconds
     the last message took from its first byte). Raises TransferRefused (a message out of order, a reference or
     gradient that does not fit), the errors of worker.transfer.recv_state and load_state, and RuntimeError when
@@ -655,9 +656,8 @@ def follow(pg: Any, objects: dict[str, Any], buffers: Optional[list[torch.Tensor
         buffers.clear()
     if kind == Kind.PRECOPY and on_precopy is not None:
         on_precopy(moved, seconds)
-    grads = gradient_buffers(objects) if kind == Kind.PRECOPY else []
     while kind != Kind.FULL:
-        states, extra, m, seconds = transfer.recv_state(pg, LEAVER, grads, keys=keys)
+        states, extra, m, seconds = transfer.recv_state(pg, LEAVER, list(grad_buffers), keys=keys)
         moved += m
         kind = extra.get("kind") if type(extra) is dict else None
         if kind == Kind.GRADS:

@@ -55,9 +55,10 @@ def train_step(objs, step, zero_in_place=False, clamp=False):
     objs["data"].next_step = step + 1
 
 
-def migrate(opt_cls=torch.optim.AdamW, hook=None, pre_hook=False, late_hook=None, **step_kw):
+def migrate(opt_cls=torch.optim.AdamW, hook=None, pre_hook=False, late_hook=None, grad_buffers=None, **step_kw):
     """Train the leaver to the switch step with a pre-copy at START; return (leaver, joiner, precopy, extra,
-    tail bytes)."""
+    tail bytes). ``grad_buffers(joiner)`` makes the joiner's gradient receive buffers (default: the joiner's
+    precopy.gradient_buffers, as worker.migration makes them)."""
     leaver, joiner = build(1, opt_cls), build(2, opt_cls)
     if hook is not None:
         opt = leaver["optimizer"]
@@ -83,6 +84,7 @@ def migrate(opt_cls=torch.optim.AdamW, hook=None, pre_hook=False, late_hook=None
     precopied = []  # (bytes, seconds) of the pre-copy, reported by the joiner before the tail
     pretouched = transfer.pretouch(transfer.plan_buffers(joiner))  # the joiner's receive buffers
     assert pretouched
+    grads = (grad_buffers or precopy.gradient_buffers)(joiner)
 
     def loaded(*a):
         assert pretouched == []  # freed once the pre-copy was loaded: not in the switch step
@@ -90,7 +92,7 @@ def migrate(opt_cls=torch.optim.AdamW, hook=None, pre_hook=False, late_hook=None
 
     with cf.ThreadPoolExecutor(2) as ex:
         left = ex.submit(leave)
-        joined = ex.submit(precopy.follow, b, joiner, pretouched, on_precopy=loaded)
+        joined = ex.submit(precopy.follow, b, joiner, pretouched, grads, on_precopy=loaded)
         pc, tail = left.result(timeout=50)
         extra, moved, _ = joined.result(timeout=50)
     assert moved == pc.moved
@@ -137,21 +139,20 @@ def test_the_last_step_s_gradients_travel_unpacked_and_a_zero_grad_in_place_cann
     assert same(flat_state(leaver), flat_state(joiner))
 
 
-def test_the_joiner_receives_every_step_s_gradients_into_buffers_touched_after_the_precopy(monkeypatch):
+def test_the_joiner_receives_every_step_s_gradients_into_its_touched_buffers(monkeypatch):
     made, used = [], []
-    gradient_buffers, replay = precopy.gradient_buffers, precopy._replay
+    replay = precopy._replay
 
     def buffers(objects):
-        made.extend(gradient_buffers(objects))
+        made.extend(precopy.gradient_buffers(objects))
         return made
 
     def spy(objects, name, state):
         used.append({g.untyped_storage().data_ptr() for g in state["grads"]})
         return replay(objects, name, state)
 
-    monkeypatch.setattr(precopy, "gradient_buffers", buffers)
     monkeypatch.setattr(precopy, "_replay", spy)
-    leaver, joiner, pc, _, _ = migrate()
+    leaver, joiner, pc, _, _ = migrate(grad_buffers=buffers)
     assert len(made) == 1 and made[0].numel() == sum(p.numel() for p in joiner["model"].parameters())
     assert used == [{made[0].untyped_storage().data_ptr()}] * (SWITCH - START)  # one buffer, every step
     assert same(flat_state(leaver), flat_state(joiner))
