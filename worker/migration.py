@@ -89,8 +89,9 @@ class Migration:
                enough_after_one: Optional[Callable[[], bool]] = None) -> Iterator[int]:
         """Yield the ``n`` shadow steps ``0 .. n-1`` (stage SHADOW: collectives replayed, results thrown away),
         then free the recordings, pre-touch the receive buffers, for the state and for the gradients of replayed
-        optimizer steps (if ``pretouch``: a failure's replacement receives into fresh ones) and, if ``report_warmed``, report ``warmed``. ``enough_after_one``: called (still in
-        SHADOW) after the first step; True ends the shadow iterations there."""
+        optimizer steps (if ``pretouch``: a failure's replacement receives into fresh ones) and, if
+        ``report_warmed``, report ``warmed``. ``enough_after_one``: called (still in SHADOW) after the first step;
+        True ends the shadow iterations there."""
         groups = self.control.groups
         self.control.enter(Stage.SHADOW)
         prev = time.perf_counter()

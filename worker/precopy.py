@@ -20,7 +20,7 @@ goes on, and the joiner then follows the leaver's optimizer steps, so at S only 
    until they are sent (at most ``DELIVERY_TIMEOUT_S``: turning replay off there would only put the whole
    optimizer state in the tail). The joiner's replay of that step is what the stayers wait for at S, and the copy
    cost it ~15-25 ms on a busy 2-core host; the leaver's own lateness in its last step delays nobody. The joiner
-   receives them into buffers it touched once the pre-copy was loaded (:func:`gradient_buffers`), sets them as
+   receives them into buffers it touched at the end of its warm-up (:func:`gradient_buffers`), sets them as
    its parameters' ``.grad`` and runs
    the same optimizer's step function with hooks bypassed: the same inputs, code and thread count give
    bit-identical outputs.
@@ -623,8 +623,8 @@ def gradient_buffers(objects: dict[str, Any]) -> list[torch.Tensor]:
     parameters' gradients fills (worker.transfer.plan_buffers, with the joiner's own parameters standing for the
     leaver's gradients). Allocated (bytes: the parameters' size) and page-faulted at the end of a joiner's
     warm-up (worker.migration), so the last step's gradients, which the stayers wait for at the switch step, land
-    in memory that is already mapped (6-8 ms of CPU for the demo GPT's 13 MB on this machine). A message whose layout differs (a parameter
-    without a gradient, a tensor learning rate) gets fresh buffers instead."""
+    in memory that is already mapped (6-8 ms of CPU for the demo GPT's 13 MB on this machine). A message whose
+    layout differs (a parameter without a gradient, a tensor learning rate) gets fresh buffers instead."""
     out: list[torch.Tensor] = []
     for obj in objects.values():
         if isinstance(obj, torch.optim.Optimizer) and replayable_class(obj):
@@ -657,6 +657,8 @@ def follow(pg: Any, objects: dict[str, Any], buffers: Optional[list[torch.Tensor
     if kind == Kind.PRECOPY and on_precopy is not None:
         on_precopy(moved, seconds)
     while kind != Kind.FULL:
+        # A gradient message's tensors are garbage once replayed; the tail's may be kept by what loads them (an
+        # optimizer's load_state_dict keeps the tensors it is given), but no message follows the tail.
         states, extra, m, seconds = transfer.recv_state(pg, LEAVER, list(grad_buffers), keys=keys)
         moved += m
         kind = extra.get("kind") if type(extra) is dict else None
