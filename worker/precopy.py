@@ -357,8 +357,7 @@ class Precopy:
             return
         grads = [p.grad for p in _params(opt)]
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]  # a scheduler's lr...
-        job = self._grads = _Job(lambda job: self._send_grads(job, name, grads, groups, pack=not job.in_place),
-                                 in_place=self.in_place)
+        job = self._grads = _Job(lambda job: self._send_grads(job, name, grads, groups), in_place=self.in_place)
         self.replayed[name] += 1
         self._jobs.put(job)
         self._ops_before = self.ops_issued() if self.ops_issued is not None else None
@@ -446,11 +445,11 @@ class Precopy:
                                        keys=self.keys, on_packed=job.packed.set)
         self.moved += moved
 
-    def _send_grads(self, job: _Job, name: str, grads: list, groups: list, pack: bool) -> None:
-        # unpacked: ``packed`` is set once sent (by _run)
+    def _send_grads(self, job: _Job, name: str, grads: list, groups: list) -> None:
+        # in place: ``packed`` is set once sent (by _run)
         moved, _ = transfer.send_state(self.pg, {"grads": _Fixed({"grads": grads, "groups": groups})},
                                        {"kind": Kind.GRADS.value, "optimizer": name}, keys=self.keys,
-                                       on_packed=job.packed.set if pack else None)
+                                       on_packed=None if job.in_place else job.packed.set)
         self.moved += moved
 
 

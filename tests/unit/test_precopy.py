@@ -379,9 +379,9 @@ def test_a_sender_that_falls_behind_turns_replay_off_instead_of_stalling(monkeyp
     monkeypatch.setattr(precopy, "PACK_TIMEOUT_S", 0.05)
     slow = precopy.Precopy._send_grads
 
-    def late(self, job, name, grads, groups, pack):
+    def late(self, job, name, grads, groups):
         time.sleep(0.3)  # still busy when the post-hook waits
-        slow(self, job, name, grads, groups, pack)
+        slow(self, job, name, grads, groups)
 
     monkeypatch.setattr(precopy.Precopy, "_send_grads", late)
     leaver, joiner, pc, _, _ = migrate()
@@ -394,10 +394,10 @@ def test_in_the_last_step_a_slow_send_is_waited_for_and_replay_stays_on(monkeypa
     monkeypatch.setattr(precopy, "PACK_TIMEOUT_S", 0.05)
     send = precopy.Precopy._send_grads
 
-    def late(self, job, name, grads, groups, pack):
-        if not pack:
+    def late(self, job, name, grads, groups):
+        if job.in_place:
             time.sleep(0.3)  # the last step's send: longer than PACK_TIMEOUT_S
-        send(self, job, name, grads, groups, pack)
+        send(self, job, name, grads, groups)
 
     monkeypatch.setattr(precopy.Precopy, "_send_grads", late)
     leaver, joiner, pc, _, _ = migrate(zero_in_place=True)
