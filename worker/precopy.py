@@ -19,7 +19,10 @@ goes on, and the joiner then follows the leaver's optimizer steps, so at S only 
    (:meth:`Precopy.last_step`) nothing is packed: the sender reads the gradients in place and the post-hook waits
    until they are sent (at most ``DELIVERY_TIMEOUT_S``: turning replay off there would only put the whole
    optimizer state in the tail). The joiner's replay of that step is what the stayers wait for at S, and the copy
-   cost it ~15-25 ms on a busy 2-core host; the leaver's own lateness in its last step delays nobody. The joiner
+   cost it ~15-25 ms on a busy 2-core host; the leaver's own lateness in its last step delays nobody. But a
+   sender that has not begun that send within ``PACK_TIMEOUT_S`` (still busy with an earlier message: the joiner
+   is slow to take it) sends a copy the post-hook makes instead, so the leaver never waits on a joiner that has
+   not reached that message (:meth:`_Job.copy_unless_started`). The joiner
    receives them into buffers it touched at the end of its warm-up (:func:`gradient_buffers`), sets them as
    its parameters' ``.grad`` and runs
    the same optimizer's step function with hooks bypassed: the same inputs, code and thread count give
@@ -78,6 +81,7 @@ DELIVERED_TAG = 2  # the joiner's 1-byte confirmation that it loaded the tail (w
 DELIVERY_TIMEOUT_S = 60.0  # a leaver waits this long for the joiner's confirmation that it loaded the tail
 CONFIRM_TIMEOUT_S = 5.0  # a joiner waits this long for the leaver to take that confirmation
 PACK_TIMEOUT_S = 2.0  # a post-hook waits this long for its gradients to be packed, then stops replaying that optimizer
+#                       (in the last step: for their send to begin, then has a copy sent)
 
 
 class Kind(enum.StrEnum):
@@ -229,6 +233,23 @@ class _Job:
     run: Callable[["_Job"], None]  # sends; sets ``packed`` once the tensors it reads may change
     packed: threading.Event = dataclasses.field(default_factory=threading.Event)
     in_place: bool = False  # the tensors are sent unpacked: ``packed`` is set once they are sent
+    tensors: list = dataclasses.field(default_factory=list)  # what a gradient job sends (see Precopy._after_step)
+    started: bool = False  # the sender thread began to run it (under ``lock``)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def copy_unless_started(self) -> bool:
+        """An in-place job the sender has not begun yet sends private copies of its tensors instead, so that the
+        caller may change the originals from now on. Returns False (nothing copied) once the sender began."""
+        with self.lock:
+            if self.started:
+                return False
+            self.tensors = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in self.tensors]
+            return True
+
+    def begin(self) -> None:
+        """The sender thread is about to run it: from now on its tensors are read as they are."""
+        with self.lock:
+            self.started = True
 
 
 class Precopy:
@@ -295,8 +316,9 @@ class Precopy:
     def last_step(self) -> None:
         """At the boundary before the last step before the switch step: from now on each optimizer step's
         gradients are sent as they are, not packed first, and its post-hook waits until they are sent (at most
-        ``DELIVERY_TIMEOUT_S`` seconds, then that optimizer is not replayed). Earlier steps pack them, so that the
-        leaver goes on training while they travel."""
+        ``DELIVERY_TIMEOUT_S`` seconds, then that optimizer is not replayed), unless the sender has not begun
+        that send within ``PACK_TIMEOUT_S`` seconds: the post-hook then copies them, the copy is sent and the
+        post-hook returns. Earlier steps pack them, so that the leaver goes on training while they travel."""
         self.in_place = True
 
     def finish(self, step: int, rng: torch.Tensor) -> tuple[int, float]:
@@ -357,7 +379,8 @@ class Precopy:
             return
         grads = [p.grad for p in _params(opt)]
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]  # a scheduler's lr...
-        job = self._grads = _Job(lambda job: self._send_grads(job, name, grads, groups), in_place=self.in_place)
+        job = self._grads = _Job(lambda job: self._send_grads(job, name, groups), in_place=self.in_place,
+                                 tensors=grads)
         self.replayed[name] += 1
         self._jobs.put(job)
         self._ops_before = self.ops_issued() if self.ops_issued is not None else None
@@ -369,11 +392,16 @@ class Precopy:
             return
         # Once the gradients are copied the script may zero them. The sender packs them right away unless it is
         # still sending something earlier (a slow link, a stopped joiner): then stop replaying (the tail sends that
-        # optimizer's tensors by value), never stall here. In the last step, wait until they are sent.
-        wait_s = DELIVERY_TIMEOUT_S if job.in_place else PACK_TIMEOUT_S
-        if not job.packed.wait(wait_s):
-            self._turn_off(name, f"its gradients were not {'sent' if job.in_place else 'packed'} within "
-                                 f"{wait_s:.0f} s (the sender is behind)")
+        # optimizer's tensors by value), never stall here. In the last step, wait until they are sent, as long
+        # as their send goes on; one the sender has not begun within PACK_TIMEOUT_S sends a copy made here.
+        if job.in_place:
+            sent = job.packed.wait(PACK_TIMEOUT_S) or job.copy_unless_started() \
+                or job.packed.wait(DELIVERY_TIMEOUT_S - PACK_TIMEOUT_S)
+            if not sent:
+                self._turn_off(name, f"its gradients' send took over {DELIVERY_TIMEOUT_S:.0f} s")
+        elif not job.packed.wait(PACK_TIMEOUT_S):
+            self._turn_off(name, f"its gradients were not packed within {PACK_TIMEOUT_S:.0f} s (the sender is "
+                                 "behind)")
         if self._ops_before is not None and self.ops_issued() != self._ops_before:  # the joiner's replay of this
             self._turn_off(name, "its step issued collectives")  # step would have had them answered from records
         if name not in self.off:
@@ -431,6 +459,7 @@ class Precopy:
                 if job is None:
                     return
                 if self.error is None:
+                    job.begin()
                     job.run(job)
             except BaseException as e:  # noqa: BLE001 - finish() raises it on the training thread
                 self.error = e
@@ -445,9 +474,9 @@ class Precopy:
                                        keys=self.keys, on_packed=job.packed.set)
         self.moved += moved
 
-    def _send_grads(self, job: _Job, name: str, grads: list, groups: list) -> None:
+    def _send_grads(self, job: _Job, name: str, groups: list) -> None:
         # in place: ``packed`` is set once sent (by _run)
-        moved, _ = transfer.send_state(self.pg, {"grads": _Fixed({"grads": grads, "groups": groups})},
+        moved, _ = transfer.send_state(self.pg, {"grads": _Fixed({"grads": job.tensors, "groups": groups})},
                                        {"kind": Kind.GRADS.value, "optimizer": name}, keys=self.keys,
                                        on_packed=None if job.in_place else job.packed.set)
         self.moved += moved

@@ -379,9 +379,9 @@ def test_a_sender_that_falls_behind_turns_replay_off_instead_of_stalling(monkeyp
     monkeypatch.setattr(precopy, "PACK_TIMEOUT_S", 0.05)
     slow = precopy.Precopy._send_grads
 
-    def late(self, job, name, grads, groups):
+    def late(self, job, name, groups):
         time.sleep(0.3)  # still busy when the post-hook waits
-        slow(self, job, name, grads, groups)
+        slow(self, job, name, groups)
 
     monkeypatch.setattr(precopy.Precopy, "_send_grads", late)
     leaver, joiner, pc, _, _ = migrate()
@@ -394,13 +394,43 @@ def test_in_the_last_step_a_slow_send_is_waited_for_and_replay_stays_on(monkeypa
     monkeypatch.setattr(precopy, "PACK_TIMEOUT_S", 0.05)
     send = precopy.Precopy._send_grads
 
-    def late(self, job, name, grads, groups):
+    def late(self, job, name, groups):
         if job.in_place:
             time.sleep(0.3)  # the last step's send: longer than PACK_TIMEOUT_S
-        send(self, job, name, grads, groups)
+        send(self, job, name, groups)
 
     monkeypatch.setattr(precopy.Precopy, "_send_grads", late)
     leaver, joiner, pc, _, _ = migrate(zero_in_place=True)
+    assert pc.off == {} and pc.replayed == {"optimizer": SWITCH - START}
+    assert same(flat_state(leaver), flat_state(joiner))
+
+
+def test_in_the_last_step_a_send_not_begun_in_time_goes_from_a_copy_and_the_leaver_goes_on(monkeypatch):
+    # the sender is still busy with the step before (a joiner slow to take it): the leaver does not wait for the
+    # joiner in its last step, and a zero_grad in place after it cannot tear what is sent
+    monkeypatch.setattr(precopy, "PACK_TIMEOUT_S", 0.05)
+    send, copy = precopy.Precopy._send_grads, precopy._Job.copy_unless_started
+    events = []
+
+    sends = []
+
+    def slow_before_the_last(self, job, name, groups):
+        if job.in_place:
+            events.append(("last send begins", time.perf_counter()))
+        send(self, job, name, groups)
+        sends.append(job)
+        if len(sends) == SWITCH - START - 1:
+            time.sleep(0.3)  # the step before the last one's: packed (its post-hook went on), then the sender lingers
+
+    def spy(job):
+        copied = copy(job)
+        events.append((f"copied {copied}", time.perf_counter()))
+        return copied
+
+    monkeypatch.setattr(precopy.Precopy, "_send_grads", slow_before_the_last)
+    monkeypatch.setattr(precopy._Job, "copy_unless_started", spy)
+    leaver, joiner, pc, _, _ = migrate(zero_in_place=True)
+    assert [e for e, _ in events] == ["copied True", "last send begins"]
     assert pc.off == {} and pc.replayed == {"optimizer": SWITCH - START}
     assert same(flat_state(leaver), flat_state(joiner))
 
