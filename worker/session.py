@@ -21,9 +21,11 @@ worker.exit (the one way to end the process early), worker.groups, worker.sandbo
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -444,6 +446,15 @@ class Session:
         gc.freeze()
 
 
+def dump_stacks_on(signum: int) -> bool:
+    """Make signal ``signum`` write every thread's Python stack to stderr (faulthandler; the process goes on),
+    unless the process already handles it. Returns whether it was installed."""
+    if signal.getsignal(signum) is not signal.SIG_DFL:
+        return False
+    faulthandler.register(signum, all_threads=True)
+    return True
+
+
 def init(coordinator: Optional[str] = None, store_timeout_s: float = 120.0) -> Session:
     """Join the job: register with tmd and wait for a role. On an active rank this returns at once with the
     mover-backed world group installed as the default process group (backend ``tmover``); on a standby it
@@ -451,8 +462,10 @@ def init(coordinator: Optional[str] = None, store_timeout_s: float = 120.0) -> S
     when tmd releases it (with tmd's exit code). Reads ``TM_COORDINATOR``, ``TM_NODE``, ``TM_LOCAL_RANK``,
     ``TM_STANDBY``, ``TM_RUN_DIR`` from the environment (set by ``tmd local`` or the SLURM scripts).
     ``store_timeout_s``: seconds to wait for the job's TCPStore. Raises KeyError when ``TM_COORDINATOR`` is
-    missing."""
+    missing. Unless the script handles ``SIGUSR1`` itself, that signal makes the process write every thread's
+    Python stack to its stderr and go on (``kill -USR1 PID``: where a stuck rank waits)."""
     address = coordinator or os.environ["TM_COORDINATOR"]
+    dump_stacks_on(signal.SIGUSR1)
     # Under srun without TM_NODE/TM_LOCAL_RANK: SLURM's node name (hostnames may repeat) and local task id.
     node = os.environ.get("TM_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     local_rank = int(os.environ.get("TM_LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or "0")

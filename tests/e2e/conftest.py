@@ -14,9 +14,12 @@ that job runs: a cache miss would then compete with it for the machine's cores a
 """
 from __future__ import annotations
 
+import glob
+import os
+
 import pytest
 
-from tests.support.job import reference_hashes
+from tests.support.job import diagnose, reference_hashes
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +36,17 @@ def gpt_reference(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed end-to-end test's report carries each of its jobs' stacks, last events and log tails
+    (tests.support.job.diagnose): CI keeps only what the run printed, not the run directories."""
+    outcome = yield
+    report = outcome.get_result()
+    tmp_path = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
+    if call.when != "call" or not report.failed or tmp_path is None:
+        return
+    for journal in sorted(glob.glob(os.path.join(str(tmp_path), "**", "events.jsonl"), recursive=True)):
+        run_dir = os.path.dirname(journal)
+        report.sections.append((f"job in {run_dir}", diagnose(run_dir)))

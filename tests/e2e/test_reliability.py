@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 import pytest
 import zmq
@@ -42,13 +43,25 @@ def reference(gpt_reference) -> dict[int, str]:
     return gpt_reference(STEPS)
 
 
+@pytest.fixture(autouse=True)
+def _end_jobs():
+    """Every Job a test started ends with the test (after a failure's report took the job's stacks)."""
+    yield
+    while Job.started:
+        Job.started.pop().close()
+
+
 class Job:
     """A local-mode job of STEPS steps with ``standbys`` standby nodes, started in ``tmp_path``."""
 
+    started: list["Job"] = []  # by the current test
+
     def __init__(self, tmp_path, standbys: int) -> None:
         self.run_dir = str(tmp_path / "job")
+        self.client: Optional[Client] = None
         self.proc = subprocess.Popen(tmd_command(self.run_dir, standbys, STEPS, True, True, BASE),
                                      stdout=subprocess.DEVNULL)
+        Job.started.append(self)
         address = wait_for_address(self.run_dir, self.proc)
         self.client = Client(address, timeout_s=10.0, keys_dir=find_keys(self.run_dir, None))
 
@@ -82,8 +95,12 @@ class Job:
         try:
             return self.proc.wait(timeout=timeout_s)
         finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.client is not None:
             self.client.close()
-            end_job(self.proc)
+        end_job(self.proc)
 
 
 @pytest.mark.timeout(300)

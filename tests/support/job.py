@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -130,3 +131,43 @@ def scrape(run_dir: str) -> dict[tuple[str, tuple], float]:
         body = r.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(body) for s in family.samples}
+
+
+def diagnose(run_dir: str, settle_s: float = 1.0, lines: int = 15, stack_lines: int = 80,
+             last_events: int = 30) -> str:
+    """What a failed end-to-end test prints about the job in ``run_dir``: the last ``last_events`` journal
+    events; each rank process still running is asked for its threads' stacks (SIGUSR1, see
+    worker.session.init; written to its log) and, after ``settle_s`` seconds, each log's last ``lines`` lines
+    from before that and at most ``stack_lines`` lines of what came after (the stacks)."""
+    from tests.support import events
+
+    try:
+        journal = events(run_dir)
+    except OSError as e:
+        return f"no journal: {e}"
+    logs = {path: os.path.getsize(path) for path in sorted(glob.glob(os.path.join(run_dir, "logs", "*.log")))}
+    dumped = []
+    for e in journal:
+        if e["event"] == p.Event.WORKER_REGISTERED and _is_rank_of(e["pid"], run_dir):
+            os.kill(e["pid"], signal.SIGUSR1)
+            dumped.append(f"{e['node']}/{e['local_rank']}")
+    if dumped:
+        time.sleep(settle_s)  # faulthandler writes from the signal handler: no event to wait on
+    out = ["last events:", *(json.dumps(e)[:300] for e in journal[-last_events:]),
+           f"stacks asked of the processes still running: {', '.join(dumped) or 'none'}"]
+    for path, size in logs.items():
+        with open(path, "rb") as f:
+            before = f.read(size).decode(errors="replace").splitlines()[-lines:]
+            after = f.read().decode(errors="replace").splitlines()[:stack_lines]
+        out += [f"--- {os.path.basename(path)}", *before, f"--- {os.path.basename(path)}, since the signal", *after]
+    return "\n".join(out)
+
+
+def _is_rank_of(pid: int, run_dir: str) -> bool:
+    """Whether ``pid`` still runs with ``TM_RUN_DIR`` set to ``run_dir`` (not a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    except OSError:
+        return False
+    return os.path.realpath(env.get(b"TM_RUN_DIR", b"").decode(errors="replace")) == os.path.realpath(run_dir)
