@@ -6,7 +6,8 @@ nodes (the joiners), all in one prepare and one switch step.
 
 - requested:   validated; joiners are told their ranks (Assign role=joiner): the i-th leaver node's ranks go to
                the i-th standby's processes, in local-rank order.
-- warming:     joiners run shadow iterations, replaying the recorded collectives (no communication).
+- warming:     joiners run shadow iterations, replaying the recorded collectives (no communication). Phase 1
+               starts once they are warm and every stayer of the migration before passed its switch step.
 - prepared:    phase 1 done: every party built the next generation of the groups that contain a leaver, in the
                background, while training went on. (Entered after every ``prepared`` ack.)
 - switching:   a switch step S was chosen and every party armed it; the leaver sends its state peer to peer to
@@ -113,6 +114,8 @@ class Migration(Episode):
     joiner_lag_s: Optional[float] = None  # last joiner ready at S - last stayer ready at S (seconds; see on_phase)
     shadow_steps: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> its joiner's shadow iterations
     lost: str = ""  # after the decision: why a party was lost (failure recovery repairs it)
+    switched: set[bytes] = dataclasses.field(default_factory=set)  # stayers that reported ``committed`` at S
+    prepare_held: bool = False  # warm, but phase 1 waits for the previous migration's stayers (see _prepare)
 
     @property
     def source(self) -> str:
@@ -341,6 +344,8 @@ class Migrations(Episodes[Migration]):
             if done is not None and any(w is s for s in done.stayers.values()):
                 # how long training stood still on this stayer at the switch step (it may report after commit)
                 done.pause_s = round(max(done.pause_s or 0.0, msg.seconds), 6)
+                done.switched.add(w.identity)
+                self._release_prepare()
                 return
         if msg.phase == MigrationPhase.SENT and msg.ok:
             done = self.find(msg.migration_id) if msg.migration_id >= 0 else None
@@ -437,10 +442,12 @@ class Migrations(Episodes[Migration]):
         self.abort(m, f"{role} {w.node}/{w.local_rank} {why} during {m.state}")
 
     def tick(self, now_mono: float) -> None:
-        """Abort the running migration if it is past its deadline (``now_mono``: time.monotonic())."""
+        """Abort the running migration if it is past its deadline (``now_mono``: time.monotonic()); start its
+        held phase 1 once the previous migration's stayers passed its switch step (see :meth:`_prepare`)."""
         m = self.current
         if m is not None and m.overdue(now_mono):
             self.abort(m, f"timed out in state {m.state} after {m.deadline_s:.0f} s")
+        self._release_prepare()
 
     def leaver_step(self, w: Worker, step: int) -> bool:
         """Whether ``w``'s report of ``step`` still counts for its rank although the rank passed to a joiner: a
@@ -507,7 +514,15 @@ class Migrations(Episodes[Migration]):
 
     def _prepare(self, m: Migration) -> None:
         """Every joiner is warm: start phase 1 (every party builds the next generation of the groups that
-        contain a leaver; leavers and joiners also their 2-rank transfer group)."""
+        contain a leaver; leavers and joiners also their 2-rank transfer group). Held while a stayer of the
+        previous migration may not have reached that one's switch step yet (:meth:`_unswitched`): a migration
+        commits once its joiners run step S, and a stayer a few ms behind would take the next Prepare's role,
+        groups and cleared decision for its own switch step (it would hang there, the job with it). Phase 1
+        then starts on that stayer's ``committed`` report, or at the tick after its report of step S."""
+        if self._unswitched():
+            m.prepare_held = True
+            return
+        m.prepare_held = False
         m.mark(MigrationMark.PREPARE_STARTED)
         self.journal.record(Event.MIGRATION_PHASE, migration_id=m.id, phase=MigrationMark.PREPARE_STARTED)
         leaver_ranks = sorted(m.leavers)
@@ -518,6 +533,23 @@ class Migrations(Episodes[Migration]):
                 self.channel.send(w, p.Prepare(migration_id=m.id, generation=m.generation, role=role,
                                                leaver_ranks=leaver_ranks, transfer_prefix=prefix))
         m.set_deadline(self.deadlines_s[MigrationState.PREPARED])
+
+    def _unswitched(self) -> list[Worker]:
+        """The live stayers of the migration before the current one, if it committed, that have not reported
+        passing its switch step S: no ``committed`` report (a stayer with groups to swap sends one at S) and no
+        step report of S or later (every stayer's, once it ran S). An earlier one was settled before its
+        successor's phase 1 started."""
+        before = self.all[-2] if len(self.all) >= 2 else None
+        if before is None or before.state != MigrationState.COMMITTED or before.switch_step is None:
+            return []
+        return [w for w in before.stayers.values() if not w.exited and w.identity not in before.switched
+                and w.step <= before.switch_step]
+
+    def _release_prepare(self) -> None:
+        """Start the current migration's held phase 1 if nothing holds it any more."""
+        m = self.current
+        if m is not None and m.prepare_held and m.state == MigrationState.WARMING:
+            self._prepare(m)
 
     def _arm(self, m: Migration) -> None:
         """Pick the switch step: far enough ahead that every party hears of it before reaching it."""

@@ -85,8 +85,14 @@ class Commands:
 
     def on_prepare(self, msg: p.Prepare) -> None:
         """Phase 1 of ``msg.migration_id``: build the next generation on a background thread; it reports
-        ``prepared`` when done (ok or not)."""
-        self.control.on_prepare(msg)
+        ``prepared`` when done (ok or not). Refused (``prepared`` not ok, nothing changes) while this rank has
+        another migration's switch step armed: that switch step reads the role and decision a Prepare replaces
+        (tmd holds a Prepare until every stayer passed the previous switch step; this guards the rank anyway)."""
+        refused = self.control.on_prepare(msg)
+        if refused:
+            log.warning("refusing Prepare of migration %d: %s", msg.migration_id, refused)
+            self.reports.report(msg.migration_id, p.MigrationPhase.PREPARED, ok=False, error=refused)
+            return
         groups = self.control.groups
         if groups is None:
             log.warning("ignoring Prepare of migration %d: no rank assigned yet", msg.migration_id)

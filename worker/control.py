@@ -211,12 +211,19 @@ class Control:
             self._plan = msg
             self._cv.notify_all()
 
-    def on_prepare(self, msg: p.Prepare) -> None:
-        """A new migration: remember this rank's part in it and forget the previous decision."""
+    def on_prepare(self, msg: p.Prepare) -> str:
+        """A new migration: remember this rank's part in it and forget the previous decision. Refused (returns
+        why; nothing changes) while another migration's switch step is armed and not behind this rank: the
+        training thread acts on it with that migration's role and decision. Returns "" when taken."""
         with self._cv:
+            armed = self._switch
+            if armed is not None and armed.migration_id != msg.migration_id and armed.step >= self._step:
+                return (f"switch step {armed.step} of migration {armed.migration_id} is armed here (at step "
+                        f"{self._step})")
             self._migration_role, self._migration_id = msg.role, msg.migration_id
             self._decision = None
             self._cv.notify_all()
+            return ""
 
     def on_switch(self, msg: p.Switch) -> Armed:
         """Arm the switch step unless it is late (an active rank already at or past ``msg.step``)."""

@@ -56,10 +56,10 @@ class Job:
 
     started: list["Job"] = []  # by the current test
 
-    def __init__(self, tmp_path, standbys: int) -> None:
+    def __init__(self, tmp_path, standbys: int, *script_args: str) -> None:
         self.run_dir = str(tmp_path / "job")
         self.client: Optional[Client] = None
-        self.proc = subprocess.Popen(tmd_command(self.run_dir, standbys, STEPS, True, True, BASE),
+        self.proc = subprocess.Popen(tmd_command(self.run_dir, standbys, STEPS, True, True, BASE + script_args),
                                      stdout=subprocess.DEVNULL)
         Job.started.append(self)
         address = wait_for_address(self.run_dir, self.proc)
@@ -143,6 +143,20 @@ def test_back_to_back_migrations_then_a_leaver_lost_in_phase_1(tmp_path, referen
     assert job.events(p.Event.RECOVERY_STARTED)[0]["adopted"] == {"s1": "s3"}  # the warm joiners carry on
     failed, done = job.events(p.Event.NODE_FAILED)[0], job.events(p.Event.RECOVERY_DONE)
     assert len(done) == 1 and done[0]["ts"] - failed["ts"] < RECOVERY_BOUND_S, (failed, done)
+
+
+@pytest.mark.timeout(300)
+def test_a_migration_requested_while_a_stayer_is_still_before_the_last_switch_step(tmp_path, reference):
+    """Rank 0 (n1) sleeps 0.3 s at the end of each step from 4 to 25: migration 1 (n2 -> s1) commits once its
+    joiners run S while n1 is still in step S - 1, and migration 2 (n1 -> s2) is requested at once. Its phase 1
+    must wait until n1 passed S: a Prepare arriving before would replace the role and decision n1's switch step
+    acts on (the job hung there). Both commit, and the final state is the uninterrupted run's."""
+    job = Job(tmp_path, 2, "--slow-rank", "0", "--slow-s", "0.3", "--slow-steps", ",".join(map(str, range(4, 26))))
+    first = job.finished(job.migrate("n2", "s1"))
+    second = job.finished(job.migrate("n1", "s2"))
+    assert (first["event"], second["event"]) == (p.Event.MIGRATION_COMMITTED,) * 2, (first, second)
+    assert job.finish() == 0
+    assert final_hashes(job.run_dir) == reference
 
 
 @pytest.mark.timeout(60)

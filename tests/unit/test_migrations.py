@@ -307,6 +307,37 @@ def test_downtime_is_never_negative_and_each_migration_gets_its_own(world):
         [m1.id, m2.id]
 
 
+def test_a_back_to_back_migrations_phase_1_waits_until_every_stayer_passed_the_last_switch_step():
+    reg = Registry(["n1", "n2"], 2, ["s1", "s2"])
+    for node in ("n1", "n2", "s1", "s2"):
+        for lr in range(2):
+            reg.add_worker(Worker(f"{node}/{lr}".encode(), node, lr, 100, "h"))
+    for rank, w in reg.rank_owner.items():
+        w.step = 10
+        for s in range(1, 10):
+            reg.record_step(rank, s, 0.1)
+    sent: list[tuple[str, p.Message]] = []
+    migs = Migrations(reg, Journal(None), RecordingChannel(sent, world_size=4, generation=1), record_steps=3)
+    first = commit_migration(migs, reg)  # n2 -> s1, committed once s1's processes run S
+    S = first.switch_step
+    sent.clear()
+    second = migs.request("n1", "s2")
+    ack(migs, reg, ["s2/0", "s2/1"], MigrationPhase.WARMED, mid=second.id)
+    assert not any(isinstance(msg, p.Prepare) for _, msg in sent)  # n1 may still be before S
+    assert second.prepare_held and second.state == MigrationState.WARMING
+    ack(migs, reg, ["n1/0"], MigrationPhase.COMMITTED, mid=first.id, step=S)  # n1/0 swapped its groups at S
+    migs.tick(0.0)
+    assert not any(isinstance(msg, p.Prepare) for _, msg in sent)  # n1/1 has not
+    reg.by_identity[b"n1/1"].step = S  # its report of step S - 1: at S, maybe not past it yet
+    migs.tick(0.0)
+    assert not any(isinstance(msg, p.Prepare) for _, msg in sent)
+    reg.by_identity[b"n1/1"].step = S + 1  # it reported step S: past it
+    migs.tick(0.0)
+    prepares = {w: msg for w, msg in sent if isinstance(msg, p.Prepare)}
+    assert set(prepares) == {"n1/0", "n1/1", "s1/0", "s1/1", "s2/0", "s2/1"}
+    assert all(msg.migration_id == second.id for msg in prepares.values()) and not second.prepare_held
+
+
 # --- several nodes in one migration ------------------------------------------------------------------------------
 @pytest.fixture
 def world4():

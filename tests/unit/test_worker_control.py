@@ -194,6 +194,24 @@ def test_prepare_forgets_the_previous_decision_and_a_decision_wakes_a_waiter():
     assert out["value"] is True and c.decision.migration_id == 2
 
 
+def test_a_prepare_is_refused_while_another_migrations_switch_step_is_still_ahead():
+    # a stayer a few ms behind migration 1's switch step must keep migration 1's role and decision for it
+    c = active(step=10)
+    c.on_prepare(p.Prepare(migration_id=1, generation=2, role=p.MigrationRole.STAYER, leaver_ranks=[2, 3],
+                           transfer_prefix=""))
+    c.on_switch(switch(12))
+    c.on_decide(decide(True))
+    second = p.Prepare(migration_id=2, generation=3, role=p.MigrationRole.LEAVER, leaver_ranks=[0, 1],
+                       transfer_prefix="tm/x")
+    for step in (11, 12):  # before S, and at S (the training thread may be inside its switch boundary)
+        c.boundary(step)
+        assert "switch step 12 of migration 1 is armed" in c.on_prepare(second)
+        assert c.migration_role == p.MigrationRole.STAYER and c.decision.commit and c.migration_id == 1
+    c.clear_switch(1)  # acted on
+    assert c.on_prepare(second) == ""
+    assert c.migration_role == p.MigrationRole.LEAVER and c.decision is None and c.migration_id == 2
+
+
 # --- assignment and release ----------------------------------------------------------------------------------------
 def test_release_exits_at_once_only_a_standby_a_joiner_or_a_fenced_process():
     finished = p.Release(reason="job finished", exit_code=int(p.ExitCode.OK))
