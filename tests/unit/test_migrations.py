@@ -18,8 +18,14 @@ pytestmark = pytest.mark.timeout(10)
 
 @pytest.fixture
 def world():
-    reg = Registry(["n1", "n2"], 2, ["s1"])
-    for node in ("n1", "n2", "s1"):
+    return make_world(["s1"])
+
+
+def make_world(standbys: list[str]):
+    """Nodes n1 (ranks 0-1) and n2 (ranks 2-3) at step 10 and warm 2-process ``standbys``: (registry,
+    Migrations, what it sent, journal)."""
+    reg = Registry(["n1", "n2"], 2, standbys)
+    for node in ("n1", "n2", *standbys):
         for lr in range(2):
             reg.add_worker(Worker(f"{node}/{lr}".encode(), node, lr, 100, "h"))
     for rank, w in reg.rank_owner.items():
@@ -308,16 +314,7 @@ def test_downtime_is_never_negative_and_each_migration_gets_its_own(world):
 
 
 def test_a_back_to_back_migrations_phase_1_waits_until_every_stayer_passed_the_last_switch_step():
-    reg = Registry(["n1", "n2"], 2, ["s1", "s2"])
-    for node in ("n1", "n2", "s1", "s2"):
-        for lr in range(2):
-            reg.add_worker(Worker(f"{node}/{lr}".encode(), node, lr, 100, "h"))
-    for rank, w in reg.rank_owner.items():
-        w.step = 10
-        for s in range(1, 10):
-            reg.record_step(rank, s, 0.1)
-    sent: list[tuple[str, p.Message]] = []
-    migs = Migrations(reg, Journal(None), RecordingChannel(sent, world_size=4, generation=1), record_steps=3)
+    reg, migs, sent, _ = make_world(["s1", "s2"])
     first = commit_migration(migs, reg)  # n2 -> s1, committed once s1's processes run S
     S = first.switch_step
     sent.clear()
