@@ -1,7 +1,8 @@
 """How a planned migration's cost grows with the world size, against a full rebuild of every group, in one run.
 Prints one JSON object and saves it (benchmarks/results/scale.json, a timeline picture per job).
 
-    python -m benchmarks.scale [--nodes 4,8,16] [--ranks-per-node 2] [--steps 40] [--migrate-at 12] [--pad-s 0.4]
+    python -m benchmarks.scale [--nodes 4,8,16] [--repeats 3] [--ranks-per-node 2] [--steps 40] [--migrate-at 12]
+                               [--pad-s 0.4]
 
 Workload: the tiny demo GPT (DDP) on K nodes x 2 ranks, plus one subgroup per node (``--group-size 2``), so the
 job has K + 1 groups (the world group and K node subgroups) and each rank is in 2 of them. One standby (s1);
@@ -19,7 +20,9 @@ node n2 migrates to it once training runs. For each size it reports, from tmd's 
 - ``downtime_s`` (switch step + 5 steps over the median) and the median step;
 - ``peak_rss_bytes``: the peak summed RSS of the job's processes (tmd, the ranks and the standby).
 
-In the same run, right after each job, ``full_rebuild_s`` is what rebuilding every group of that world costs with
+Each size runs ``--repeats`` jobs, the sizes alternated (4, 8, 16, 4, 8, 16, ...: a slow spell of the shared
+machine does not land on one size only); a size's timings are the medians over its committed jobs, every job's
+own under ``samples``. In the same run, right after each size's first job, ``full_rebuild_s`` is what rebuilding every group of that world costs with
 the job's own code path: ``world`` fresh processes (no training) meet on a TCPStore, then each builds a new
 generation of every group it is a member of (the world group and its node subgroup, ``worker.backend.build_inner``
 under a new store prefix, as ``GroupManager.build_all`` does after a failure); the figure is the slowest rank's
@@ -38,6 +41,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -167,6 +171,26 @@ def run_size(nodes: int, rpn: int, steps: int, migrate_at: int, pad_s: float, ru
     }
 
 
+TIMED = ("stayer_pause_s", "joiner_lag_s", "switch_stall_s", "prepare_s", "downtime_s", "median_step_s",
+         "peak_rss_bytes", "job_wall_s")  # a size's figures: medians over its jobs
+
+
+def summarize(samples: list[dict]) -> dict:
+    """One size's figures from its jobs (``run_size``'s dicts, in order): the first committed job's record with
+    each of ``TIMED`` replaced by its median over the committed jobs that have it (None: none has), plus
+    ``samples`` (each job's state and ``TIMED`` figures) and ``jobs_committed``. With no committed job, the first
+    job's record."""
+    committed = [s for s in samples if s.get("state") == p.MigrationState.COMMITTED]
+    out = dict((committed or samples)[0])
+    for key in TIMED:
+        values = [s[key] for s in committed if s.get(key) is not None]
+        out[key] = statistics.median(values) if values else (None if committed else out.get(key))
+    out["samples"] = [{k: s.get(k) for k in ("state", "reason", "exit_code", "error", *TIMED) if k in s}
+                      for s in samples]
+    out["jobs_committed"] = len(committed)
+    return out
+
+
 def full_rebuild_s(world: int, attempts: int = 3, timeout_s: float = 240.0) -> dict:
     """Build a new generation of every group of a ``world``-rank demo job with ``world`` fresh processes (see the
     module docstring). Returns ``seconds`` (the slowest rank's build time), ``median_rank_s``, ``wall_s`` (the
@@ -246,6 +270,7 @@ def rebuild_rank(rank: int, world: int, port: int) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", default="4,8,16", help="comma-separated node counts")
+    ap.add_argument("--repeats", type=int, default=3, help="jobs per size (alternated across sizes)")
     ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--migrate-at", type=int, default=12)
@@ -260,22 +285,29 @@ def main(argv: Optional[list[str]] = None) -> int:
         rebuild_rank(args.rebuild_rank, args.world, args.port)
         return 0
     t0 = time.monotonic()
-    sizes, run_dirs = [], []
-    for nodes in (int(n) for n in args.nodes.split(",")):
-        run_dir = os.path.join(args.run_dir, f"n{nodes}")
-        try:
-            size = run_size(nodes, args.ranks_per_node, args.steps, args.migrate_at, args.pad_s, run_dir)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:  # a size that fails is reported, the others go on
-            size = {"nodes": nodes, "world": nodes * args.ranks_per_node, "state": None, "error": str(e)}
-        try:
-            rebuild = full_rebuild_s(size["world"])
-            size.update(full_rebuild_s=rebuild["seconds"], full_rebuild_median_rank_s=rebuild["median_rank_s"],
+    node_counts = [int(n) for n in args.nodes.split(",")]
+    jobs: dict[int, list[dict]] = {n: [] for n in node_counts}
+    rebuilds: dict[int, dict] = {}
+    run_dirs = []
+    for repeat in range(args.repeats):
+        for nodes in node_counts:
+            run_dir = os.path.join(args.run_dir, f"n{nodes}-{repeat}")
+            try:
+                job = run_size(nodes, args.ranks_per_node, args.steps, args.migrate_at, args.pad_s, run_dir)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:  # a job that fails is reported, the rest go on
+                job = {"nodes": nodes, "world": nodes * args.ranks_per_node, "state": None, "error": str(e)}
+            jobs[nodes].append(job)
+            run_dirs.append(run_dir)
+            print(json.dumps(job), file=sys.stderr, flush=True)
+            if repeat == 0:
+                try:
+                    rebuild = full_rebuild_s(job["world"])
+                    rebuilds[nodes] = dict(
+                        full_rebuild_s=rebuild["seconds"], full_rebuild_median_rank_s=rebuild["median_rank_s"],
                         full_rebuild_wall_s=rebuild["wall_s"], full_rebuild_attempts=rebuild["attempts"])
-        except RuntimeError as e:
-            size.update(full_rebuild_s=None, full_rebuild_error=str(e))
-        sizes.append(size)
-        run_dirs.append(run_dir)
-        print(json.dumps(size), file=sys.stderr, flush=True)
+                except RuntimeError as e:
+                    rebuilds[nodes] = dict(full_rebuild_s=None, full_rebuild_error=str(e))
+    sizes = [{**summarize(jobs[n]), **rebuilds[n]} for n in node_counts]
     small, large = sizes[0], sizes[-1]
     ratios = {k: ratio(small.get(k), large.get(k))
               for k in ("stayer_pause_s", "switch_stall_s", "prepare_s", "full_rebuild_s", "downtime_s",
@@ -284,6 +316,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {
         "workload": {"model": "gpt-tiny", "ranks_per_node": args.ranks_per_node, "group_size": GROUP_SIZE,
                      "steps": args.steps, "migrate_at": args.migrate_at, "pad_s": args.pad_s,
+                     "repeats": args.repeats,
                      "migration": f"{LEAVER_NODE} -> {STANDBY_NODE}"},
         "sizes": sizes,
         "worlds": [small["world"], large["world"]],
@@ -297,7 +330,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(json.dumps(result), flush=True)
     if not args.no_save:
         report.save("scale", result, run_dirs)
-    return 0 if all(s["state"] == p.MigrationState.COMMITTED for s in sizes) else 1
+    return 0 if all(j["state"] == p.MigrationState.COMMITTED for js in jobs.values() for j in js) else 1
 
 
 if __name__ == "__main__":

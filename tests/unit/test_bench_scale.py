@@ -35,3 +35,23 @@ def test_ratio():
     assert scale.ratio(0.1, 0.15) == 1.5
     assert scale.ratio(None, 1.0) is None
     assert scale.ratio(0.0, 1.0) is None
+
+
+def test_summarize_takes_medians_over_the_committed_jobs_and_keeps_every_sample():
+    committed = p.MigrationState.COMMITTED
+    jobs = [{"state": committed, "world": 8, "switch_stall_s": 0.03, "prepare_s": 0.1, "rebuilt": "first"},
+            {"state": p.MigrationState.ABORTED, "reason": "timed out", "world": 8, "switch_stall_s": 9.0},
+            {"state": committed, "world": 8, "switch_stall_s": 0.01, "prepare_s": None, "rebuilt": "third"},
+            {"state": committed, "world": 8, "switch_stall_s": 0.02, "prepare_s": 0.3, "rebuilt": "fourth"}]
+    out = scale.summarize(jobs)
+    assert out["switch_stall_s"] == 0.02  # the aborted job's 9 s is not a switch figure
+    assert out["prepare_s"] == 0.2 and out["downtime_s"] is None  # medians of what the committed jobs have
+    assert out["rebuilt"] == "first" and out["jobs_committed"] == 3
+    assert [s["switch_stall_s"] for s in out["samples"]] == [0.03, 9.0, 0.01, 0.02]
+    assert out["samples"][1]["reason"] == "timed out"
+
+
+def test_summarize_of_jobs_that_all_failed_is_the_first_ones_record():
+    jobs = [{"state": None, "world": 32, "error": "tmd exited"}, {"state": None, "world": 32, "error": "again"}]
+    out = scale.summarize(jobs)
+    assert out["error"] == "tmd exited" and out["jobs_committed"] == 0 and out["switch_stall_s"] is None
