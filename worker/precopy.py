@@ -71,13 +71,15 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from worker import transfer
+from worker import datapath, transfer
 from worker.transfer import TransferRefused
 
 log = logging.getLogger("worker.precopy")
 
 LEAVER, JOINER = 0, 1  # ranks in a migration's 2-rank transfer group
-DELIVERED_TAG = 2  # the joiner's 1-byte confirmation that it loaded the tail (worker.transfer uses tags 0 and 1)
+# the joiner's 1-byte confirmation that it loaded the tail: a tag no transfer message uses (worker.transfer's
+# 0 and 1, worker.datapath's reply 1 and chunks FIRST_CHUNK_TAG .. FIRST_CHUNK_TAG + MAX_CHUNKS - 1)
+DELIVERED_TAG = datapath.FIRST_CHUNK_TAG + datapath.MAX_CHUNKS
 DELIVERY_TIMEOUT_S = 60.0  # a leaver waits this long for the joiner's confirmation that it loaded the tail
 CONFIRM_TIMEOUT_S = 5.0  # a joiner waits this long for the leaver to take that confirmation
 PACK_TIMEOUT_S = 2.0  # a post-hook waits this long for its gradients to be packed, then stops replaying that optimizer
