@@ -519,8 +519,14 @@ class Migrations(Episodes[Migration]):
         commits once its joiners run step S, and a stayer a few ms behind would take the next Prepare's role,
         groups and cleared decision for its own switch step (it would hang there, the job with it). Phase 1
         then starts on that stayer's ``committed`` report, or at the tick after its report of step S."""
-        if self._unswitched():
-            m.prepare_held = True
+        waiting = self._unswitched()
+        if waiting:
+            if not m.prepare_held:
+                m.prepare_held = True
+                m.mark(MigrationMark.PREPARE_HELD)
+                self.journal.record(Event.MIGRATION_PHASE, migration_id=m.id, phase=MigrationMark.PREPARE_HELD,
+                                    waiting_for=sorted(f"{w.node}/{w.local_rank}" for w in waiting),
+                                    previous=self.all[-2].id, previous_switch_step=self.all[-2].switch_step)
             return
         m.prepare_held = False
         m.mark(MigrationMark.PREPARE_STARTED)

@@ -314,7 +314,7 @@ def test_downtime_is_never_negative_and_each_migration_gets_its_own(world):
 
 
 def test_a_back_to_back_migrations_phase_1_waits_until_every_stayer_passed_the_last_switch_step():
-    reg, migs, sent, _ = make_world(["s1", "s2"])
+    reg, migs, sent, journal = make_world(["s1", "s2"])
     first = commit_migration(migs, reg)  # n2 -> s1, committed once s1's processes run S
     S = first.switch_step
     sent.clear()
@@ -322,6 +322,9 @@ def test_a_back_to_back_migrations_phase_1_waits_until_every_stayer_passed_the_l
     ack(migs, reg, ["s2/0", "s2/1"], MigrationPhase.WARMED, mid=second.id)
     assert not any(isinstance(msg, p.Prepare) for _, msg in sent)  # n1 may still be before S
     assert second.prepare_held and second.state == MigrationState.WARMING
+    held = [e for e in journal.since(0, 1000) if e.get("phase") == "prepare_held"]
+    assert [(e["migration_id"], e["waiting_for"], e["previous_switch_step"]) for e in held] == \
+        [(second.id, ["n1/0", "n1/1"], S)]
     ack(migs, reg, ["n1/0"], MigrationPhase.COMMITTED, mid=first.id, step=S)  # n1/0 swapped its groups at S
     migs.tick(0.0)
     assert not any(isinstance(msg, p.Prepare) for _, msg in sent)  # n1/1 has not
@@ -333,6 +336,7 @@ def test_a_back_to_back_migrations_phase_1_waits_until_every_stayer_passed_the_l
     prepares = {w: msg for w, msg in sent if isinstance(msg, p.Prepare)}
     assert set(prepares) == {"n1/0", "n1/1", "s1/0", "s1/1", "s2/0", "s2/1"}
     assert all(msg.migration_id == second.id for msg in prepares.values()) and not second.prepare_held
+    assert len([e for e in journal.since(0, 1000) if e.get("phase") == "prepare_held"]) == 1  # journalled once
 
 
 # --- several nodes in one migration ------------------------------------------------------------------------------

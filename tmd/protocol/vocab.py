@@ -118,6 +118,7 @@ class MigrationState(StrEnum):
 class MigrationMark(StrEnum):
     """Instants of a migration that are not states (kept beside the states' times in ``phases``)."""
 
+    PREPARE_HELD = "prepare_held"  # warm, but phase 1 waits for the previous migration's stayers (tmd.migration)
     PREPARE_STARTED = "prepare_started"
     TRANSFER_STARTED = "transfer_started"
 
