@@ -150,7 +150,8 @@ def test_a_migration_requested_while_a_stayer_is_still_before_the_last_switch_st
     """Rank 0 (n1) sleeps 0.3 s at the end of each step from 4 to 25: migration 1 (n2 -> s1) commits once its
     joiners run S while n1 is still in step S - 1, and migration 2 (n1 -> s2) is requested at once. Its phase 1
     must wait until n1 passed S: a Prepare arriving before would replace the role and decision n1's switch step
-    acts on (the job hung there). Both commit, and the final state is the uninterrupted run's."""
+    acts on (the job hung there, or migration 2 failed: without the fix, migration 2 aborted here). Both commit,
+    and the final state is the uninterrupted run's."""
     job = Job(tmp_path, 2, "--slow-rank", "0", "--slow-s", "0.3", "--slow-steps", ",".join(map(str, range(4, 26))))
     first = job.finished(job.migrate("n2", "s1"))
     second = job.finished(job.migrate("n1", "s2"))
