@@ -22,12 +22,13 @@ node n2 migrates to it once training runs. For each size it reports, from tmd's 
 
 Each size runs ``--repeats`` jobs, the sizes alternated (4, 8, 16, 4, 8, 16, ...: a slow spell of the shared
 machine does not land on one size only); a size's timings are the medians over its committed jobs, every job's
-own under ``samples``. In the same run, right after each size's first job, ``full_rebuild_s`` is what rebuilding every group of that world costs with
-the job's own code path: ``world`` fresh processes (no training) meet on a TCPStore, then each builds a new
-generation of every group it is a member of (the world group and its node subgroup, ``worker.backend.build_inner``
-under a new store prefix, as ``GroupManager.build_all`` does after a failure); the figure is the slowest rank's
-time for that. The ratios compare the largest world with the smallest. Target (issue 12): the stayer pause grows
-by at most 1.5x from 8 to 32 ranks while the full rebuild grows with the world.
+own under ``samples``. In the same run, right after each size's first job, ``full_rebuild_s`` is what rebuilding
+every group of that world costs with the job's own code path: ``world`` fresh processes (no training) meet on a
+TCPStore, then each builds a new generation of every group it is a member of (the world group and its node
+subgroup, ``worker.backend.build_inner`` under a new store prefix, as ``GroupManager.build_all`` does after a
+failure); the figure is the slowest rank's time for that. The ratios compare the largest world with the
+smallest. Target (issue 12): the stayer pause grows by at most 1.5x from 8 to 32 ranks while the full rebuild grows
+with the world.
 
 On this 2-core machine K x 2 processes share two cores, so every figure at 32 ranks includes oversubscription
 (the steps themselves slow down); ``--pad-s`` (the demo's ``--min-step-time-s``) keeps steps regular. Ratios

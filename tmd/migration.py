@@ -115,7 +115,11 @@ class Migration(Episode):
     shadow_steps: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> its joiner's shadow iterations
     lost: str = ""  # after the decision: why a party was lost (failure recovery repairs it)
     switched: set[bytes] = dataclasses.field(default_factory=set)  # stayers that reported ``committed`` at S
-    prepare_held: bool = False  # warm, but phase 1 waits for the previous migration's stayers (see _prepare)
+
+    @property
+    def prepare_held(self) -> bool:
+        """Warm, but phase 1 waits for the previous migration's stayers (see Migrations._prepare)."""
+        return MigrationMark.PREPARE_HELD in self.phases and MigrationMark.PREPARE_STARTED not in self.phases
 
     @property
     def source(self) -> str:
@@ -522,13 +526,11 @@ class Migrations(Episodes[Migration]):
         waiting = self._unswitched()
         if waiting:
             if not m.prepare_held:
-                m.prepare_held = True
                 m.mark(MigrationMark.PREPARE_HELD)
                 self.journal.record(Event.MIGRATION_PHASE, migration_id=m.id, phase=MigrationMark.PREPARE_HELD,
                                     waiting_for=sorted(f"{w.node}/{w.local_rank}" for w in waiting),
                                     previous=self.all[-2].id, previous_switch_step=self.all[-2].switch_step)
             return
-        m.prepare_held = False
         m.mark(MigrationMark.PREPARE_STARTED)
         self.journal.record(Event.MIGRATION_PHASE, migration_id=m.id, phase=MigrationMark.PREPARE_STARTED)
         leaver_ranks = sorted(m.leavers)

@@ -22,11 +22,10 @@ goes on, and the joiner then follows the leaver's optimizer steps, so at S only 
    cost it ~15-25 ms on a busy 2-core host; the leaver's own lateness in its last step delays nobody. But a
    sender that has not begun that send within ``PACK_TIMEOUT_S`` (still busy with an earlier message: the joiner
    is slow to take it) sends a copy the post-hook makes instead, so the leaver never waits on a joiner that has
-   not reached that message (:meth:`_Job.copy_unless_started`). The joiner
-   receives them into buffers it touched at the end of its warm-up (:func:`gradient_buffers`), sets them as
-   its parameters' ``.grad`` and runs
-   the same optimizer's step function with hooks bypassed: the same inputs, code and thread count give
-   bit-identical outputs.
+   not reached that message (:meth:`_Job.copy_unless_started`). The joiner receives them into buffers it touched
+   at the end of its warm-up (:func:`gradient_buffers`), sets them as its parameters' ``.grad`` and runs the same
+   optimizer's step function with hooks bypassed: the same inputs, code and thread count give bit-identical
+   outputs.
 3. **Tail** (leaver, at the boundary before S; built while the last gradients are still sent): every managed
    object's state_dict again, flattened (:func:`flatten`), as a digest of its structure and its leaf count, and
    by value only what the joiner's replay did not make identical: every tensor not owned by a replayed optimizer
