@@ -70,6 +70,11 @@ ran, and they change state too:
   ``.grad``, and a survivor's recovery puts every one back: ``None`` where there was none, else zeroed in place
   (``zero_grad(set_to_none=False)``'s state). Gradients are not part of a rank's transferred state: a script must
   not carry them from one step to the next.
+- *Rank-local objects.* Drawing a batch may move a data loader's own position (a count of batches served, an
+  iterator's index), and a survivor drew the interrupted step's batches. :meth:`Recovery.begin_step` keeps a copy
+  of every ``rank_local`` object's state_dict (``copy.deepcopy``: plain data, a few KB; 2 us for the demo's
+  stream), and a survivor that did not commit the step loads it back as soon as it halts, so the redone step
+  draws from where the attempt began. (A replacement gets the lost rank's from a replica's exchanged copy, below.)
 - *A GradScaler's bookkeeping.* ``scaler.unscale_(opt)`` marks the optimizer as unscaled until ``scaler.update()``,
   which the refused ``scaler.step(opt)`` never reached; a managed ``torch.amp.GradScaler`` forgets that mark
   (:meth:`Recovery.restore_grad_scalers`).
@@ -80,6 +85,7 @@ agent thread delivers (halt, plan) is read from :class:`worker.control.Control`.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -307,6 +313,8 @@ class Recovery:
         # (managed object's name, buffer name) -> that buffer's value as the attempt began (a local copy)
         self.buffer_copies: dict[tuple[str, str], torch.Tensor] = {}
         self._copied_at = -1  # the step whose begin_step took ``buffer_copies``
+        self.local_copies: dict[str, Any] = {}  # the rank-local objects' state_dicts as the attempt began
+        self._local_copied_at = -1  # the step whose begin_step took ``local_copies``
         self.in_step = False  # between begin_step and the step's end (Session.steps): a forward may be stopped
         self._hooked: set[int] = set()  # ids of the modules (parameters) that have the forward (gradient) hook
         self._resettable: list[Any] = []  # the managed DDP models whose backward pass may stop: _reset_reducers
@@ -379,6 +387,17 @@ class Recovery:
                 copies[k] = copy
         self.buffer_copies = copies
         self._copied_at = step
+
+    def _copy_local(self, step: int) -> None:
+        """As an attempt of ``step`` begins: copy every rank-local object's state_dict (see the module docstring)."""
+        self.local_copies = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.local.items()}
+        self._local_copied_at = step
+
+    def restore_local(self) -> None:
+        """Put the rank-local objects back as the interrupted attempt began (a survivor that did not commit it)."""
+        for name, state in self.local_copies.items():
+            if name in self.local:
+                self.local[name].load_state_dict(copy.deepcopy(state))
 
     def restore_buffers(self) -> None:
         """Put the managed modules' buffers back as the interrupted attempt began (a survivor that did not
@@ -557,6 +576,7 @@ class Recovery:
         self.rng_snapshot = torch.get_rng_state()
         self.no_grad_at_begin = [param.grad is None for param in self.trained]
         self._copy_buffers(self.control.step)
+        self._copy_local(self.control.step)
 
     def committed(self, step: int) -> bool:
         """After a failure noticed in ``step``: did this rank commit that step anyway (every managed optimizer
@@ -572,6 +592,8 @@ class Recovery:
         rng_next = torch.get_rng_state() if done else self.rng_snapshot  # RNG at the start of committed + 1
         if not done and self._copied_at == attempted:  # before this rank's state is sent to anyone
             self.restore_buffers()
+        if not done and self._local_copied_at == attempted:
+            self.restore_local()
         self.control.enter(Stage.HALTED)
         if self.control.halt is None:  # we saw it first (a peer's socket closed): a detection signal for tmd
             self.reports.report(0, p.RecoveryPhase.COLLECTIVE_FAILED, ok=False, error=self.failure() or "",

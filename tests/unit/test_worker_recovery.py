@@ -351,6 +351,59 @@ def test_an_interrupted_step_s_buffer_changes_are_put_back(monkeypatch):
     assert {k: id(v) for k, v in rec.buffer_copies.items()} == copies  # copied into the same tensors each step
 
 
+class Loader:
+    """A rank-local data loader whose position moves with every batch it serves (a count and a tensor cursor)."""
+
+    def __init__(self):
+        self.served, self.cursor = 0, torch.zeros(2, dtype=torch.int64)
+
+    def batch(self, step):
+        self.served += 1
+        self.cursor += torch.tensor([1, step])  # in place: a state_dict sharing it would see this change
+        return torch.full((4, 3), float(step + 1))
+
+    def state_dict(self):
+        return {"served": self.served, "cursor": self.cursor}
+
+    def load_state_dict(self, state):
+        self.served, self.cursor = state["served"], state["cursor"]
+
+
+@pytest.mark.parametrize("done", [False, True])
+def test_a_survivor_draws_the_redone_step_from_where_the_interrupted_attempt_began(monkeypatch, done):
+    """The interrupted step's batches moved the rank-local loader; a survivor that did not commit that step loads
+    the loader's state as the attempt began before the plan is carried out, so the redone step serves the same
+    position once. A survivor that committed the step anyway keeps the state it stands at."""
+    rec = make(rank=0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = Loader()
+    rec.manage({"model": model, "optimizer": opt}, rank_local=False)
+    rec.manage({"data": loader}, rank_local=True)
+    World(rec, [None] + [blob(NO_FINGERPRINT, n) for n in ("n1", "n2", "n2")], monkeypatch)
+    for step in range(2):
+        rec.control.set_step(step)
+        rec.begin_step()
+        model(loader.batch(step)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    at_begin = (loader.served, loader.cursor.clone())
+    rec.control.set_step(2)
+    rec.begin_step()
+    model(loader.batch(2)).sum().backward()  # the interrupted attempt drew its batch
+    after = (loader.served, loader.cursor.clone())
+    rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))
+    rec.control.on_recover(p.Recover(incident_id=1, generation=1, resume_step=3 if done else 2, sends=[]))
+    assert rec.recover(2, done) == (3 if done else 2)
+    expected = after if done else at_begin
+    assert loader.served == expected[0] and torch.equal(loader.cursor, expected[1])
+    if not done:  # the redone step draws once, from the attempt's start, and the kept copy is not aliased
+        rec.begin_step()
+        loader.batch(2)
+        assert loader.served == after[0] and torch.equal(loader.cursor, after[1])
+        assert rec.local_copies["data"]["served"] == at_begin[0]
+
+
 def test_a_forward_pass_stops_once_the_step_is_void_and_only_within_a_step(monkeypatch):
     rec = make(rank=0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))

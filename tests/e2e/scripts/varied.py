@@ -3,8 +3,8 @@ tests/e2e/test_varied_script.py: an MLP with dropout and a normalisation layer, 
 pass changes identically on every rank (a forward counter and a running average of its input's mean over the
 whole batch: what SyncBatchNorm's statistics are), DDP, per-rank seeds, SGD with momentum and a OneCycle schedule
 (managed), gradient clipping, the plain ``for step in session.steps(n)`` loop that catches ``worker.StepAborted``,
-and ``zero_grad()`` after ``optimizer.step()``. Each step's batch is drawn from a generator seeded by (seed, rank,
-step). Writes ``<run_dir>/final/rank<R>.json`` like examples/train_gpt.py.
+and ``zero_grad()`` after ``optimizer.step()``. Each step's batch is drawn by a managed rank-local loader (whose count of
+batches served enters the final hash) from a generator seeded by (seed, rank, step). Writes ``<run_dir>/final/rank<R>.json`` like examples/train_gpt.py.
 
     python tests/e2e/scripts/varied.py --steps 30 [--norm layer|batch] [--fault NODE:STEP] [--step-time-s S]
                                        [--stats-from STEP] [--calibrate-once] [--calibrate-first]
@@ -105,6 +105,27 @@ def main() -> None:
     head_opt = torch.optim.AdamW(head.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
     session.manage(model=model, optimizer=opt, scheduler=sched, head_optimizer=head_opt, scaler=scaler)
+
+    class Loader:
+        """This rank's micro-batches, drawn from a generator seeded by (seed, rank, step), and the count of those
+        served: a position that every draw moves (as a stateful data loader's does), rank-local state."""
+
+        def __init__(self) -> None:
+            self.served = 0
+
+        def draw(self, g: torch.Generator) -> tuple:
+            self.served += 1
+            x = torch.randn(32, 16, generator=g)
+            return x, x @ target + 0.1 * torch.randn(32, 4, generator=g)
+
+        def state_dict(self) -> dict:
+            return {"served": self.served}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.served = int(state["served"])
+
+    loader = Loader()
+    session.manage(rank_local=True, data=loader)
     torch.manual_seed(args.seed + 1000 + session.rank)  # per-rank dropout masks: each rank its own stream
     fault_node, _, fault_step = args.fault.partition(":")
     target = torch.randn(16, 4, generator=torch.Generator().manual_seed(args.seed))
@@ -117,8 +138,7 @@ def main() -> None:
         try:
             g = torch.Generator().manual_seed(args.seed * 1_000_003 + session.rank * 10_007 + step)
             for micro in range(args.accumulate):  # gradients accumulate locally; only the last backward syncs
-                x = torch.randn(32, 16, generator=g)
-                y = x @ target + 0.1 * torch.randn(32, 4, generator=g)
+                x, y = loader.draw(g)
                 last = micro == args.accumulate - 1
                 with contextlib.nullcontext() if last else model.no_sync():
                     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -149,6 +169,7 @@ def main() -> None:
         for key, value in sorted(flatten(obj.state_dict(), name).items()):
             digest.update(key.encode())
             digest.update(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
+    digest.update(f"served={loader.served}".encode())  # the loader's position: as many draws as the reference's
     os.makedirs(os.path.join(session.run_dir, "final"), exist_ok=True)
     with open(os.path.join(session.run_dir, "final", f"rank{session.rank}.json"), "w") as f:
         json.dump({"rank": session.rank, "steps": args.steps, "state_sha256": digest.hexdigest(),
