@@ -220,7 +220,7 @@ def recovery_line(r: dict) -> str:
 
 
 def warning_lines(warnings: Any) -> list[str]:
-    """One line per misuse a rank reported at start (rank, node, code, message); none for no warnings."""
+    """One line per misuse a rank reported (rank, node, code, message); none for no warnings."""
     out = []
     for w in warnings or []:
         if isinstance(w, dict):

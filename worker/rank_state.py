@@ -35,11 +35,32 @@ SAMPLE = 64  # at most this many elements of each tensor enter the fingerprint
 FINGERPRINT_BYTES = 32
 
 
+def rng_states() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The CPU RNG state (uint8 tensor) and the CUDA RNG states (one uint8 tensor per device; empty without
+    initialised CUDA)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return torch.get_rng_state(), list(cuda)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two plain-data values (tensors, containers, numbers, strings: what a rank-local state_dict holds)
+    are equal: tensors by dtype, shape and every element, containers item by item."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and a.device == b.device and torch.equal(a, b))
+    if isinstance(a, dict) or isinstance(b, dict):
+        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(
+            same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
 def serialize(local_objects: dict[str, Any]) -> bytes:
     """This rank's state as bytes: ``{"cpu_rng": uint8 tensor, "cuda_rng": [uint8 tensor per device] (empty
     without initialised CUDA), "local": {name: state_dict}}`` for the ``rank_local`` managed objects."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    state = {"cpu_rng": torch.get_rng_state(), "cuda_rng": list(cuda),
+    cpu, cuda = rng_states()
+    state = {"cpu_rng": cpu, "cuda_rng": cuda,
              "local": {name: obj.state_dict() for name, obj in local_objects.items()}}
     buf = io.BytesIO()
     torch.save(state, buf)

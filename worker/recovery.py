@@ -314,6 +314,9 @@ class Recovery:
         self.buffer_copies: dict[tuple[str, str], torch.Tensor] = {}
         self._copied_at = -1  # the step whose begin_step took ``buffer_copies``
         self.local_copies: dict[str, Any] = {}  # the rank-local objects' state_dicts as the attempt began
+        # (step, CPU RNG, CUDA RNGs, rank-local state_dicts) as this rank's exchange of ``step`` ran (live steps)
+        self._at_update: Optional[tuple[int, torch.Tensor, list, dict]] = None
+        self._warned_after_update = False
         self._local_copied_at = -1  # the step whose begin_step took ``local_copies``
         self.in_step = False  # between begin_step and the step's end (Session.steps): a forward may be stopped
         self._hooked: set[int] = set()  # ids of the modules (parameters) that have the forward (gradient) hook
@@ -509,6 +512,9 @@ class Recovery:
         snaps = self.snapshots
         meta = {"node": self.node, "nonce": os.urandom(8).hex(),
                 "held": snaps.held() if snaps else [], "want": bool(snaps and snaps.want)}
+        if self.control.stage != Stage.SHADOW and self.control.role == p.WorkerRole.ACTIVE:
+            self._at_update = (step, *rank_state.rng_states(),
+                               {name: copy.deepcopy(obj.state_dict()) for name, obj in self.local.items()})
         gathered = rank_state.all_gather_bytes(pack(fp, meta, rank_state.serialize(self.local)))
         if self.failure() is not None:
             return  # outputs untouched by a failed collective: keep nothing
@@ -577,6 +583,35 @@ class Recovery:
         self.no_grad_at_begin = [param.grad is None for param in self.trained]
         self._copy_buffers(self.control.step)
         self._copy_local(self.control.step)
+        self._check_after_update()
+
+    def _check_after_update(self) -> None:
+        """As a step begins, after the step before it committed here with its exchange: warn once per process
+        (``RankWarning(state_after_update)``, the log, stderr) when the RNG or a rank-local object changed since
+        that exchange, i.e. between the optimizer update and now. The exchanged copy is what a failure's
+        replacement resumes from, so such a change would be missing there (the survivors put back what they hold
+        as the attempt began). Costs one RNG read and a comparison of the rank-local state_dicts (microseconds)."""
+        at, self._at_update = self._at_update, None
+        step = self.control.step
+        if at is None or self._warned_after_update or at[0] != step - 1 or self.committed_step != at[0]:
+            return
+        _, cpu, cuda, local = at
+        now_cpu, now_cuda = rank_state.rng_states()
+        changed = [] if torch.equal(cpu, now_cpu) else ["the CPU RNG"]
+        if not rank_state.same(cuda, now_cuda):
+            changed.append("a CUDA RNG")
+        changed += [f"rank-local object {name!r}" for name, state in local.items()
+                    if name in self.local_copies and not rank_state.same(state, self.local_copies[name])]
+        if not changed:
+            return
+        self._warned_after_update = True
+        message = (f"{' and '.join(changed)} changed between step {at[0]}'s optimizer update and step {step}'s "
+                   "start: a failure's replacement would resume without that change. Draw random numbers and "
+                   "move rank-local objects (data position) before optimizer.step().")
+        log.warning("rank %d: %s", self.control.rank, message)
+        print(f"[worker] WARNING rank {self.control.rank} ({p.WarningCode.STATE_AFTER_UPDATE.value}): {message}",
+              file=sys.stderr, flush=True)
+        self.reports.warning(p.WarningCode.STATE_AFTER_UPDATE, message)
 
     def committed(self, step: int) -> bool:
         """After a failure noticed in ``step``: did this rank commit that step anyway (every managed optimizer

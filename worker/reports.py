@@ -73,7 +73,7 @@ class Reporter:
                                traceback=traceback[-TRACEBACK_CHARS:]))
 
     def warning(self, code: p.WarningCode, message: str) -> None:
-        """Misuse found at start (``RankWarning``)."""
+        """Misuse found (``RankWarning``; tmd.protocol.WarningCode says which)."""
         self.send(p.RankWarning(rank=self.rank(), code=code, message=message))
 
     def replicas(self, ranks: list[int]) -> None:

@@ -95,6 +95,19 @@ def test_crash_loop_guard_until_the_redone_step_committed(world):
     assert f.refuse_recovery(n2, "killed") is None
 
 
+def test_state_changed_after_an_update_is_kept_and_journalled_but_refuses_nothing(world):
+    """``state_after_update``: only a replacement's RNG or data position may differ, migrations stay exact; a
+    later warning of unmanaged state refuses as before."""
+    f = world.faults
+    f.warned(world.reg.rank_owner[1], p.RankWarning(rank=1, code=WarningCode.STATE_AFTER_UPDATE,
+                                                     message="the CPU RNG changed"))
+    assert [w["code"] for w in f.warnings] == [WarningCode.STATE_AFTER_UPDATE]
+    assert len(events(world.journal, Event.JOB_WARNING)) == 1
+    assert f.unmanaged() is None and f.refuse_recovery(world.reg.nodes["n2"], "killed") is None
+    f.warned(world.reg.rank_owner[0], p.RankWarning(rank=0, code=WarningCode.UNMANAGED_PARAMETERS, message="x"))
+    assert f.unmanaged() == "rank 0 on n1 reported unmanaged_parameters: x"
+
+
 def test_misuse_refuses_recovery_and_is_kept_once_per_rank(world):
     f = world.faults
     msg = p.RankWarning(rank=0, code=WarningCode.NOTHING_MANAGED, message="session.manage was never called")

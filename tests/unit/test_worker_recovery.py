@@ -369,11 +369,8 @@ class Loader:
         self.served, self.cursor = state["served"], state["cursor"]
 
 
-@pytest.mark.parametrize("done", [False, True])
-def test_a_survivor_draws_the_redone_step_from_where_the_interrupted_attempt_began(monkeypatch, done):
-    """The interrupted step's batches moved the rank-local loader; a survivor that did not commit that step loads
-    the loader's state as the attempt began before the plan is carried out, so the redone step serves the same
-    position once. A survivor that committed the step anyway keeps the state it stands at."""
+def with_loader(monkeypatch):
+    """Rank 0 of 4 managing a linear model and its SGD (replicated) and a :class:`Loader` (rank-local, ``data``)."""
     rec = make(rank=0)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -381,6 +378,15 @@ def test_a_survivor_draws_the_redone_step_from_where_the_interrupted_attempt_beg
     rec.manage({"model": model, "optimizer": opt}, rank_local=False)
     rec.manage({"data": loader}, rank_local=True)
     World(rec, [None] + [blob(NO_FINGERPRINT, n) for n in ("n1", "n2", "n2")], monkeypatch)
+    return rec, model, opt, loader
+
+
+@pytest.mark.parametrize("done", [False, True])
+def test_a_survivor_draws_the_redone_step_from_where_the_interrupted_attempt_began(monkeypatch, done):
+    """The interrupted step's batches moved the rank-local loader; a survivor that did not commit that step loads
+    the loader's state as the attempt began before the plan is carried out, so the redone step serves the same
+    position once. A survivor that committed the step anyway keeps the state it stands at."""
+    rec, model, opt, loader = with_loader(monkeypatch)
     for step in range(2):
         rec.control.set_step(step)
         rec.begin_step()
@@ -402,6 +408,57 @@ def test_a_survivor_draws_the_redone_step_from_where_the_interrupted_attempt_beg
         loader.batch(2)
         assert loader.served == after[0] and torch.equal(loader.cursor, after[1])
         assert rec.local_copies["data"]["served"] == at_begin[0]
+
+
+@pytest.mark.parametrize("after_update, named", [
+    (None, None),
+    ("rng", "the CPU RNG"),
+    ("loader", "rank-local object 'data'"),
+])
+def test_state_changed_after_the_update_is_reported_once(monkeypatch, after_update, named):
+    """What a script changes between the optimizer update (the exchange) and the next step's start is missing from
+    the copy a failure's replacement resumes from: each rank says so once (RankWarning state_after_update)."""
+    rec, model, opt, loader = with_loader(monkeypatch)
+    for step in range(4):
+        rec.control.set_step(step)
+        rec.begin_step()
+        torch.nn.functional.dropout(model(loader.batch(step)), 0.5).sum().backward()  # RNG drawn in the step
+        opt.step()
+        opt.zero_grad()
+        if after_update == "rng":
+            torch.rand(3)  # e.g. sampling text for the log after the update
+        elif after_update == "loader":
+            loader.batch(step + 1)  # e.g. prefetching the next step's batch
+    warnings = [m for m in rec.sent if isinstance(m, p.RankWarning)]
+    if named is None:
+        assert warnings == []
+        return
+    assert len(warnings) == 1 and warnings[0].code == p.WarningCode.STATE_AFTER_UPDATE, warnings
+    assert named in warnings[0].message and "step 0's optimizer update and step 1's start" in warnings[0].message
+
+
+def test_no_warning_for_a_step_that_did_not_commit_or_a_shadow_iteration(monkeypatch):
+    """The RNG moved after an exchange whose step then failed (the survivor puts it back), or in a joiner's shadow
+    iteration: nothing to say."""
+    rec = make(rank=0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec.manage({"model": model, "optimizer": opt}, rank_local=False)
+    World(rec, [None] + [blob(NO_FINGERPRINT, n) for n in ("n1", "n2", "n2")], monkeypatch)
+    rec.control.set_step(0)
+    rec.begin_step()
+    model(torch.ones(2, 3)).sum().backward()
+    rec._exchange()  # the exchange ran, then a later collective of the step failed: no update committed
+    torch.rand(3)
+    rec.control.set_step(1)
+    rec.begin_step()
+    rec.control.enter(Stage.SHADOW)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    torch.rand(3)
+    rec.control.set_step(2)
+    rec.begin_step()
+    assert not [m for m in rec.sent if isinstance(m, p.RankWarning)]
 
 
 def test_a_forward_pass_stops_once_the_step_is_void_and_only_within_a_step(monkeypatch):

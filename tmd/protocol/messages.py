@@ -205,8 +205,8 @@ class RankFailed(Message, sender=Sender.WORKER):
 
 @dataclasses.dataclass(kw_only=True)
 class RankWarning(Message, sender=Sender.WORKER):
-    """Misuse found at start (see :class:`~tmd.protocol.vocab.WarningCode`); ``message`` says what to fix.
-    tmd shows it in ``tmctl status`` and refuses migrations and recoveries of the job."""
+    """Misuse a rank found (see :class:`~tmd.protocol.vocab.WarningCode`); ``message`` says what to fix. tmd
+    shows it in ``tmctl status``; for unmanaged state it refuses migrations and recoveries of the job."""
 
     rank: int
     code: WarningCode
@@ -357,7 +357,7 @@ class StatusReply(Message, sender=Sender.COORDINATOR):
     migration: Optional[dict]
     recovery: Optional[dict]
     failure: Optional[dict]  # why the job failed (rank, node, kind, error, traceback), or None
-    warnings: list  # misuse found at start: dicts of rank, node, code, message
+    warnings: list  # misuse the ranks reported: dicts of rank, node, code, message
     page: Optional[str] = None  # the status page and metrics address (http://host:port/), None when off
 
 

@@ -207,11 +207,16 @@ class FailureKind(StrEnum):
 
 
 class WarningCode(StrEnum):
-    """Misuse a rank finds at start (``RankWarning.code``): nothing replicated was managed, or a DDP/FSDP module's
-    parameters are not all in managed state. Such a job cannot be migrated or recovered without diverging."""
+    """Misuse a rank finds (``RankWarning.code``). At start: nothing replicated was managed, or a DDP/FSDP module's
+    parameters are not all in managed state; such a job cannot be migrated or recovered without diverging, and
+    tmd refuses to (tmd.faults). While training: the script changed its RNG or a rank-local object between a
+    step's optimizer update and the next step's start (``state_after_update``); a failure's replacement then
+    resumes from that state as it stood at the update, so its RNG stream or data position may differ from an
+    uninterrupted run's. Migrations stay exact; tmd journals it and refuses nothing."""
 
     NOTHING_MANAGED = "nothing_managed"
     UNMANAGED_PARAMETERS = "unmanaged_parameters"
+    STATE_AFTER_UPDATE = "state_after_update"
 
 
 class HookKind(StrEnum):
