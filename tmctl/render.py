@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
-from tmd.protocol.vocab import Health, MigrationState, NodeRole
+from tmd.protocol.vocab import REFUSING_WARNINGS, Health, MigrationState, NodeRole
 from tmd.timeline import MarkKind, SpanKind
 
 FINAL_STATES = tuple(s for s in MigrationState if s.finished)  # a migration in one of these is over
@@ -225,7 +225,8 @@ def warning_lines(warnings: Any) -> list[str]:
     for w in warnings or []:
         if isinstance(w, dict):
             out.append(f"[yellow]warning[/]: rank {_cell(w.get('rank'))} on {_cell(w.get('node'))}: "
-                       f"{_cell(w.get('code'))}: {_cell(w.get('message'))} (migrations and recoveries are refused)")
+                       f"{_cell(w.get('code'))}: {_cell(w.get('message'))}"
+                       + (" (migrations and recoveries are refused)" if w.get("code") in REFUSING_WARNINGS else ""))
     return out
 
 

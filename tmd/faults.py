@@ -14,7 +14,7 @@ move or recover it. Decides and journals; the daemon applies (:class:`JobFailed`
   lost node, a RankFailed) before every rank committed step S fails the job: "step S failed again after
   recovery" (redoing it once more would fail the same way, spending a standby each time).
 - **Misuse** (:class:`~tmd.protocol.RankWarning`): journalled ``job_warning`` and kept for ``tmctl status``; for
-  unmanaged state (:data:`REFUSING`) a migration of the job is refused (``ErrorCode.UNMANAGED_STATE``) and a
+  unmanaged state (``REFUSING_WARNINGS``) a migration of the job is refused (``ErrorCode.UNMANAGED_STATE``) and a
   failure fails the job instead of recovering into a state that diverged. ``state_after_update`` (rank state
   changed after an optimizer update) refuses nothing: only a replacement's RNG or data position may differ.
 """
@@ -32,8 +32,6 @@ from tmd.protocol.vocab import Event, FailureKind, IncidentState, NodeRole
 from tmd.registry import Node, Registry, Worker
 
 LOG_TAIL_LINES = 20  # lines of a process's log quoted when it died before registering
-# the warnings that make the job's state unmovable: migrations refused, a failure fails the job
-REFUSING = frozenset({p.WarningCode.NOTHING_MANAGED, p.WarningCode.UNMANAGED_PARAMETERS})
 STANDBY_START_LIMIT = 3  # a standby's process dying this many times in a row before registering: not restarted
 
 
@@ -137,9 +135,9 @@ class Faults:
         self.journal.record(Event.JOB_WARNING, **entry)
 
     def unmanaged(self) -> Optional[str]:
-        """Why this job's state cannot be moved or recovered without diverging (its first :data:`REFUSING`
+        """Why this job's state cannot be moved or recovered without diverging (its first ``REFUSING_WARNINGS``
         warning), or None."""
-        w = next((x for x in self.warnings if x["code"] in REFUSING), None)
+        w = next((x for x in self.warnings if x["code"] in p.REFUSING_WARNINGS), None)
         if w is None:
             return None
         return f"rank {w['rank']} on {w['node']} reported {w['code']}: {w['message']}"

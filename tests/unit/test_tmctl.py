@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from tests.support import stand_in_tmd
 from tmctl import cli
 from tmctl.client import Client, CoordinatorNotFound, TimedOut, find_coordinator
+from tmctl.render import warning_lines
 from tmd.protocol import (
     ErrorReply,
     EventsReply,
@@ -767,3 +768,11 @@ def test_close_does_not_block_on_a_monitor_full_of_reconnection_events(monkeypat
     closer.start()
     closer.join(10)
     assert not closer.is_alive(), "Client.close blocked"
+
+
+def test_a_warning_says_migrations_are_refused_only_for_unmanaged_state():
+    refusing, informative = warning_lines([
+        {"rank": 0, "node": "n1", "code": "unmanaged_parameters", "message": "manage the model"},
+        {"rank": 2, "node": "n2", "code": "state_after_update", "message": "the CPU RNG changed"}])
+    assert refusing.endswith("(migrations and recoveries are refused)") and "unmanaged_parameters" in refusing
+    assert informative == "[yellow]warning[/]: rank 2 on n2: state_after_update: the CPU RNG changed"

@@ -219,6 +219,10 @@ class WarningCode(StrEnum):
     STATE_AFTER_UPDATE = "state_after_update"
 
 
+# the warnings that make a job's state unmovable: tmd refuses its migrations, and a failure fails it (tmd.faults)
+REFUSING_WARNINGS = frozenset({WarningCode.NOTHING_MANAGED, WarningCode.UNMANAGED_PARAMETERS})
+
+
 class HookKind(StrEnum):
     """The SLURM hook a NodeNotice or a hook report comes from (slurm/hooks.py)."""
 
