@@ -70,6 +70,11 @@ def downtime_s(window_s: list[float], median_step_s: float) -> float:
     return round(max(0.0, sum(window_s) - len(window_s) * median_step_s), 6)
 
 
+
+def _what_it_is(role: NodeRole) -> str:
+    """A node's role in a refusal's words: "it is active", "it left the job", "it failed"."""
+    return {NodeRole.LEFT: "it left the job", NodeRole.FAILED: "it failed"}.get(role, f"it is {role}")
+
 class MigrationError(Exception):
     """A request tmd refuses; ``code`` (an :class:`~tmd.protocol.vocab.ErrorCode`) is the ErrorReply code.
     Raises ValueError for a code that is not an ErrorCode."""
@@ -244,14 +249,14 @@ class Migrations(Episodes[Migration]):
         for source in sources:
             src = reg.nodes.get(source)
             if src is None or src.role != NodeRole.ACTIVE:
-                what = f"{source} is not an active node (it is {src.role})" if src else \
+                what = f"{source} is not an active node ({_what_it_is(src.role)})" if src else \
                     f"unknown node '{source}': it is not part of this job"
                 raise MigrationError(ErrorCode.UNKNOWN_NODE,
                                      f"{what} (active nodes: {', '.join(actives) or 'none'})")
         for target in targets:
             dst = reg.nodes.get(target)
             if dst is None or dst.role not in (NodeRole.STANDBY, NodeRole.JOINING, NodeRole.GUARDING):
-                what = f"{target} is not a standby (it is {dst.role})" if dst else \
+                what = f"{target} is not a standby ({_what_it_is(dst.role)})" if dst else \
                     f"unknown standby '{target}': it is not a standby of this job"
                 raise MigrationError(ErrorCode.UNKNOWN_STANDBY,
                                      f"{what} (standbys: {', '.join(standbys) or 'none'})")

@@ -97,11 +97,16 @@ def test_the_commit_journals_each_joiner_s_shadow_iterations(world):
 
 def test_requests_that_are_refused_change_nothing(world):
     reg, migs, sent, _ = world
+    reg.nodes["n3"] = Node("n3", NodeRole.LEFT, [], 2)  # handed its ranks over in an earlier migration
+    reg.nodes["n4"] = Node("n4", NodeRole.FAILED, [], 2)
     for args, code, words in [
             (("n9", "s1"), ErrorCode.UNKNOWN_NODE, "unknown node 'n9': it is not part of this job"),
             (("s1", "s1"), ErrorCode.UNKNOWN_NODE, "s1 is not an active node (it is standby)"),
             (("n2", "s9"), ErrorCode.UNKNOWN_STANDBY, "unknown standby 's9': it is not a standby of this job"),
-            (("n2", "n1"), ErrorCode.UNKNOWN_STANDBY, "n1 is not a standby (it is active)")]:  # known, not unknown
+            (("n2", "n1"), ErrorCode.UNKNOWN_STANDBY, "n1 is not a standby (it is active)"),  # known, not unknown
+            (("n2", "n3"), ErrorCode.UNKNOWN_STANDBY, "n3 is not a standby (it left the job)"),
+            (("n3", "s1"), ErrorCode.UNKNOWN_NODE, "n3 is not an active node (it left the job)"),
+            (("n4", "s1"), ErrorCode.UNKNOWN_NODE, "n4 is not an active node (it failed)")]:
         with pytest.raises(MigrationError) as e:
             migs.request(*args)
         assert e.value.code == code and str(e.value).startswith(words), str(e.value)
@@ -483,7 +488,7 @@ def test_a_cold_standby_or_a_node_that_is_not_active_refuses_the_whole_request(w
     assert e.value.code == ErrorCode.BUSY_STANDBY and reg.nodes["s1"].role == NodeRole.STANDBY
     reg.nodes["s2"].workers[1].exited = False
     reg.fail_node(reg.nodes["n3"], "lost")
-    with pytest.raises(MigrationError, match="n3 is not an active node \\(it is failed\\)") as e:
+    with pytest.raises(MigrationError, match="n3 is not an active node \\(it failed\\)") as e:
         migs.request(["n1", "n3"], ["s1", "s2"])
     assert e.value.code == ErrorCode.UNKNOWN_NODE and not migs.all and not sent
 
