@@ -168,8 +168,11 @@ class Session:
         ``rank_local=True`` (a data sampler built for this rank): kept, with this rank's RNG states, by every rank
         at each step (worker.rank_state); after a failure the rank's replacement (or the rank itself, one step
         behind) gets it back from a replica's copy. Its state_dict must be plain data (tensors, numbers, strings,
-        containers: it is loaded with ``torch.load(weights_only=True)``), and each step's data a function of the
-        step number (the redone step asks for the same step).
+        containers: it is loaded with ``torch.load(weights_only=True)``), each step's data a function of the
+        step number (the redone step asks for the same step), and it must change, like the RNG, only before the
+        step's optimizer update (a change after it is reported once as ``RankWarning(state_after_update)``: a
+        replacement would resume without it). A survivor that did not commit an interrupted step gets it back as
+        that step began.
 
         Managed optimizers get a step pre-hook that raises :class:`StepAborted` when a collective of the step
         failed (nothing is updated then) and a post-hook that records the step as committed.
