@@ -70,10 +70,10 @@ def downtime_s(window_s: list[float], median_step_s: float) -> float:
     return round(max(0.0, sum(window_s) - len(window_s) * median_step_s), 6)
 
 
-
 def _what_it_is(role: NodeRole) -> str:
     """A node's role in a refusal's words: "it is active", "it left the job", "it failed"."""
     return {NodeRole.LEFT: "it left the job", NodeRole.FAILED: "it failed"}.get(role, f"it is {role}")
+
 
 class MigrationError(Exception):
     """A request tmd refuses; ``code`` (an :class:`~tmd.protocol.vocab.ErrorCode`) is the ErrorReply code.

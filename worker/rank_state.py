@@ -21,6 +21,7 @@ a failure latches like any other collective. Each rank keeps every rank's payloa
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 from typing import Any, Iterable, Optional
@@ -56,15 +57,25 @@ def same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def serialize(local_objects: dict[str, Any]) -> bytes:
-    """This rank's state as bytes: ``{"cpu_rng": uint8 tensor, "cuda_rng": [uint8 tensor per device] (empty
-    without initialised CUDA), "local": {name: state_dict}}`` for the ``rank_local`` managed objects."""
+def capture(local_objects: dict[str, Any]) -> dict[str, Any]:
+    """This rank's state now: ``{"cpu_rng": uint8 tensor, "cuda_rng": [uint8 tensor per device] (empty without
+    initialised CUDA), "local": {name: state_dict}}`` for the ``rank_local`` managed objects, each state_dict
+    deep-copied (later changes to the objects do not reach it)."""
     cpu, cuda = rng_states()
-    state = {"cpu_rng": cpu, "cuda_rng": cuda,
-             "local": {name: obj.state_dict() for name, obj in local_objects.items()}}
+    return {"cpu_rng": cpu, "cuda_rng": cuda,
+            "local": {name: copy.deepcopy(obj.state_dict()) for name, obj in local_objects.items()}}
+
+
+def encode(state: dict[str, Any]) -> bytes:
+    """A :func:`capture`'d state as bytes (``torch.save``)."""
     buf = io.BytesIO()
     torch.save(state, buf)
     return buf.getvalue()
+
+
+def serialize(local_objects: dict[str, Any]) -> bytes:
+    """This rank's state as bytes: :func:`encode` of :func:`capture`."""
+    return encode(capture(local_objects))
 
 
 def deserialize(data: bytes) -> dict[str, Any]:

@@ -312,12 +312,11 @@ class Recovery:
         self.no_grad_at_begin: list[bool] = []  # per trained parameter: ``.grad`` was None as the attempt began
         # (managed object's name, buffer name) -> that buffer's value as the attempt began (a local copy)
         self.buffer_copies: dict[tuple[str, str], torch.Tensor] = {}
-        self._copied_at = -1  # the step whose begin_step took ``buffer_copies``
+        self._copied_at = -1  # the step whose begin_step took ``buffer_copies`` and ``local_copies``
         self.local_copies: dict[str, Any] = {}  # the rank-local objects' state_dicts as the attempt began
-        # (step, CPU RNG, CUDA RNGs, rank-local state_dicts) as this rank's exchange of ``step`` ran (live steps)
-        self._at_update: Optional[tuple[int, torch.Tensor, list, dict]] = None
+        # (step, rank_state.capture) as this rank's exchange of ``step`` took it (live steps only)
+        self._at_update: Optional[tuple[int, dict[str, Any]]] = None
         self._warned_after_update = False
-        self._local_copied_at = -1  # the step whose begin_step took ``local_copies``
         self.in_step = False  # between begin_step and the step's end (Session.steps): a forward may be stopped
         self._hooked: set[int] = set()  # ids of the modules (parameters) that have the forward (gradient) hook
         self._resettable: list[Any] = []  # the managed DDP models whose backward pass may stop: _reset_reducers
@@ -377,40 +376,36 @@ class Recovery:
                     found[(name, key)] = local_tensor(buf)
         return found
 
-    def _copy_buffers(self, step: int) -> None:
-        """As an attempt of ``step`` begins: copy every buffer (see the module docstring)."""
+    def _copy_at_begin(self, step: int) -> None:
+        """As an attempt of ``step`` begins: copy every buffer and every rank-local object's state_dict (see the
+        module docstring)."""
         copies = {}  # only the buffers there now: a deleted one's copy goes
         with torch.no_grad():
             for k, buf in self._buffers().items():
-                copy = self.buffer_copies.get(k)
-                if copy is None or not _fits(copy, buf):
-                    copy = buf.detach().clone()
+                saved = self.buffer_copies.get(k)
+                if saved is None or not _fits(saved, buf):
+                    saved = buf.detach().clone()
                 else:
-                    copy.copy_(buf)
-                copies[k] = copy
+                    saved.copy_(buf)
+                copies[k] = saved
         self.buffer_copies = copies
-        self._copied_at = step
-
-    def _copy_local(self, step: int) -> None:
-        """As an attempt of ``step`` begins: copy every rank-local object's state_dict (see the module docstring)."""
         self.local_copies = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.local.items()}
-        self._local_copied_at = step
+        self._copied_at = step
 
     def restore_local(self) -> None:
         """Put the rank-local objects back as the interrupted attempt began (a survivor that did not commit it)."""
         for name, state in self.local_copies.items():
-            if name in self.local:
-                self.local[name].load_state_dict(copy.deepcopy(state))
+            self.local[name].load_state_dict(copy.deepcopy(state))
 
     def restore_buffers(self) -> None:
         """Put the managed modules' buffers back as the interrupted attempt began (a survivor that did not
         commit it; see the module docstring)."""
         now = self._buffers()
         with torch.no_grad():
-            for k, copy in self.buffer_copies.items():
+            for k, saved in self.buffer_copies.items():
                 buf = now.get(k)
-                if buf is not None and _fits(buf, copy):
-                    buf.copy_(copy)
+                if buf is not None and _fits(buf, saved):
+                    buf.copy_(saved)
 
     def restore_grad_scalers(self) -> None:
         """A managed ``torch.amp.GradScaler`` forgets which optimizers the interrupted step unscaled, as its
@@ -512,10 +507,10 @@ class Recovery:
         snaps = self.snapshots
         meta = {"node": self.node, "nonce": os.urandom(8).hex(),
                 "held": snaps.held() if snaps else [], "want": bool(snaps and snaps.want)}
+        state = rank_state.capture(self.local)
         if self.control.stage != Stage.SHADOW and self.control.role == p.WorkerRole.ACTIVE:
-            self._at_update = (step, *rank_state.rng_states(),
-                               {name: copy.deepcopy(obj.state_dict()) for name, obj in self.local.items()})
-        gathered = rank_state.all_gather_bytes(pack(fp, meta, rank_state.serialize(self.local)))
+            self._at_update = (step, state)
+        gathered = rank_state.all_gather_bytes(pack(fp, meta, rank_state.encode(state)))
         if self.failure() is not None:
             return  # outputs untouched by a failed collective: keep nothing
         self.exchanged = (step, gathered)
@@ -581,8 +576,7 @@ class Recovery:
         self.exchanged = None
         self.rng_snapshot = torch.get_rng_state()
         self.no_grad_at_begin = [param.grad is None for param in self.trained]
-        self._copy_buffers(self.control.step)
-        self._copy_local(self.control.step)
+        self._copy_at_begin(self.control.step)
         self._check_after_update()
 
     def _check_after_update(self) -> None:
@@ -595,13 +589,13 @@ class Recovery:
         step = self.control.step
         if at is None or self._warned_after_update or at[0] != step - 1 or self.committed_step != at[0]:
             return
-        _, cpu, cuda, local = at
+        then = at[1]
         now_cpu, now_cuda = rank_state.rng_states()
-        changed = [] if torch.equal(cpu, now_cpu) else ["the CPU RNG"]
-        if not rank_state.same(cuda, now_cuda):
+        changed = [] if torch.equal(then["cpu_rng"], now_cpu) else ["the CPU RNG"]
+        if not rank_state.same(then["cuda_rng"], now_cuda):
             changed.append("a CUDA RNG")
-        changed += [f"rank-local object {name!r}" for name, state in local.items()
-                    if name in self.local_copies and not rank_state.same(state, self.local_copies[name])]
+        changed += [f"rank-local object {name!r}" for name, state in then["local"].items()
+                    if not rank_state.same(state, self.local_copies[name])]
         if not changed:
             return
         self._warned_after_update = True
@@ -627,7 +621,6 @@ class Recovery:
         rng_next = torch.get_rng_state() if done else self.rng_snapshot  # RNG at the start of committed + 1
         if not done and self._copied_at == attempted:  # before this rank's state is sent to anyone
             self.restore_buffers()
-        if not done and self._local_copied_at == attempted:
             self.restore_local()
         self.control.enter(Stage.HALTED)
         if self.control.halt is None:  # we saw it first (a peer's socket closed): a detection signal for tmd
