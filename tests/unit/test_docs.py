@@ -54,3 +54,35 @@ def test_the_readme_is_short_and_every_docs_page_it_links_exists():
     assert {"docs/user-guide.md", "docs/slurm.md", "docs/security.md", "docs/limits.md", "docs/benchmarks.md"} <= links
     for link in links:
         assert os.path.exists(os.path.join(REPO_ROOT, link)), link
+
+
+def _metrics_served() -> set[str]:
+    """The metric names tmd serves: those its module's docstring tables list (one source with the code,
+    tests/unit/test_metrics.py holds the code to them)."""
+    from tmd import metrics
+    return set(re.findall(r"``(trainmover_[a-z_]+)", metrics.__doc__))
+
+
+def test_every_metric_the_docs_name_is_served():
+    served = _metrics_served()
+    assert {"trainmover_job_failed", "trainmover_steps_total", "trainmover_standbys"} <= served
+    named: dict[str, str] = {}
+    for page in sorted(os.listdir(os.path.join(REPO_ROOT, "docs"))) + ["../README.md"]:
+        if page.endswith(".md") and page != "benchmarks.md":  # that one names the benchmarks' JSON keys
+            with open(os.path.join(REPO_ROOT, "docs", page), encoding="utf-8") as f:
+                for name in re.findall(r"\btrainmover_[a-z_]+", f.read()):
+                    named.setdefault(re.sub(r"_(bucket|sum|count)$", "", name), page)
+    unknown = {name: page for name, page in named.items() if name not in served}
+    assert not unknown, f"metrics named in the docs that tmd does not serve: {unknown}"
+
+
+def test_the_alert_rules_parse_and_use_served_metrics():
+    yaml = pytest.importorskip("yaml", reason="PyYAML comes with mkdocs")
+    with open(os.path.join(REPO_ROOT, "docs", "operations.md"), encoding="utf-8") as f:
+        text = f.read()
+    block = text[text.index("```yaml\n", text.index("## Alerts")) + 8:]
+    rules = yaml.safe_load(block[:block.index("```")])["groups"][0]["rules"]
+    assert [r["alert"] for r in rules][:2] == ["TrainMoverJobFailed", "TrainMoverNoProgress"]
+    for rule in rules:
+        assert rule["labels"]["severity"] in ("page", "ticket"), rule
+        assert set(re.findall(r"\btrainmover_[a-z_]+", rule["expr"])) <= _metrics_served(), rule
