@@ -11,7 +11,7 @@
 #   Prolog=DEST/prolog
 #   Epilog=DEST/epilog
 #   PrologFlags=Alloc
-# and `scontrol reconfigure`. See README.md, "Running on a SLURM cluster".
+# and `scontrol reconfigure`. See docs/slurm.md, "Admin, once".
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 PY="" DEST="" STATE="" LOG=""

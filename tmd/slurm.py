@@ -380,7 +380,7 @@ class SlurmCluster:
             self._reservation_ok = snap.reservation_ok
             if not snap.reservation_ok:
                 self.journal.record(Event.SLURM_ERROR, error=f"reservation '{self.reservation}' does not exist: "
-                                    "this job gets no standbys until an admin creates it (see README, SLURM)")
+                                    "this job gets no standbys until an admin creates it (see docs/slurm.md)")
         if snap.standby_jobs is not None:
             self._standby_jobs(snap.standby_jobs)
         for name, st in snap.nodes.items():
