@@ -14,6 +14,8 @@ import socket
 import sys
 from typing import Optional, Sequence
 
+from benchmarks import docs_page
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -54,8 +56,9 @@ def save(name: str, result: dict, run_dirs: Sequence[str] = (), results_dir: str
     """Write ``<results_dir>/<name>.json`` (``result`` plus ``machine``: :func:`machine`) and, for each of
     ``run_dirs`` whose ``events.jsonl`` exists, its timeline picture ``<name>.png`` (one run dir) or
     ``<name>-<k>.png`` (k = 1, 2, ... over the run dirs given). Returns the paths written. A picture that cannot be
-    drawn is reported on stderr and skipped: the JSON is what matters. Raises OSError when the JSON cannot be
-    written."""
+    drawn is reported on stderr and skipped: the JSON is what matters. Saving into ``benchmarks/results/`` of a
+    checkout also regenerates ``docs/benchmarks.md`` (:mod:`benchmarks.docs_page`). Raises OSError when the JSON
+    cannot be written."""
     from tmd import timeline
     from tmd.journal import read_events
     from tmd.protocol import layout
@@ -81,4 +84,8 @@ def save(name: str, result: dict, run_dirs: Sequence[str] = (), results_dir: str
             print(f"[report] no picture for {run_dir}: {type(e).__name__}: {e}", file=sys.stderr)
             continue
         written.append(png)
+    if os.path.abspath(results_dir) == os.path.abspath(RESULTS_DIR) and os.path.isdir(os.path.dirname(docs_page.PAGE)):
+        with open(docs_page.PAGE, "w", encoding="utf-8") as f:  # the docs' benchmarks page, current with this run
+            f.write(docs_page.render(results_dir))
+        written.append(docs_page.PAGE)
     return written

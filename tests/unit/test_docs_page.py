@@ -47,3 +47,16 @@ def test_check_exits_1_when_the_page_is_stale(tmp_path):
     assert docs_page.main(["--check", "--results", str(tmp_path), "--page", str(page)]) == 0
     (tmp_path / "tail.json").write_text(json.dumps({"reps": 4}))  # a new run saved: the page is stale again
     assert docs_page.main(["--check", "--results", str(tmp_path), "--page", str(page)]) == 1
+
+
+def test_saving_a_result_regenerates_the_page(tmp_path, monkeypatch):
+    from benchmarks import report
+    results, page = tmp_path / "results", tmp_path / "docs" / "benchmarks.md"
+    page.parent.mkdir()
+    monkeypatch.setattr(report, "RESULTS_DIR", str(results))
+    monkeypatch.setattr(docs_page, "PAGE", str(page))
+    written = report.save("tail", {"reps": 7}, results_dir=str(results))
+    assert written[-1] == str(page) and page.read_text() == docs_page.render(str(results))
+    assert "| `reps` | 7 |" in page.read_text()
+    report.save("tail", {"reps": 7}, results_dir=str(tmp_path / "elsewhere"))  # not the results dir: page untouched
+    assert "| `reps` | 7 |" in page.read_text() and not (tmp_path / "elsewhere" / "benchmarks.md").exists()
