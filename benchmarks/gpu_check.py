@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,16 @@ HOST = "127.0.0.1"
 CHILD_TIMEOUT_S = 90.0  # one spawned check's processes, start-up included
 MIGRATION_STEPS = 24
 MIGRATE_AT = 6  # after the 3 recorded steps
+MIN_LEFT_S = 20.0  # a check is not started with less than this left of the budget
 MIGRATION_PAD_S = 0.5  # the migrated job's steps last at least this long (numerics unchanged): its standby warms
+
+
+_deadline = {"at": float("inf")}  # time.monotonic() by which every check must be done (main's --budget-s)
+
+
+def left_s(cap: float) -> float:
+    """Seconds a step may take: ``cap``, or less where the budget ends sooner (at least 1)."""
+    return max(1.0, min(cap, _deadline["at"] - time.monotonic()))
 
 
 class CheckFailed(AssertionError):
@@ -90,10 +99,11 @@ def _child(rank: int, fn: Callable, size: int, port: int, out: str, device: str)
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable, size: int, device: torch.device, timeout_s: float = CHILD_TIMEOUT_S) -> list[Any]:
+def spawn(fn: Callable, size: int, device: torch.device, timeout_s: Optional[float] = None) -> list[Any]:
     """Run ``fn(rank, size, store, device) -> JSON value`` in ``size`` spawned processes meeting on a TCPStore hosted
     here; returns their results by rank. Raises RuntimeError when a process fails, TimeoutError after
-    ``timeout_s`` seconds (its processes killed)."""
+    ``timeout_s`` seconds (default: CHILD_TIMEOUT_S or what is left of the budget; its processes killed)."""
+    timeout_s = left_s(CHILD_TIMEOUT_S) if timeout_s is None else timeout_s
     store = dist.TCPStore(HOST, 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="tm-gpu-check-") as out:
         ctx = mp.start_processes(_child, args=(fn, size, store.port, out, str(device)), nprocs=size, join=False,
@@ -270,7 +280,7 @@ def check_transfer(device: torch.device, large: bool | None = None) -> dict:
                       [0, 1])
         sent = ex.submit(transfer.send_state, a, src, {"step": 3})
         states, extra, nbytes, seconds = transfer.recv_state(b, 0)
-        sent.result(timeout=120)
+        sent.result(timeout=left_s(120))
     transfer.load_state(dst, states)
     expect(extra == {"step": 3}, f"extra arrived as {extra}")
     ours, theirs = tensors_of(src), tensors_of(dst)
@@ -301,7 +311,7 @@ def check_migration(device: torch.device) -> dict:
     env = {**os.environ, "TM_INNER_BACKEND": "gloo"}
     with tempfile.TemporaryDirectory(prefix="tm-gpu-check-ref-") as ref_dir, \
             tempfile.TemporaryDirectory(prefix="tm-gpu-check-mig-") as run_dir:
-        subprocess.run(migration_commands(ref_dir, device, 0), check=True, timeout=120, env=env,
+        subprocess.run(migration_commands(ref_dir, device, 0), check=True, timeout=left_s(120), env=env,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         reference = job.final_hashes(ref_dir)
         expect(sorted(reference) == [0, 1], f"the uninterrupted run left final states of ranks {sorted(reference)}")
@@ -310,7 +320,7 @@ def check_migration(device: torch.device) -> dict:
         try:
             with contextlib.redirect_stdout(sys.stderr):  # its progress lines: stdout holds the one JSON line
                 m = job.migrate_when_ready(job.job_client(run_dir, proc), proc, MIGRATE_AT, "n2", "s1")
-            code = proc.wait(timeout=120)
+            code = proc.wait(timeout=left_s(120))
         finally:
             job.end_job(proc)
         expect(m["state"] == "committed", f"the migration ended {m['state']} ({m.get('reason')})")
@@ -356,6 +366,9 @@ def run_checks(device: torch.device, only: tuple[str, ...] = CHECKS) -> dict[str
     for name in CHECKS:
         if name not in only or name in out:
             continue
+        if _deadline["at"] - time.monotonic() < MIN_LEFT_S:
+            out[name] = {"result": "error", "reason": "not started: the time budget was spent", "s": 0.0}
+            continue
         if name in SOLO:  # one spawned process runs the three
             start = time.perf_counter()
             try:
@@ -384,8 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto", help="auto (cuda where available, else skip), cuda[:i] or cpu")
     ap.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
+    ap.add_argument("--budget-s", type=float, default=270.0,
+                    help="every check done within this many seconds (a check not started in time is an error)")
     args = ap.parse_args(argv)
     start = time.perf_counter()
+    _deadline["at"] = time.monotonic() + args.budget_s
     only = tuple(c for c in args.only.split(",") if c)
     if args.device == "auto" and not torch.cuda.is_available():
         why = (f"no CUDA device (torch {torch.__version__}, built with CUDA {torch.version.cuda})"

@@ -72,3 +72,10 @@ def test_an_unknown_check_is_refused_with_one_line(capsys):
     assert gpu_check.main(["--device", "cpu", "--only", "rng,warp"]) == 2
     assert capsys.readouterr().err.strip() == (f"gpu_check: unknown checks ['warp']; known: "
                                                f"{', '.join(gpu_check.CHECKS)}")
+
+
+def test_a_check_is_not_started_once_the_budget_is_spent(monkeypatch):
+    monkeypatch.setitem(gpu_check._deadline, "at", time.monotonic() + 5)  # less than MIN_LEFT_S
+    out = gpu_check.run_checks(CPU, ("rng",))
+    assert out == {"rng": {"result": "error", "reason": "not started: the time budget was spent", "s": 0.0}}
+    assert gpu_check.left_s(120) <= 5
