@@ -173,13 +173,13 @@ class Run:
     """One job of the invocation: started with ``standbys`` standby nodes; :meth:`drive` fires the events."""
 
     def __init__(self, name: str, run_dir: str, steps: int, standbys: int, tiny: bool, ranks_per_node: int,
-                 guards: int = 0) -> None:
+                 guards: int = 0, isolate: bool = False) -> None:
         self.name, self.run_dir, self.steps, self.standbys, self.guards = name, run_dir, steps, standbys, guards
         self.ranks_per_node = ranks_per_node
         shutil.rmtree(run_dir, ignore_errors=True)
         os.makedirs(os.path.dirname(os.path.abspath(run_dir)), exist_ok=True)
         with open(run_dir.rstrip("/") + ".log", "w") as log:  # tmd's own output (the ranks log to <run_dir>/logs)
-            tmd_args = ("--guards", str(guards)) if guards else ()
+            tmd_args = (("--guards", str(guards)) if guards else ()) + (("--isolate-nodes",) if isolate else ())
             self.proc = subprocess.Popen(tmd_command(run_dir, standbys, steps, tiny, True, tmd_args=tmd_args),
                                          stdout=log, stderr=subprocess.STDOUT)
         self.client: Optional[Client] = None
@@ -282,10 +282,10 @@ class Run:
 
 
 def run_job(name: str, run_dir: str, steps: int, standbys: int, tiny: bool, kind: Optional[str],
-            every_s: float, guards: int = 0) -> dict:
+            every_s: float, guards: int = 0, isolate: bool = False) -> dict:
     """Run one job to its end, firing ``kind`` events every ``every_s`` seconds (none for the reference), with
-    ``guards`` guards (tmd local --guards). Returns its raw figures (series not included: see :func:`summarise`)."""
-    run = Run(name, run_dir, steps, standbys, tiny, 2, guards)
+    ``guards`` guards (tmd local --guards), its nodes on CPUs of their own with ``isolate`` (--isolate-nodes). Returns its raw figures (series not included: see :func:`summarise`)."""
+    run = Run(name, run_dir, steps, standbys, tiny, 2, guards, isolate)
     try:
         run.wait_warm()
         print(f"[{name}] standbys warm at step {run.first_step}", file=sys.stderr, flush=True)
@@ -340,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--run-dir", default="tmrun/bench-ettr")
     ap.add_argument("--no-save", action="store_true", help="print only (do not write benchmarks/results)")
+    ap.add_argument("--isolate-nodes", action="store_true", help=report.ISOLATE_HELP)
     args = ap.parse_args(argv)
     runs = [r for r in args.runs.split(",") if r]
     if any(r not in TARGETS for r in runs):
@@ -353,16 +354,20 @@ def main(argv: list[str] | None = None) -> int:
     ref_standbys = max(standbys.values(), default=1)
     dirs = {"reference": os.path.join(args.run_dir, "reference"), **{r: os.path.join(args.run_dir, r) for r in runs}}
 
-    ref = run_job("reference", dirs["reference"], steps, ref_standbys, args.tiny, None, 0.0)
+    ref = run_job("reference", dirs["reference"], steps, ref_standbys, args.tiny, None, 0.0,
+                  isolate=args.isolate_nodes)
     ref_series = ref["series"]
     ref_median = median_step_s(ref_series, ref["first_step"], max(ref_series))
     results = {"reference": summarise(ref, ref_median, ref["final_hashes"])}
     for r in runs:
-        job = run_job(r, dirs[r], steps, standbys[r], args.tiny, KIND[r], every[r], GUARDS.get(r, 0))
+        job = run_job(r, dirs[r], steps, standbys[r], args.tiny, KIND[r], every[r], GUARDS.get(r, 0),
+                      args.isolate_nodes)
         results[r] = summarise(job, ref_median, results["reference"]["final_hashes"])
         results[r]["ettr_at_cadence"] = at_cadence(results[r]["lost_s_per_event"], every[r])
     result = {
         "workload": {"model": "tiny" if args.tiny else "gpt-256x4", "nodes": 2, "ranks_per_node": 2, "steps": steps},
+        "setting": report.setting(args.isolate_nodes),
+        "isolation": report.isolation(dirs["reference"]),
         "uninterrupted_median_step_s": round(ref_median, 6),
         "uninterrupted_median_from": "the reference run (no event, same standbys) of this invocation",
         "every_s": {r: every[r] for r in runs},

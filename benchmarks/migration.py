@@ -145,17 +145,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--run-dir", default="tmrun/bench")
     ap.add_argument("--repeat", type=int, default=3, help="jobs per switch path (the median-stall one is reported)")
+    ap.add_argument("--isolate-nodes", action="store_true", help=report.ISOLATE_HELP)
+    ap.add_argument("--results-dir", default=report.RESULTS_DIR,
+                    help="where migration.json and its pictures go (default benchmarks/results)")
     args = ap.parse_args(argv)
     job = {"steps": args.steps, "migrate_at": args.migrate_at, "tiny": args.tiny}
-    live = run_repeated(args.repeat, os.path.join(args.run_dir, "live"), **job)
-    full = run_repeated(args.repeat, os.path.join(args.run_dir, "live_full"), precopy=False, **job)
+    iso = ("--isolate-nodes",) if args.isolate_nodes else ()
+    live = run_repeated(args.repeat, os.path.join(args.run_dir, "live"), tmd_args=iso, **job)
+    full = run_repeated(args.repeat, os.path.join(args.run_dir, "live_full"), tmd_args=iso, precopy=False, **job)
     # s1 guards n1 (tmd.guards): the joiners are warm already
-    guard = run_repeated(args.repeat, os.path.join(args.run_dir, "live_guard"), tmd_args=("--guards", "1"),
+    guard = run_repeated(args.repeat, os.path.join(args.run_dir, "live_guard"), tmd_args=("--guards", "1", *iso),
                          source="n1", **job)
     cold = run_cold_restart(world=4, steps=args.steps, restart_at=args.migrate_at, tiny=args.tiny)
     ours = live["downtime_s"]
     result = {
         "workload": {"model": "tiny" if args.tiny else "gpt-256x4", "nodes": 2, "ranks_per_node": 2, "steps": args.steps},
+        "setting": report.setting(args.isolate_nodes),
+        "isolation": report.isolation(live["run_dir"]),  # the cold restart is never isolated
         "live_migration": live,
         "live_migration_full_transfer": full,
         "live_migration_to_guard": guard,
@@ -171,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(result), flush=True)
     # migration.json and a picture of each path's median-stall job
-    report.save("migration", result, [live["run_dir"], full["run_dir"], guard["run_dir"]])
+    report.save("migration", result, [live["run_dir"], full["run_dir"], guard["run_dir"]], args.results_dir)
     return 0 if live["all_committed"] and full["all_committed"] and guard["all_committed"] else 1
 
 

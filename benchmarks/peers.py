@@ -20,7 +20,7 @@ Peers:
   the failure, and the kill hits that node (n1 by tmd's choice; the workers are symmetric) once s1 is warm. The
   recovery adopts s1 with no warm-up left. ``time_to_full_strength_ratio_vs_torchft_async_guarded`` is the headline
   ratio for this case: what a failure of a guarded node costs.
-- ``torchft_async`` / ``torchft_sync``: torchft 0.2 (``pip install -e .[bench]``), benchmarks/peers/ft_worker.py:
+- ``torchft_async`` / ``torchft_sync``: torchft 0.2 (``pip install --no-build-isolation -e .[bench]``), benchmarks/peers/ft_worker.py:
   4 replica groups of 1 rank, one ``torchft.Manager`` each (``use_async_quorum`` True, torchft's default, or
   False), the gradients averaged by ``Manager.allreduce`` (torchft 0.2.0's ``DistributedDataParallel`` kills the
   survivors on a peer's death, see ft_worker.py), a ``torchft_lighthouse`` process with torchft's defaults

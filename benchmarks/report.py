@@ -52,6 +52,28 @@ def machine() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+ISOLATE_HELP = ("run every job with tmd local --isolate-nodes: each emulated node on CPUs of its own, standbys and "
+                "guards apart from the active ranks (tmd/cpusets.py); the split is in the JSON's 'isolation'")
+
+
+def isolation(run_dir: str) -> Optional[dict]:
+    """The CPU split a job of ``run_dir`` ran with (its journal's ``nodes_isolated`` event: mechanism, active and
+    standby CPUs, each node's set), or None for a job whose nodes shared this host's cores (co-located)."""
+    from tmd.journal import read_events
+    from tmd.protocol import layout
+    from tmd.protocol.vocab import Event
+
+    path = layout.RunDir(run_dir).events
+    events = read_events(path) if os.path.exists(path) else []
+    found = next((e for e in events if e["event"] == Event.NODES_ISOLATED), None)
+    return None if found is None else {k: v for k, v in found.items() if k not in ("seq", "ts", "event")}
+
+
+def setting(isolated: bool) -> str:
+    """How a benchmark's emulated nodes shared the host: ``isolated`` or ``co-located``."""
+    return "isolated" if isolated else "co-located"
+
+
 def save(name: str, result: dict, run_dirs: Sequence[str] = (), results_dir: str = RESULTS_DIR) -> list[str]:
     """Write ``<results_dir>/<name>.json`` (``result`` plus ``machine``: :func:`machine`) and, for each of
     ``run_dirs`` whose ``events.jsonl`` exists, its timeline picture ``<name>.png`` (one run dir) or

@@ -134,12 +134,14 @@ class RssSampler:
         self._thread.join()
 
 
-def run_size(nodes: int, rpn: int, steps: int, migrate_at: int, pad_s: float, run_dir: str) -> dict:
-    """One job of ``nodes`` x ``rpn`` ranks with a migration n2 -> s1; what tmd's record says of it."""
+def run_size(nodes: int, rpn: int, steps: int, migrate_at: int, pad_s: float, run_dir: str,
+             tmd_args: tuple = ()) -> dict:
+    """One job of ``nodes`` x ``rpn`` ranks with a migration n2 -> s1 (``tmd_args``: tmd local's own options); what
+    tmd's record says of it."""
     shutil.rmtree(run_dir, ignore_errors=True)
     args = ("--group-size", str(GROUP_SIZE), "--min-step-time-s", str(pad_s))
     t0 = time.monotonic()
-    proc = subprocess.Popen(tmd_command(run_dir, 1, steps, True, True, args, nodes=nodes, ranks_per_node=rpn),
+    proc = subprocess.Popen(tmd_command(run_dir, 1, steps, True, True, args, tmd_args, nodes=nodes, ranks_per_node=rpn),
                             stdout=subprocess.DEVNULL)
     rss = RssSampler(proc.pid)
     try:
@@ -278,6 +280,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--pad-s", type=float, default=0.4, help="--min-step-time-s of the jobs (keeps steps regular)")
     ap.add_argument("--run-dir", default="tmrun/bench-scale")
     ap.add_argument("--no-save", action="store_true", help="print only (a trial run)")
+    ap.add_argument("--isolate-nodes", action="store_true", help=report.ISOLATE_HELP)
     ap.add_argument("--rebuild-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -294,7 +297,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for nodes in node_counts:
             run_dir = os.path.join(args.run_dir, f"n{nodes}-{repeat}")
             try:
-                job = run_size(nodes, args.ranks_per_node, args.steps, args.migrate_at, args.pad_s, run_dir)
+                job = run_size(nodes, args.ranks_per_node, args.steps, args.migrate_at, args.pad_s, run_dir,
+                               ("--isolate-nodes",) if args.isolate_nodes else ())
             except (RuntimeError, subprocess.TimeoutExpired) as e:  # a job that fails is reported, the rest go on
                 job = {"nodes": nodes, "world": nodes * args.ranks_per_node, "state": None, "error": str(e)}
             jobs[nodes].append(job)
@@ -319,6 +323,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "steps": args.steps, "migrate_at": args.migrate_at, "pad_s": args.pad_s,
                      "repeats": args.repeats,
                      "migration": f"{LEAVER_NODE} -> {STANDBY_NODE}"},
+        "setting": report.setting(args.isolate_nodes),
+        "isolation": {n: report.isolation(os.path.join(args.run_dir, f"n{n}-0")) for n in node_counts},
         "sizes": sizes,
         "worlds": [small["world"], large["world"]],
         "ratios_largest_over_smallest": ratios,

@@ -3,7 +3,7 @@
 Launched by the runtime on each node (active ranks and standbys alike)::
 
     python examples/train_gpt.py --steps 40 [--batch-size 8] [--seed 0] [--tiny] [--log-every 5]
-                                 [--dropout P] [--seed-mode shared|per-rank|per-step]
+                                 [--dropout P] [--seed-mode shared|per-rank|per-step] [--device cpu|cuda]
 
 ``worker.init()`` blocks on a standby until it is assigned a rank, then installs
 the default process group. ``session.manage(...)`` hands the model, optimizer
@@ -104,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zero-grad", choices=("before-backward", "after-step"), default="before-backward",
                    help="where the step clears the gradients (set to None): before the backward pass, or after the "
                         "optimizer step (the other common pattern; identical numerics)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model, optimizer state and batches live: cpu, or cuda (cuda:<LOCAL_RANK modulo the "
+                        "visible devices>, so ranks may share one GPU; over gloo set TM_INNER_BACKEND=gloo)")
     p.add_argument("--min-step-time-s", type=float, default=0.0,
                    help="pad each step to at least this many seconds (stands in for a bigger model; numerics unchanged)")
     args = p.parse_args(argv)
@@ -118,6 +121,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def model_config(tiny: bool) -> GPTConfig:
     """The demo model (``tiny=False``) or the fast-test model (``tiny=True``)."""
     return GPTConfig.tiny() if tiny else GPTConfig()
+
+
+def rank_device(kind: str) -> torch.device:
+    """This rank's device for ``--device kind``: the CPU, or ``cuda:<LOCAL_RANK % visible devices>`` (made the
+    current device). Raises RuntimeError for cuda where CUDA is not available."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: CUDA is not available here")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def write_final(run_dir: str, rank: int, steps: int, state_sha256: str, loss: float | None) -> str:
@@ -165,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
                                                                                           mod.training))
 
     session = worker.init()  # standbys block here until they are given a rank
+    device = rank_device(args.device)
+    gpt.to(device)
     if args.seed_mode == SeedMode.PER_RANK:
         torch.manual_seed(args.seed + session.rank)  # each rank its own stream: the runtime keeps each rank's RNG
     model = gpt if args.unmanaged_model else torch.nn.parallel.DistributedDataParallel(gpt)  # backend "tmover"
@@ -195,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         t_step = time.perf_counter()
         if args.seed_mode == SeedMode.PER_STEP:
             torch.manual_seed(step_seed(args.seed, session.rank, step))
-        x, y = data.batch(step)  # int64 [B, T] each
+        x, y = (t.to(device) for t in data.batch(step))  # int64 [B, T] each
         loss = lm_loss(model(x), y)
         fault(step, FaultPhase.FORWARD)
         if args.zero_grad == "before-backward":

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, NoReturn, Optional
 import typer
 
 from tmd.protocol.messages import MIN_RECORD_STEPS
-from tmd.protocol.vocab import ExitCode
+from tmd.protocol.vocab import Event, ExitCode
 
 if TYPE_CHECKING:
     from tmd.netns import Bridge
@@ -62,6 +62,11 @@ def local(
                                      help="Serve Prometheus metrics (/metrics) and a live status page (/) on the "
                                           "job's address at this port (0: a free port, written to tmd.json; "
                                           "-1: off). Both need the token in the keys directory's web.token."),
+    isolate_nodes: bool = typer.Option(False, "--isolate-nodes",
+                                       help="Pin each node's processes to CPUs of its own, as on separate machines: "
+                                            "standbys and guards on their own CPUs, active nodes on the rest "
+                                            "(cgroup v2 cpusets where delegated, else sched_setaffinity; "
+                                            "tmd/cpusets.py). Needs 2 CPUs."),
     no_auth: bool = typer.Option(False, "--no-auth",
                                  help="Serve plain ZeroMQ, without CURVE: only to measure its cost "
                                       "(benchmarks/curve.py); anyone on this host can then command the job."),
@@ -75,6 +80,7 @@ def local(
     active = [f"n{i + 1}" for i in range(nodes)]
     spares = [f"s{i + 1}" for i in range(standbys)]
     namespaces, bridge, specs, host = _namespaces(netns_node, netns_all, active + spares)
+    isolation = _isolation(active, spares) if isolate_nodes else None
     from tmd.supervise import supervise
 
     name = job or f"local-{os.getpid()}"
@@ -90,7 +96,10 @@ def local(
         if state is None:
             d.launcher = LocalLauncher(command, d.run_dir, d.address, ranks_per_node, echo=not quiet,
                                        namespaces=namespaces, host_ip=host,
-                                       new_namespace=bridge.add if bridge else None)
+                                       new_namespace=bridge.add if bridge else None, isolation=isolation)
+            if isolation is not None:
+                print(f"[tmd] {isolation.describe()}", flush=True)
+                d.journal.record(Event.NODES_ISOLATED, **isolation.to_dict())
             for n in active:
                 d.launcher.start_node(n, standby=False)
             for n in spares:
@@ -103,6 +112,17 @@ def local(
     if bridge is not None:
         bridge.close()  # the namespaces of tmd and of every node, and the bridge (also at exit, stale at next start)
     _exit(code)
+
+
+def _isolation(active: list[str], spares: list[str]):
+    """The CPU sets of ``--isolate-nodes`` (tmd.cpusets), or the one-line error and exit code 2."""
+    from tmd.cpusets import Isolation
+
+    try:
+        return Isolation.plan(active, spares)
+    except ValueError as e:
+        typer.echo(f"tmd: {e}", err=True)
+        raise typer.Exit(2)
 
 
 def _namespaces(netns_node: list[str], netns_all: bool,

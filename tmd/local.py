@@ -5,7 +5,8 @@ Each process gets its identity by environment: ``TM_COORDINATOR`` (tmd's address
 ranks from oversubscribing the cores and gloo on loopback. Every process writes its output to
 ``<run_dir>/logs/<node>.<local_rank>.log`` itself (not through a pipe to tmd: its output, and so its training,
 outlives a killed tmd); with ``echo`` tmd follows the file and prints each line prefixed by ``[node/local_rank]``.
-Nodes may run in network namespaces of their own (``tmd local --netns-node``/``--netns-all``, see tmd/netns.py):
+Nodes may run pinned to CPU sets of their own (``tmd local --isolate-nodes``, tmd/cpusets.py), and in network
+namespaces of their own (``tmd local --netns-node``/``--netns-all``, see tmd/netns.py):
 their processes then advertise their namespace's address to gloo (``TM_GLOO_HOST``) instead.
 A restarted tmd (``tmd resume``) adopts the processes it did not start (:meth:`LocalLauncher.adopt`).
 In SLURM mode srun starts the processes instead and this module is not used.
@@ -25,6 +26,7 @@ import psutil
 from tmd.protocol.layout import RunDir
 
 if TYPE_CHECKING:
+    from tmd.cpusets import Isolation
     from tmd.netns import NodeNamespace
 
 
@@ -90,12 +92,15 @@ class LocalLauncher:
     def __init__(self, command: list[str], run_dir: str, coordinator: str, ranks_per_node: int,
                  echo: bool = True, extra_env: Optional[dict[str, str]] = None,
                  namespaces: Optional[dict] = None, host_ip: Optional[str] = None,
-                 new_namespace: Optional[Callable[[str], "NodeNamespace"]] = None) -> None:
-        """``namespaces``: node -> tmd.netns.NodeNamespace for nodes whose processes run in a network namespace
+                 new_namespace: Optional[Callable[[str], "NodeNamespace"]] = None,
+                 isolation: Optional["Isolation"] = None) -> None:
+        """``isolation``: each node's processes pinned to its CPU set (``--isolate-nodes``, tmd.cpusets).
+        ``namespaces``: node -> tmd.netns.NodeNamespace for nodes whose processes run in a network namespace
         of their own (they advertise its address to gloo; the others advertise ``host_ip``, which the namespaces
         reach). ``new_namespace(node)``: makes one for a node started without (``--netns-all``: standbys added
         by request). They are deleted by :meth:`terminate_all`."""
         self.namespaces = namespaces or {}
+        self.isolation = isolation
         self.new_namespace = new_namespace
         self.host_ip = host_ip
         self.command = command
@@ -141,6 +146,8 @@ class LocalLauncher:
             **self.extra_env,
         }
         argv = self.argv(node, local_rank)
+        if self.isolation is not None:
+            argv = self.isolation.wrap(node, standby, argv)
         with open(self._log_path(node, local_rank), "ab") as log:
             start = log.tell()
             popen = subprocess.Popen(ns.wrap(argv) if ns else argv, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -225,3 +232,5 @@ class LocalLauncher:
                 proc.pump.join(timeout=1.0)
         for ns in self.namespaces.values():
             ns.close()
+        if self.isolation is not None:
+            self.isolation.close()

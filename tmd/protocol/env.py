@@ -84,6 +84,12 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("TM_SKIP_SLURM", "0", "scripts/setup.sh", "`1`: do not install the SLURM packages for the SLURM tests."),
     EnvVar("TM_SKIP_BROWSER", "0", "scripts/setup.sh",
            "`1`: do not install Chromium for the status page's browser test."),
+    EnvVar("TM_GPU_CHECK_BUDGET_S", "290", "scripts/gpu-check.sh",
+           "Seconds the whole GPU check may take, set-up included (it always prints its JSON line)."),
+    EnvVar("TM_GPU_CHECK_ONLY", "unset (every check)", "scripts/gpu-check.sh",
+           "A comma-separated subset of the GPU check's checks to run (e.g. `rng,transfer`)."),
+    EnvVar("TM_GPU_CHECK_SETUP", "unset", "benchmarks/gpu_check.py (set by scripts/gpu-check.sh)",
+           "What the script's set-up did, copied into the JSON line's `setup`."),
     EnvVar("TM_TEST_ARTIFACTS", "`test-artifacts/`", "tests",
            "Where the observability test saves the status page's screenshot and the timeline picture."),
 )

@@ -260,6 +260,7 @@ class Event(StrEnum):
     JOB_FAILED = "job_failed"
     JOB_RELEARNED = "job_relearned"
     PROCESSES_TERMINATED = "processes_terminated"
+    NODES_ISOLATED = "nodes_isolated"  # tmd local --isolate-nodes: the CPU sets of the nodes (tmd.cpusets.Isolation)
     RANK_FAILED = "rank_failed"  # a rank's script raised, or its state diverged: the job fails
     JOB_WARNING = "job_warning"  # misuse found at start (RankWarning)
     JOINER_FAILED = "joiner_failed"  # a joiner's script raised in its sandbox: its migration/incident goes on without it
