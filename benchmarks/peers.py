@@ -324,7 +324,7 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 30.0) -> No
 def torchft_missing() -> Optional[str]:
     """Why torchft cannot run here (None if it can): the import error, or a wrong version."""
     if importlib.util.find_spec("torchft") is None:
-        return "torchft is not installed (pip install -e .[bench])"
+        return "torchft is not installed (pip install --no-build-isolation -e .[bench])"
     try:
         from importlib.metadata import version
 
