@@ -49,39 +49,66 @@ if __package__ in (None, ""):
 MODES = ("none", "dcp_sync", "dcp_async_torchtitan", "trainmover")
 
 
+def build(job: str, tiny: bool, rank: int, world: int):
+    """The job's (model to train, optimizer, LR scheduler or None, data stream, loss function): ``gpt`` as
+    examples/train_gpt.py (DDP), ``llama`` as examples/train_llama.py with ``--tp 2`` and FSDP2 over the rest (TP x FSDP2)."""
+    from examples.data import ShakespeareStream
+
+    torch.manual_seed(0)
+    if job == "gpt":
+        from examples.gpt import GPT, GPTConfig, loss
+
+        cfg = GPTConfig.tiny() if tiny else GPTConfig()
+        model = torch.nn.parallel.DistributedDataParallel(GPT(cfg))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+        data = ShakespeareStream(rank, batch_size=4 if tiny else 8, context=cfg.context, seed=0)
+        return model, opt, None, data, loss
+    from examples import train_llama as tl
+    from examples.llama import Transformer, loss
+
+    args = argparse.Namespace(pp=1, dp_replicate=1, dp_shard=-1, tp=2, tiny=tiny, tie_embeddings=False)
+    cfg = tl.model_config(args)
+    model = Transformer(cfg)
+    layout = tl.build_layout(args, world, "cpu")
+    model = tl.parallelize(model, layout, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, tl.lr_lambda(10, 10_000))
+    data = ShakespeareStream(layout.dp_index, batch_size=4 if tiny else 8, context=cfg.max_seq_len, seed=0)
+    return model, opt, sched, data, loss
+
+
 def _rank_main(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from examples.data import ShakespeareStream
-    from examples.gpt import GPT, GPTConfig, loss as lm_loss
     from worker.checkpoint import Checkpointer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    cfg = GPTConfig.tiny() if args.tiny else GPTConfig()
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(GPT(cfg))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    data = ShakespeareStream(rank, batch_size=4 if args.tiny else 8, context=cfg.context, seed=0)
+    model, opt, sched, data, lm_loss = build(args.job, args.tiny, rank, world)
+    replicated = {"model": model, "optimizer": opt, **({"scheduler": sched} if sched is not None else {})}
+
+    def dcp_state() -> dict:
+        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+        if sched is not None:
+            state["scheduler"] = sched.state_dict()
+        return state
+
     titan_pg = dist.new_group(backend="gloo")
-    tm = Checkpointer(os.path.join(args.dir, "trainmover"), "bench", keep=2)
+    tm = Checkpointer(os.path.join(args.dir, args.job, "trainmover"), "bench", keep=2)
     titan_future = None
 
     def checkpoint(mode: str, step: int) -> None:
         nonlocal titan_future
-        path = os.path.join(args.dir, mode, f"step-{step}")
+        path = os.path.join(args.dir, args.job, mode, f"step-{step}")
         if mode == "dcp_sync":
-            dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)},
-                     checkpoint_id=path)
+            dcp.save(dcp_state(), checkpoint_id=path)
         elif mode == "dcp_async_torchtitan":
             if titan_future is not None:
                 titan_future.result()
-            titan_future = dcp.async_save({"model": get_model_state_dict(model),
-                                           "optimizer": get_optimizer_state_dict(model, opt)},
-                                          checkpoint_id=path, process_group=titan_pg)
+            titan_future = dcp.async_save(dcp_state(), checkpoint_id=path, process_group=titan_pg)
         elif mode == "trainmover":
-            tm.save(step, {"model": model, "optimizer": opt}, {"data": data})
+            tm.save(step, replicated, {"data": data})
 
     times: dict = {}
     step = 0
@@ -93,6 +120,8 @@ def _rank_main(rank: int, world: int, init: str, args: argparse.Namespace, out: 
             lm_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if sched is not None:
+                sched.step()
             step += 1
             t1 = time.perf_counter()
             steps.append(t1 - t0)
@@ -105,7 +134,7 @@ def _rank_main(rank: int, world: int, init: str, args: argparse.Namespace, out: 
     final = tm.close()
     dist.barrier()
     t0 = time.perf_counter()
-    loaded = tm.load({"model": model, "optimizer": opt}, {"data": data})
+    loaded = tm.load(replicated, {"data": data})
     times["load"] = {"s": time.perf_counter() - t0, "step": loaded, "save_error": final.error if final else None}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(times, f)
@@ -151,20 +180,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="steps per mode")
     ap.add_argument("--every", type=int, default=5, help="a checkpoint after every N-th step (stall measurement)")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--jobs", default="gpt,llama", help="gpt (DDP), llama (TP 2 x FSDP2), comma-separated")
+    ap.add_argument("--llama-world", type=int, default=4, help="ranks of the llama job (TP 2 x FSDP2 world/2)")
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default a fresh temporary dir)")
     ap.add_argument("--results-dir", default="/tmp/tm-bench", help="where checkpoint.json goes")
     args = ap.parse_args(argv)
     own = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="tm-ckpt-bench-")
-    out = tempfile.mkdtemp(prefix="tm-ckpt-times-")
-    store = os.path.join(out, "store")  # the FileStore removes it once every rank is done
-    mp.spawn(_rank_main, args=(args.world, f"file://{store}", args, out), nprocs=args.world, join=True)
-    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.world)]
-    result = {"benchmark": "checkpoint", "model": "gpt-tiny" if args.tiny else "gpt-demo", "parallelism": "ddp",
-              "world": args.world, "steps_per_mode": args.steps, "every": args.every,
-              "checkpoint_bytes": {m: _newest_bytes(os.path.join(args.dir, m)) for m in MODES[1:]},
-              "save_error": ranks[0]["load"]["save_error"], **summarise(ranks, args.every)}
-    shutil.rmtree(out, ignore_errors=True)
+    result: dict = {"benchmark": "checkpoint", "steps_per_mode": args.steps, "every": args.every, "jobs": {}}
+    for job in args.jobs.split(","):
+        args.job = job
+        world = args.world if job == "gpt" else args.llama_world
+        out = tempfile.mkdtemp(prefix="tm-ckpt-times-")
+        store = os.path.join(out, "store")  # the FileStore removes it once every rank is done
+        mp.spawn(_rank_main, args=(world, f"file://{store}", args, out), nprocs=world, join=True)
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
+        shutil.rmtree(out, ignore_errors=True)
+        result["jobs"][job] = {
+            "model": f"{job}-tiny" if args.tiny else f"{job}-demo",
+            "parallelism": "ddp" if job == "gpt" else f"tp 2 x fsdp2 {world // 2}", "world": world,
+            "checkpoint_bytes": {m: _newest_bytes(os.path.join(args.dir, job, m)) for m in MODES[1:]},
+            "save_error": ranks[0]["load"]["save_error"], **summarise(ranks, args.every)}
     if own:
         shutil.rmtree(args.dir, ignore_errors=True)
     print(json.dumps(result, indent=1))
