@@ -64,6 +64,7 @@ FORMAT = "trainmover-checkpoint/1"
 MANIFEST = "manifest.json"
 JOB_FILE = "JOB"
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
+_FAILED, _WRITE, _SKIP = 0, 1, 2  # rank 0's decision on a save, agreed by an all-reduce (MIN)
 
 
 class CheckpointError(Exception):
@@ -85,6 +86,7 @@ class SaveResult:
     stall_s: float = 0.0
     write_s: float = 0.0
     error: Optional[str] = None
+    skipped: bool = False  # a valid checkpoint of this step existed already (kept as it was)
     done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
 
@@ -307,24 +309,32 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         return pending
 
-    def _agree(self, ok: bool) -> bool:
-        """Whether every rank is ``ok`` (an all-reduce on the checkpoint group: also a barrier)."""
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    def _lowest(self, value: int) -> int:
+        """The lowest ``value`` of every rank (an all-reduce on the checkpoint group: also a barrier)."""
+        flag = torch.tensor([value], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
+        return int(flag.item())
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether every rank is ``ok``."""
+        return bool(self._lowest(1 if ok else 0))
 
     def _write(self, result: SaveResult, state: dict[str, Any], rank: dict[str, Any]) -> None:
         start = time.perf_counter()
         path = result.path
         try:
-            error = None
+            error, decision = None, _SKIP  # rank 0 decides; the others agree with anything
             if self.rank == 0:
                 try:
-                    self._prepare(path)
+                    decision = _SKIP if self._prepare(path) else _WRITE
                 except OSError as e:
-                    error = _one_line(e)
-            if not self._agree(error is None):
-                raise CheckpointError(error or "another rank could not prepare the checkpoint directory")
+                    error, decision = _one_line(e), _FAILED
+            decision = self._lowest(decision)
+            if decision == _FAILED:
+                raise CheckpointError(error or "rank 0 could not prepare the checkpoint directory")
+            if decision == _SKIP:  # a redone step: its valid checkpoint is kept, never replaced
+                result.skipped = True
+                return
             dcp.save(state, checkpoint_id=path, process_group=self.group)
             try:
                 self._write_rank_files(path, rank)
@@ -344,14 +354,19 @@ class Checkpointer:
             result.write_s = time.perf_counter() - start
             result.done.set()
 
-    def _prepare(self, path: str) -> None:
-        """Rank 0: a fresh, empty directory for the checkpoint (a torn save of the same step is removed)."""
+    def _prepare(self, path: str) -> bool:
+        """Rank 0: True when a valid checkpoint of this step (of this job) exists already (a step redone after a
+        recovery: it is kept); else a fresh, empty directory for the checkpoint (a torn or corrupted one of the
+        same step is removed) and False."""
         os.makedirs(self.root, exist_ok=True)
+        if verify(path, self.job_id)[0] is None:
+            return True
         if os.path.exists(path):
             if os.path.exists(os.path.join(path, MANIFEST)):
                 os.remove(os.path.join(path, MANIFEST))  # no longer valid from here on
             shutil.rmtree(path)
         os.makedirs(path)
+        return False
 
     def _write_rank_files(self, path: str, rank: dict[str, Any]) -> None:
         """This rank's rank state, then the sizes and sums of every file this rank wrote (fsynced)."""
@@ -457,7 +472,14 @@ def verify(path: str, job_id: Optional[str] = None) -> tuple[Optional[str], Opti
         return f"manifest is not {FORMAT}", None
     if job_id is not None and manifest.get("job_id") != job_id:
         return f"manifest of job {manifest.get('job_id')}, not of this job ({job_id})", None
-    for name, want in sorted(manifest["files"].items()):
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(w, dict) and isinstance(w.get("size"), int) and isinstance(w.get("sha256"), str)
+            and "/" not in n and n not in ("", ".", "..") for n, w in files.items()):
+        return "manifest lists its files wrongly", None
+    if not isinstance(manifest.get("step"), int) or not isinstance(manifest.get("layout"), dict):
+        return "manifest has no step or layout", None
+    for name, want in sorted(files.items()):
         file = os.path.join(path, name)
         if not os.path.exists(file):
             return f"{name} is missing", None

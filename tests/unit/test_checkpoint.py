@@ -130,22 +130,49 @@ def test_keep_prunes_to_the_newest_two_and_torn_older(runs):
     assert [s for s, _ in checkpoint.checkpoints(str(runs["torn_root"]))] == [8, 6]
 
 
-def test_another_world_size_is_refused_in_one_line(runs):
+@pytest.fixture
+def one_rank():
+    """A 1-rank gloo default group in this process."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         pytest.skip("a default process group already exists in this process")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.ReLU(),
-                                    torch.nn.Linear(16, 1))
-        ckpt = checkpoint.Checkpointer(str(runs["torn_root"]), "job-a")
-        with pytest.raises(checkpoint.LayoutMismatch) as refused:
-            ckpt.load({"model": model}, {})
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def small_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def test_another_world_size_is_refused_in_one_line(runs, one_rank):
+    ckpt = checkpoint.Checkpointer(str(runs["torn_root"]), "job-a")
+    with pytest.raises(checkpoint.LayoutMismatch) as refused:
+        ckpt.load({"model": small_model()}, {})
     assert str(refused.value) == (f"checkpoint {checkpoint.step_dir(str(runs['torn_root']), 8)} was written "
                                   "under world size 2, this job has 1")
+
+
+def test_a_redone_step_keeps_its_valid_checkpoint_and_replaces_a_corrupted_one(tmp_path, one_rank):
+    model = small_model()
+    ckpt = checkpoint.Checkpointer(str(tmp_path), "job-a")
+    first = ckpt.save(2, {"model": model}, {})
+    assert ckpt.wait() is first and first.error is None and not first.skipped
+    manifest = os.path.join(checkpoint.step_dir(str(tmp_path), 2), checkpoint.MANIFEST)
+    before = open(manifest, "rb").read()
+    again = ckpt.save(2, {"model": model}, {})
+    ckpt.wait()
+    assert again.skipped and again.error is None and open(manifest, "rb").read() == before
+    with open(os.path.join(checkpoint.step_dir(str(tmp_path), 2), "rank00000.pt"), "ab") as f:
+        f.write(b"x")  # truncation's cousin: the size no longer matches
+    assert checkpoint.verify(checkpoint.step_dir(str(tmp_path), 2))[0].startswith("rank00000.pt has ")
+    third = ckpt.save(2, {"model": model}, {})
+    ckpt.wait()
+    assert not third.skipped and third.error is None
+    assert checkpoint.verify(checkpoint.step_dir(str(tmp_path), 2))[0] is None
 
 
 def test_fsdp2_resume_from_a_step_dir_is_bit_identical(runs):
