@@ -23,8 +23,7 @@ import sys
 
 import pytest
 
-from tests.support import events
-from tests.support.job import end_job, final_hashes, job_client, migrate_when_ready
+from tmctl.localjob import end_job, events, final_hashes, job_client, migrate_when_ready
 from tmd import protocol as p
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "varied.py")
