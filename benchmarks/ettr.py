@@ -59,8 +59,8 @@ import time
 from typing import Optional
 
 from benchmarks import report
-from tests.support.job import final_hashes, job_client, tmd_command
 from tmctl.client import Client, CoordinatorUnreachable
+from tmctl.localjob import final_hashes, job_client, tmd_command
 from tmd import protocol as p
 
 WARMUP_STEPS = 10  # the clock starts no sooner than this step (the recorded first steps and process start-up)

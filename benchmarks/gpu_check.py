@@ -28,7 +28,7 @@ stop the others):
   threads of a 2-rank gloo group; every received tensor equals the sent one; ``gb_s`` = payload bytes / receive
   seconds (1e9 bytes/s).
 - ``migration``: a 2-rank job (2 nodes x 1 rank, examples.train_gpt ``--device``, ranks sharing the device over
-  gloo) with one standby, n2 migrated to s1 at step 6 (tests.support.job): every rank's final state sha256 equals
+  gloo) with one standby, n2 migrated to s1 at step 6 (tmctl.localjob): every rank's final state sha256 equals
   an uninterrupted run's.
 
 The line also holds ``setup`` (what scripts/gpu-check.sh did first, when it ran this), ``mode`` (``ran`` or ``skipped``), ``device`` (name), ``torch``, ``torch_cuda``
@@ -296,7 +296,7 @@ def check_transfer(device: torch.device, large: bool | None = None) -> dict:
 def migration_commands(run_dir: str, device: torch.device, standbys: int) -> list[str]:
     """``tmd local`` for the migration check's 2-node x 1-rank job of examples.train_gpt on ``device``; with
     standbys, its steps padded to MIGRATION_PAD_S (so the standby is warm before the job ends)."""
-    from tests.support import job
+    from tmctl import localjob as job
 
     pad = ("--min-step-time-s", str(MIGRATION_PAD_S)) if standbys else ()
     return job.tmd_command(run_dir, standbys, MIGRATION_STEPS, True, True, ("--device", device.type, *pad),
@@ -306,7 +306,7 @@ def migration_commands(run_dir: str, device: torch.device, standbys: int) -> lis
 def check_migration(device: torch.device) -> dict:
     import subprocess
 
-    from tests.support import job
+    from tmctl import localjob as job
 
     env = {**os.environ, "TM_INNER_BACKEND": "gloo"}
     with tempfile.TemporaryDirectory(prefix="tm-gpu-check-ref-") as ref_dir, \

@@ -9,7 +9,7 @@ standbys (s1, s2), ``tmd --snapshot-every K``. One fresh job per layout (``LAYOU
 baseline; FSDP2 over 4 ranks; HSDP replicate 2 across nodes x shard 2 in node; TP 2 in node x FSDP2 2 across
 nodes; PP 2 across nodes x DP 2 in node). In each job:
 
-1. once training is at ``--migrate-at`` and s1 is warm, a planned migration n2 -> s1 (tests.support.job's
+1. once training is at ``--migrate-at`` and s1 is warm, a planned migration n2 -> s1 (tmctl.localjob's
    ``migrate_when_ready``); tmd's migration record gives ``downtime_s`` (the extra time of the switch step and the
    5 after it over the median step before the request, on the lowest stayer rank), ``stayer_pause_s`` (the
    longest time a stayer stood still at the switch step), ``bytes_moved`` and the phases; the journal's
@@ -64,7 +64,7 @@ import time
 
 from benchmarks import report
 from benchmarks.recovery import first_event, read_events
-from tests.support.job import final_hashes, job_client, migrate_when_ready, tmd_command
+from tmctl.localjob import final_hashes, job_client, migrate_when_ready, tmd_command
 from tmd import protocol as p
 
 LAYOUTS: dict[str, tuple[str, ...]] = {  # name -> examples.train_llama mesh flags (2 nodes x 2 ranks)

@@ -38,8 +38,8 @@ from typing import Optional
 import psutil
 
 from benchmarks import report
-from tests.support.job import final_hashes, job_client, migrate_when_ready, tmd_command
 from tmctl.client import CoordinatorUnreachable
+from tmctl.localjob import final_hashes, job_client, migrate_when_ready, tmd_command
 from tmd import protocol as p
 
 SAMPLE_S = 0.25  # seconds between samples

@@ -47,7 +47,7 @@ import psutil
 
 from benchmarks import report
 from benchmarks.cold_restart import run_cold_restart
-from tests.support.job import migrate_when_ready, tmd_command, job_client
+from tmctl.localjob import job_client, migrate_when_ready, tmd_command
 from tmd import protocol as p
 
 

@@ -237,7 +237,7 @@ def run_trainmover(work: str, steps: int, kill_at: int, tiny: bool, guarded: boo
     from benchmarks.recovery import (
         StepClock, finish_job, follow_recovery, node_pids, read_events, struck_node, wait_to_strike,
     )
-    from tests.support.job import final_hashes, job_client, tmd_command
+    from tmctl.localjob import final_hashes, job_client, tmd_command
     from tmd import protocol as p
 
     def start(run_dir: str, standbys: int, tmd_args: tuple = ()) -> subprocess.Popen:

@@ -73,8 +73,8 @@ import psutil
 
 from benchmarks import report
 from benchmarks.cold_restart import run_cold_restart
-from tests.support.job import final_hashes, tmd_command, job_client
 from tmctl.client import Client, CoordinatorUnreachable
+from tmctl.localjob import final_hashes, job_client, tmd_command
 from tmd import protocol as p
 
 POLL_S = 0.01  # status poll period (s) in the step-time window and around the failure

@@ -50,7 +50,7 @@ import time
 from typing import Optional
 
 from benchmarks import report
-from tests.support.job import job_client, migrate_when_ready, tmd_command
+from tmctl.localjob import job_client, migrate_when_ready, tmd_command
 from tmd import protocol as p
 
 GROUP_SIZE = 2  # the demo's --group-size: with 2 ranks per node, one subgroup per node

@@ -28,8 +28,8 @@ import shutil
 import subprocess
 import sys
 
-from tests.support.job import end_job, final_hashes, migrate_when_ready, tmd_command, wait_for_address
 from tmctl.client import Client, find_keys
+from tmctl.localjob import end_job, final_hashes, migrate_when_ready, tmd_command, wait_for_address
 from tmd import protocol as p
 
 

@@ -1,9 +1,9 @@
 """tmctl: the command line for a running TrainMover job (status, migrate, events, timeline).
 
 Every command asks the coordinator (tmd) over ZeroMQ; see :func:`tmctl.client.find_coordinator` for how its
-address is found. Exit codes: 0 success; 1 a migration aborted (or a standby was not ready within
---wait-standby-s); 3 a migration still running when --timeout-s ran out; 2 the request was refused, no coordinator
-answered, or anything else went wrong (always one ``error: ...`` line on stderr).
+address is found. Exit codes (tmd.protocol.vocab.ExitCode): 0 success; 1 a migration aborted (or a standby was not ready within
+--wait-standby-s); 2 the request was refused, no coordinator answered, or anything else went wrong (always one
+``error: ...`` line on stderr); 4 a migration still running when --timeout-s ran out; 130 interrupted (Ctrl-C).
 """
 import dataclasses
 import functools
@@ -38,15 +38,15 @@ from tmd.protocol import (
     StatusRequest,
 )
 from tmd.protocol import layout
-from tmd.protocol.vocab import ErrorCode, Event, MigrationState, NodeRole
+from tmd.protocol.vocab import ErrorCode, Event, ExitCode, MigrationState, NodeRole
 
 DEFAULT_TIMEOUT_S = 2.0
 POLL_INTERVAL_S = 0.2  # migrate: seconds between MigrationRequests
 FOLLOW_INTERVAL_S = 0.5  # events --follow: seconds between EventsRequests when caught up
 EVENTS_PAGE = 1000  # timeline: events asked for per EventsRequest
-EXIT_ABORTED = 1  # migrate: the migration aborted (tmd's reason on stderr)
-EXIT_REFUSED = 2  # migrate: tmd refused the request (and every other error of any command)
-EXIT_STILL_RUNNING = 3  # migrate: the migration was still running when --timeout-s ran out
+EXIT_ABORTED = ExitCode.FAILED  # migrate: the migration aborted (tmd's reason on stderr)
+EXIT_REFUSED = ExitCode.REFUSED  # migrate: tmd refused the request (and every other error of any command)
+EXIT_STILL_RUNNING = ExitCode.STILL_RUNNING  # migrate: the migration was still running when --timeout-s ran out
 
 app = typer.Typer(
     add_completion=False,
@@ -70,7 +70,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tab
 class _Fail(TmctlError):
     """Ends a command with ``error: <message>`` on stderr and exit code ``code``."""
 
-    def __init__(self, message: str, code: int = 2) -> None:
+    def __init__(self, message: str, code: int = ExitCode.REFUSED) -> None:
         super().__init__(message)
         self.code = code
 
@@ -91,16 +91,16 @@ def _guarded(fn: Callable[..., int]) -> Callable[..., None]:
             code = e.code
         except TmctlError as e:
             _error(str(e))
-            code = 2
+            code = ExitCode.REFUSED
         except ProtocolError as e:
             _error(f"bad reply from tmd: {e}")
-            code = 2
+            code = ExitCode.REFUSED
         except KeyboardInterrupt:
             _error("interrupted")
-            code = 130
+            code = ExitCode.INTERRUPTED
         except Exception as e:  # noqa: BLE001 - the CLI promises one line, never a traceback
             _error(f"{type(e).__name__}: {e}")
-            code = 2
+            code = ExitCode.REFUSED
         raise typer.Exit(code)
 
     return wrapper
@@ -291,7 +291,7 @@ def _request_migration(client: Client, sources: list[str], targets: list[str], w
         if time.monotonic() >= deadline:
             what = "standby" if len(targets) == 1 else "standbys"
             raise _Fail(f"timed out after {wait_s:g} s waiting for {what} '{','.join(targets)}': {reply.message}",
-                        code=1)
+                        code=EXIT_ABORTED)
         time.sleep(POLL_INTERVAL_S * 2.5)  # tmd has no event to wait on for a standby to come up: ask again
 
 
@@ -314,7 +314,7 @@ def migrate(
              "to this long (exit 1 then).")] = 0.0,
     timeout_s: Annotated[float, typer.Option(
         "--timeout-s", min=0.0, metavar="SECONDS",
-        help="Stop following after this long (exit 3; the migration goes on in tmd).")] = 300.0,
+        help="Stop following after this long (exit 4; the migration goes on in tmd).")] = 300.0,
     json_: JsonOpt = False,
     coordinator: CoordinatorOpt = None, run_dir: RunDirOpt = None, job: JobOpt = None,
     timeout: TimeoutOpt = None,
@@ -330,7 +330,7 @@ def migrate(
 
     Exit codes: 0 committed (or accepted, with --no-wait); 1 aborted (tmd's reason on stderr), or a standby
     was not ready within --wait-standby-s; 2 tmd refused it (a node named twice, counts that differ, an unknown
-    node, a standby that is not warm, ...) or no tmd answered; 3 still running after --timeout-s.
+    node, a standby that is not warm, ...) or no tmd answered; 4 still running after --timeout-s; 130 interrupted.
     """
     t_start = time.time()
     sources, targets = node_list("--from", source), node_list("--to", target)
@@ -348,7 +348,7 @@ def migrate(
         try:
             m = follow(client, m, t_start, time.monotonic() + timeout_s, quiet=json_)
         except KeyboardInterrupt:
-            raise _Fail(f"interrupted; migration {mid} goes on in tmd (watch it with tmctl status)", code=130)
+            raise _Fail(f"interrupted; migration {mid} goes on in tmd (watch it with tmctl status)", code=ExitCode.INTERRUPTED)
     if m.get("state") not in render.FINAL_STATES:
         raise _Fail(f"migration {mid} still {m.get('state')} after {timeout_s:g} s "
                     f"(it goes on in tmd; watch it with tmctl status)", code=EXIT_STILL_RUNNING)

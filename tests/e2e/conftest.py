@@ -1,5 +1,10 @@
 """Fixtures shared by the end-to-end tests.
 
+``start_job`` starts a job for the test (tmctl.localjob.Job): ``start_job(standbys, steps, *script_args,
+tmd_args=(), **options)`` runs ``tmd local`` in the test's ``tmp_path`` (``job``, then ``job2``, ...) and returns
+the Job; every job a test started is ended (tmd terminated if it still runs) when the test ends, after a failed
+test's report took each job's stacks and journal.
+
 ``gpt_reference`` is the uninterrupted run a tiny-GPT test (2 x 2 by default) compares its final state with. Calling
 ``gpt_reference(steps, *script_args, nodes=2, ranks_per_node=2)`` returns {rank: final state sha256} of a
 ``tmd local`` job of that many steps with no standby and ``script_args`` passed to examples.train_gpt (--tiny).
@@ -19,7 +24,22 @@ import os
 
 import pytest
 
-from tests.support.job import diagnose, reference_hashes
+from tmctl.localjob import Job, diagnose, reference_hashes
+
+
+@pytest.fixture
+def start_job(tmp_path):
+    started: list[Job] = []
+
+    def start(standbys: int, steps: int, *script_args: str, **options) -> Job:
+        job = Job(str(tmp_path / f"job{len(started) + 1 if started else ''}"), standbys, steps, *script_args,
+                  **options)
+        started.append(job)
+        return job
+
+    yield start
+    while started:
+        started.pop().close()
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +61,7 @@ def gpt_reference(tmp_path_factory):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failed end-to-end test's report carries each of its jobs' stacks, last events and log tails
-    (tests.support.job.diagnose): CI keeps only what the run printed, not the run directories."""
+    (tmctl.localjob.diagnose): CI keeps only what the run printed, not the run directories."""
     outcome = yield
     report = outcome.get_result()
     tmp_path = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None

@@ -10,17 +10,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import psutil
 import pytest
 
-from tests.support.job import end_job, final_hashes, job_client, tmd_command
+from tmctl.localjob import Job, events, final_hashes, wait_until
 from tmd import netns
 from tmd import protocol as p
 
-from tests.support import events, wait_until
 
 STEPS = 60
 BASE = ("--min-step-time-s", "0.03")  # padding only: the numerics are those of the reference
@@ -29,44 +26,6 @@ BASE = ("--min-step-time-s", "0.03")  # padding only: the numerics are those of 
 @pytest.fixture(scope="module")
 def reference(gpt_reference) -> dict[int, str]:
     return gpt_reference(STEPS)
-
-
-class Job:
-    """A local-mode job of STEPS steps with ``standbys`` standby nodes, started in ``tmp_path``."""
-
-    def __init__(self, tmp_path, standbys: int, *script_args: str, tmd_args: tuple = ()) -> None:
-        self.run_dir = str(tmp_path / "job")
-        cmd = tmd_command(self.run_dir, standbys, STEPS, True, True, BASE + script_args)
-        at = cmd.index("--")
-        self.proc = subprocess.Popen(cmd[:at] + list(tmd_args) + cmd[at:], stdout=subprocess.DEVNULL)
-        self.client = job_client(self.run_dir, self.proc)
-
-    def status(self) -> p.StatusReply:
-        return self.client.request(p.StatusRequest())
-
-    def events(self, name: str) -> list[dict]:
-        return [e for e in events(self.run_dir) if e["event"] == name]
-
-    def wait_event(self, name: str, timeout_s: float = 120, **fields) -> dict:
-        return wait_until(lambda: next((e for e in self.events(name) if all(e.get(k) == v for k, v in fields.items())),
-                                       None), timeout_s, f"event {name} {fields}")
-
-    def pids(self, node: str) -> list[int]:
-        return [e["pid"] for e in self.events("worker_registered") if e["node"] == node]
-
-    def wait_training(self, min_step: int = 8) -> None:
-        wait_until(lambda: self.status().step >= min_step and any(n["warm"] for n in self.status().nodes), 120,
-                   "training and a warm standby")
-
-    def tmctl(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "tmctl.cli", *args, "--run-dir", self.run_dir],
-                              capture_output=True, text=True, timeout=60)
-
-    def finish(self, timeout_s: float = 240) -> int:
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        finally:
-            end_job(self.proc)
 
 
 def assert_recovered(job: Job, reference: dict[int, str], rc: int, incidents: int = 1) -> list[dict]:
@@ -80,11 +39,12 @@ def assert_recovered(job: Job, reference: dict[int, str], rc: int, incidents: in
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("phase", ["optimizer"])  # forward and between: test_two_failures_in_a_row_*; backward: below
-def test_kill_node_during_a_step(tmp_path, reference, phase):
+def test_kill_node_during_a_step(start_job, reference, phase):
     # Also: long and slow steps are not failures. Rank 3 sleeps 2.5 s in its first step and in step 6 (its peers
     # wait at the collective, its heartbeats go on): the only node failure is the kill of n1 at step 12. n1 holds
     # rank 0, the root of DDP's bucket regrouping, which its replacement replays before its first step.
-    job = Job(tmp_path, 1, "--fault", f"n1:12:{phase}", "--slow-rank", "3", "--slow-steps", "0,6", "--slow-s", "2.5")
+    job = start_job(1, STEPS, *BASE, "--fault", f"n1:12:{phase}", "--slow-rank", "3", "--slow-steps", "0,6",
+                    "--slow-s", "2.5")
     done = assert_recovered(job, reference, job.finish())
     failed = job.events("node_failed")
     assert [(e["node"], e["signal"]) for e in failed] == [("n1", "process_exit")]
@@ -107,12 +67,12 @@ def test_kill_node_during_a_step(tmp_path, reference, phase):
 
 
 @pytest.mark.timeout(300)
-def test_two_failures_in_a_row_with_guards_adopted_then_released(tmp_path, reference):
+def test_two_failures_in_a_row_with_guards_adopted_then_released(start_job, reference):
     # --guards 2: s1 warms as n1's ranks, s2 as n2's, before any failure (rank 0 pauses 3 s at step 6: they are
     # warm by then). n2 dies in the forward pass of step 10 (redone): its guard s2 is adopted, with no warm-up
     # left. s2 (now holding ranks 2-3, unguarded) dies between steps 30 and 31 (step 30 stands): no general
     # standby is left, so the guard s1 is released, comes back fresh and takes ranks 2-3 as a general standby.
-    job = Job(tmp_path, 2, "--fault", "n2:10:forward", "--fault", "s2:30:between", "--slow-rank", "0",
+    job = start_job(2, STEPS, *BASE, "--fault", "n2:10:forward", "--fault", "s2:30:between", "--slow-rank", "0",
               "--slow-steps", "6", "--slow-s", "3", tmd_args=("--guards", "2"))
     done = assert_recovered(job, reference, job.finish(), incidents=2)
     assert sorted((e["standby"], e["node"], tuple(e["ranks"])) for e in job.events("guard_assigned")) == \
@@ -135,11 +95,11 @@ def test_two_failures_in_a_row_with_guards_adopted_then_released(tmp_path, refer
 
 
 @pytest.mark.timeout(300)
-def test_a_migration_to_the_guard_of_its_node_skips_the_warm_up(tmp_path, reference):
+def test_a_migration_to_the_guard_of_its_node_skips_the_warm_up(start_job, reference):
     # --guards 1: s1 warms as n1's ranks (rank 0 pauses 2 s at step 6 meanwhile); steps padded to 0.1 s so the
     # migration has room to commit
-    job = Job(tmp_path, 1, "--min-step-time-s", "0.1", "--slow-rank", "0", "--slow-steps", "6", "--slow-s", "2",
-              tmd_args=("--guards", "1"))
+    job = start_job(1, STEPS, *BASE, "--min-step-time-s", "0.1", "--slow-rank", "0", "--slow-steps", "6",
+                    "--slow-s", "2", tmd_args=("--guards", "1"))
     job.wait_event("guard_warmed", standby="s1")
     s1 = next(n for n in job.status().nodes if n["name"] == "s1")
     assert (s1["role"], s1["warm"], s1["guards"]) == ("guarding", True, [0, 1])
@@ -159,8 +119,8 @@ def test_a_migration_to_the_guard_of_its_node_skips_the_warm_up(tmp_path, refere
 
 
 @pytest.mark.timeout(300)
-def test_without_a_standby_the_job_waits_then_resumes(tmp_path, reference):
-    job = Job(tmp_path, 0, "--fault", "n2:10:backward")  # n2 dies half-way through its backward pass
+def test_without_a_standby_the_job_waits_then_resumes(start_job, reference):
+    job = start_job(0, STEPS, *BASE, "--fault", "n2:10:backward")  # n2 dies half-way through its backward pass
     job.wait_event("recovery_waiting")
     status = json.loads(job.tmctl("status", "--json").stdout)
     assert status["recovery"]["waiting_standby"] is True and status["recovery"]["lost_ranks"] == [2, 3]
@@ -175,8 +135,8 @@ def test_without_a_standby_the_job_waits_then_resumes(tmp_path, reference):
 
 
 @pytest.mark.timeout(300)
-def test_leaver_killed_during_a_migration_falls_back_to_a_replica(tmp_path, reference):
-    job = Job(tmp_path, 1)
+def test_leaver_killed_during_a_migration_falls_back_to_a_replica(start_job, reference):
+    job = start_job(1, STEPS, *BASE)
     job.wait_training()
     assert job.tmctl("migrate", "--from", "n2", "--to", "s1", "--no-wait").returncode == 0
     job.wait_event("migration_switching")
@@ -192,8 +152,8 @@ def test_leaver_killed_during_a_migration_falls_back_to_a_replica(tmp_path, refe
 
 
 @pytest.mark.timeout(300)
-def test_joiner_killed_during_the_switch(tmp_path, reference):
-    job = Job(tmp_path, 2)
+def test_joiner_killed_during_the_switch(start_job, reference):
+    job = start_job(2, STEPS, *BASE)
     job.wait_training()
     wait_until(lambda: all(n["warm"] for n in job.status().nodes if n["role"] == "standby"), 120, "two warm standbys")
     assert job.tmctl("migrate", "--from", "n2", "--to", "s1", "--no-wait").returncode == 0
@@ -211,8 +171,8 @@ def test_joiner_killed_during_the_switch(tmp_path, reference):
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not netns.available(), reason="needs root, ip and tc for network namespaces")
-def test_network_partition_of_a_node(tmp_path, reference):
-    job = Job(tmp_path, 1, tmd_args=("--netns-node", "n2"))
+def test_network_partition_of_a_node(start_job, reference):
+    job = start_job(1, STEPS, *BASE, tmd_args=("--netns-node", "n2"))
     job.wait_training()
     with open(os.path.join(job.run_dir, "tmd.json")) as f:
         spec = json.load(f)["netns"]["n2"]
@@ -226,12 +186,12 @@ def test_network_partition_of_a_node(tmp_path, reference):
 
 
 @pytest.mark.timeout(300)
-def test_leaver_killed_after_the_commit_decision_is_a_failure_of_the_joiners_node(tmp_path, reference):
+def test_leaver_killed_after_the_commit_decision_is_a_failure_of_the_joiners_node(start_job, reference):
     """The commit is decided once the joiners loaded their pre-copy, during the step before the switch step S
     (steps padded to 0.4 s here, so the leaver's tail at S is hundreds of ms away). Killing the leaver then leaves
     the joiners without their tail: they exit, tmd never aborts a decided migration (some stayers may already
     train in the new groups), and the loss of s1, which now holds the ranks, is repaired from a replica by s2."""
-    job = Job(tmp_path, 2, "--min-step-time-s", "0.4")
+    job = start_job(2, STEPS, *BASE, "--min-step-time-s", "0.4")
     job.wait_training(5)
     wait_until(lambda: all(n["warm"] for n in job.status().nodes if n["role"] == "standby"), 120, "two warm standbys")
     assert job.tmctl("migrate", "--from", "n2", "--to", "s1", "--no-wait").returncode == 0

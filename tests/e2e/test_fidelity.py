@@ -9,33 +9,19 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 
 import pytest
 
-from tests.e2e.test_failures import BASE, Job
-from tests.support.job import final_hashes, job_client, tmd_command
-from tests.support import events
+from tmctl.localjob import Job, events, final_hashes
 from tmd import protocol as p
 
 STEPS = 24
+BASE = ("--min-step-time-s", "0.03")  # padding only: the numerics are those of the reference
 DROPOUT = ("--dropout", "0.2")
 
 
 def seed_args(mode: str) -> tuple:
     return DROPOUT + ("--seed-mode", mode)
-
-
-class FidelityJob(Job):
-    """test_failures' Job, of STEPS steps with dropout and seed mode ``mode``."""
-
-    def __init__(self, tmp_path, standbys: int, mode: str, *script_args: str,
-                 tmd_args: tuple = ()) -> None:  # noqa: super() not called
-        self.run_dir = str(tmp_path / "job")
-        cmd = tmd_command(self.run_dir, standbys, STEPS, True, True, BASE + seed_args(mode) + script_args,
-                          tmd_args=tmd_args)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-        self.client = job_client(self.run_dir, self.proc)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +37,7 @@ def assert_identical(job: Job, reference: dict[int, str], rc: int, incidents: in
 
 
 @pytest.mark.timeout(300)
-def test_sigstop_hang_then_sigcont_is_fenced_and_bit_identical(tmp_path, reference):
+def test_sigstop_hang_then_sigcont_is_fenced_and_bit_identical(start_job, reference):
     """n2's ranks hang (SIGSTOP): tmd fails the node as stopped, fences it (kills exactly its processes) and
     recovers onto s1, reseeding per step from the lost ranks' own (rank, step); the SIGCONT comes too late, and n2
     never finishes as a rank.
@@ -59,7 +45,7 @@ def test_sigstop_hang_then_sigcont_is_fenced_and_bit_identical(tmp_path, referen
     Also the per-step seed mode's recovery (the only one: shared seeding is every other e2e job's, per-rank RNG
     streams are the two-failures test's, with a kill in the forward pass and one in the optimizer step)."""
     expected = reference("per-step")  # before the job: never alongside it
-    job = FidelityJob(tmp_path, 1, "per-step")
+    job = start_job(1, STEPS, *BASE, *seed_args("per-step"))
     job.wait_training(min_step=6)
     stopped = job.pids("n2")
     for pid in stopped:
@@ -79,14 +65,14 @@ def test_sigstop_hang_then_sigcont_is_fenced_and_bit_identical(tmp_path, referen
 
 
 @pytest.mark.timeout(300)
-def test_two_failures_in_a_row_per_rank_is_bit_identical(tmp_path, reference):
+def test_two_failures_in_a_row_per_rank_is_bit_identical(start_job, reference):
     # --guards 1: s1 is placed as n1's guard once the ranks are recorded (rank 0 pauses 1.5 s in step 4 for it);
     # n2 (unguarded) fails first and the general standby s2 replaces it; then n1 fails and its guard s1 is adopted.
     # The job clears its gradients after the optimizer step (the reference before the backward: the same numerics
     # uninterrupted): after the first kill, in the forward pass, the survivors' backward has put their own
     # gradients in .grad, which the redone step must not add to its own (worker.recovery: Gradients).
     expected = reference("per-rank")  # before the job: never alongside it
-    job = FidelityJob(tmp_path, 2, "per-rank", "--fault", "n2:6:forward", "--fault", "n1:16:optimizer",
+    job = start_job(2, STEPS, *BASE, *seed_args("per-rank"), "--fault", "n2:6:forward", "--fault", "n1:16:optimizer",
                       "--slow-rank", "0", "--slow-steps", "4", "--slow-s", "1.5", "--zero-grad", "after-step",
                       tmd_args=("--guards", "1"))
     assert_identical(job, expected, job.finish(), incidents=2)
@@ -95,11 +81,11 @@ def test_two_failures_in_a_row_per_rank_is_bit_identical(tmp_path, reference):
 
 
 @pytest.mark.timeout(300)
-def test_joiner_with_a_fresh_model_fails_the_job_on_the_replica_check(tmp_path):
+def test_joiner_with_a_fresh_model_fails_the_job_on_the_replica_check(start_job):
     # The model is neither managed nor wrapped in DDP (no misuse warning can see it): the migration moves only the
     # optimizer, the joiners keep a freshly initialised model, and the first step after the switch must fail the
     # job instead of training on diverged.
-    job = FidelityJob(tmp_path, 1, "shared", "--unmanaged-model")
+    job = start_job(1, STEPS, *BASE, *seed_args("shared"), "--unmanaged-model")
     job.wait_training(min_step=4)
     reply = job.client.request(p.MigrateRequest(sources=["n2"], targets=["s1"]))
     assert not isinstance(reply, p.ErrorReply), reply

@@ -28,8 +28,7 @@ import subprocess
 
 import pytest
 
-from tests.support import events, wait_until
-from tests.support.job import end_job, final_hashes, job_client, tmd_command
+from tmctl.localjob import end_job, events, final_hashes, job_client, tmd_command, wait_until
 from tmd import protocol as p
 
 STEPS = 32  # 4 steps after the kill; a rollback goes back to step 24 at most (SNAPSHOT_EVERY)

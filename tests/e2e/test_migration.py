@@ -16,11 +16,10 @@ import sys
 import pytest
 import zmq
 
-from tests.support.job import end_job, final_hashes, job_client, tmd_command
+from tmctl.localjob import end_job, events, final_hashes, job_client, tmd_command, wait_until
 from tmd import protocol as p
 from tmd.protocol.keys import JobKeys
 
-from tests.support import events, wait_until
 
 STEPS = 400
 # Per-node subgroups (a collective in them every step), and steps padded so the job outlives the tests: 400 x

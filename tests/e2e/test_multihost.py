@@ -18,9 +18,8 @@ import sys
 
 import pytest
 
-from tests.support import events, wait_until
-from tests.support.job import end_job, final_hashes, tmd_command, wait_for_address
 from tmctl.client import Client, find_keys
+from tmctl.localjob import end_job, events, final_hashes, tmd_command, wait_for_address, wait_until
 from tmd import netns
 from tmd import protocol as p
 

@@ -15,8 +15,7 @@ import sys
 
 import pytest
 
-from tests.support import events, wait_until
-from tests.support.job import end_job, final_hashes, job_client, tmd_command
+from tmctl.localjob import end_job, events, final_hashes, job_client, tmd_command, wait_until
 from tmd import protocol as p
 
 NODES, RANKS_PER_NODE = 4, 2

@@ -21,8 +21,7 @@ import urllib.request
 
 import pytest
 
-from tests.support import events, wait_until
-from tests.support.job import final_hashes, job_client, scrape, tmd_command, web_of
+from tmctl.localjob import Job, events, final_hashes, scrape, wait_until, web_of
 from tmd import protocol as p
 
 STEPS = 170
@@ -33,12 +32,11 @@ ARTIFACTS = os.environ.get("TM_TEST_ARTIFACTS") or os.path.join(os.path.dirname(
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-class Job:
+class ObservedJob(Job):
+    """The module's job (standbys s1 and s2; n1 killed at FAULT_STEP), with its status page's address and token."""
+
     def __init__(self, run_dir: str) -> None:
-        self.run_dir = run_dir
-        cmd = tmd_command(run_dir, 2, STEPS, True, True, PAD + ("--fault", f"n1:{FAULT_STEP}:forward"))
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-        self.client = job_client(run_dir, self.proc)
+        super().__init__(run_dir, 2, STEPS, *PAD, "--fault", f"n1:{FAULT_STEP}:forward")
         self.url, self.token = web_of(run_dir)
         with open(p.layout.RunDir(run_dir).tmd_json) as f:
             self.token_file = json.load(f)["web"]["token_file"]
@@ -62,11 +60,7 @@ class Job:
         return out
 
     def job_name(self) -> str:
-        return next(e["job"] for e in events(self.run_dir) if e["event"] == p.Event.TMD_STARTED)
-
-    def wait_event(self, name: str, timeout_s: float = 120) -> dict:
-        return wait_until(lambda: next((e for e in events(self.run_dir) if e["event"] == name), None), timeout_s,
-                          f"event {name}")
+        return self.events(p.Event.TMD_STARTED)[0]["job"]
 
 
 def value(samples: dict, name: str, **labels) -> float:
@@ -86,11 +80,8 @@ def chromium_dom(url: str, profile: str, screenshot: str | None = None) -> str:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    j = Job(str(tmp_path_factory.mktemp("observability") / "job"))
-    yield j
-    if j.proc.poll() is None:
-        j.proc.kill()
-        j.proc.wait()
+    with ObservedJob(str(tmp_path_factory.mktemp("observability") / "job")) as j:
+        yield j
 
 
 def test_metrics_need_the_token_and_count_steps(job):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.support import events
+from tmctl.localjob import events
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

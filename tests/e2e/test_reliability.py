@@ -19,14 +19,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional
 
 import pytest
 import zmq
 
-from tests.support import events, wait_until
-from tests.support.job import end_job, final_hashes, tmd_command, wait_for_address
-from tmctl.client import Client, find_keys
+from tmctl.localjob import events, final_hashes
 from tmd import protocol as p
 from worker import backend as mb
 from worker.groups import Group, GroupManager
@@ -43,71 +40,11 @@ def reference(gpt_reference) -> dict[int, str]:
     return gpt_reference(STEPS)
 
 
-@pytest.fixture(autouse=True)
-def _end_jobs():
-    """Every Job a test started ends with the test (after a failure's report took the job's stacks)."""
-    yield
-    while Job.started:
-        Job.started.pop().close()
-
-
-class Job:
-    """A local-mode job of STEPS steps with ``standbys`` standby nodes, started in ``tmp_path``."""
-
-    started: list["Job"] = []  # by the current test
-
-    def __init__(self, tmp_path, standbys: int, *script_args: str) -> None:
-        self.run_dir = str(tmp_path / "job")
-        self.client: Optional[Client] = None
-        self.proc = subprocess.Popen(tmd_command(self.run_dir, standbys, STEPS, True, True, BASE + script_args),
-                                     stdout=subprocess.DEVNULL)
-        Job.started.append(self)
-        address = wait_for_address(self.run_dir, self.proc)
-        self.client = Client(address, timeout_s=10.0, keys_dir=find_keys(self.run_dir, None))
-
-    def events(self, name: str) -> list[dict]:
-        return [e for e in events(self.run_dir) if e["event"] == name]
-
-    def pids(self, node: str) -> list[int]:
-        return [e["pid"] for e in self.events(p.Event.WORKER_REGISTERED) if e["node"] == node]
-
-    def migrate(self, source: str, target: str) -> int:
-        """Request a migration (in process: no tmctl start-up delay) once the job trains and ``target`` is warm;
-        returns its id."""
-        def request():
-            reply = self.client.request(p.MigrateRequest(sources=[source], targets=[target]))
-            if isinstance(reply, p.ErrorReply) and reply.code in (p.ErrorCode.NOT_READY, p.ErrorCode.BUSY_STANDBY):
-                return None  # not training yet, or the standby is still starting
-            assert isinstance(reply, p.MigrationReply), reply
-            return reply.migration["id"]
-
-        return wait_until(request, 120, f"migration {source} -> {target} accepted", poll_s=0.2)
-
-    def finished(self, migration_id: int) -> dict:
-        """Wait for the journal to show ``migration_id`` committed or aborted; returns that event."""
-        def end():
-            return next((e for e in events(self.run_dir) if e.get("migration_id") == migration_id and e["event"] in (
-                p.Event.MIGRATION_COMMITTED, p.Event.MIGRATION_ABORTED)), None)
-
-        return wait_until(end, 60, f"the end of migration {migration_id}", poll_s=0.02)
-
-    def finish(self, timeout_s: float = 240) -> int:
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-        end_job(self.proc)
-
-
 @pytest.mark.timeout(300)
-def test_back_to_back_migrations_then_a_leaver_lost_in_phase_1(tmp_path, reference):
+def test_back_to_back_migrations_then_a_leaver_lost_in_phase_1(start_job, reference):
     """One job (two defects, one start-up): two migrations back to back, each with its downtime and every leaver's
     ``rank_left``; then a third whose leaver is killed in phase 1 recovers in seconds."""
-    job = Job(tmp_path, 3)
+    job = start_job(3, STEPS, *BASE)
     for source, target in (("n2", "s1"), ("n1", "s2")):  # the second requested as soon as the first committed
         end = job.finished(job.migrate(source, target))
         assert end["event"] == p.Event.MIGRATION_COMMITTED, end
@@ -146,13 +83,14 @@ def test_back_to_back_migrations_then_a_leaver_lost_in_phase_1(tmp_path, referen
 
 
 @pytest.mark.timeout(300)
-def test_a_migration_requested_while_a_stayer_is_still_before_the_last_switch_step(tmp_path, reference):
+def test_a_migration_requested_while_a_stayer_is_still_before_the_last_switch_step(start_job, reference):
     """Rank 0 (n1) sleeps 0.3 s at the end of each step from 4 to 25: migration 1 (n2 -> s1) commits once its
     joiners run S while n1 is still in step S - 1, and migration 2 (n1 -> s2) is requested at once. Its phase 1
     must wait until n1 passed S: a Prepare arriving before would replace the role and decision n1's switch step
     acts on (the job hung there, or migration 2 failed: without the fix, migration 2 aborted here). Both commit,
     and the final state is the uninterrupted run's."""
-    job = Job(tmp_path, 2, "--slow-rank", "0", "--slow-s", "0.3", "--slow-steps", ",".join(map(str, range(4, 26))))
+    job = start_job(2, STEPS, *BASE, "--slow-rank", "0", "--slow-s", "0.3",
+                    "--slow-steps", ",".join(map(str, range(4, 26))))
     first = job.finished(job.migrate("n2", "s1"))
     second = job.finished(job.migrate("n1", "s2"))
     assert (first["event"], second["event"]) == (p.Event.MIGRATION_COMMITTED,) * 2, (first, second)

@@ -35,8 +35,7 @@ import psutil
 import pytest
 import zmq
 
-from tests.support import events, wait_until
-from tests.support.job import end_job, final_hashes, job_client, tmd_command
+from tmctl.localjob import end_job, events, final_hashes, job_client, tmd_command, wait_until
 from tmd import protocol as p
 from tmd.protocol.keys import JobKeys
 from tmd.protocol.vocab import Event, Sender

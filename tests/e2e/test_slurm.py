@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from tests.support.job import final_hashes
-from tests.support import stand_in_tmd, wait_until
+from tmctl.localjob import events, final_hashes, wait_until
+from tests.support import stand_in_tmd
 from tmd.slurm import Poller
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -233,7 +233,10 @@ def test_a_standby_job_for_a_job_that_does_not_exist_ends_with_an_error(cluster)
 # ----------------------------------------------------------------------------------------------------------------
 # One training job with two standby jobs
 # ----------------------------------------------------------------------------------------------------------------
-class Job:
+class SlurmJob:
+    """A training job submitted with sbatch (tmctl.localjob.Job is a ``tmd local`` one): asked through the tmctl
+    command line, as an operator would, and read through its journal."""
+
     def __init__(self, cluster: Cluster, job_id: str, run_dir: str, standby_jobs: list[str]) -> None:
         self.cluster, self.id, self.run_dir, self.standby_jobs = cluster, job_id, run_dir, standby_jobs
 
@@ -244,13 +247,13 @@ class Job:
 
     def events(self) -> list[dict]:
         try:
-            with open(os.path.join(self.run_dir, "events.jsonl")) as f:
-                return [json.loads(line) for line in f]
+            return events(self.run_dir)
         except FileNotFoundError:
-            return []
+            return []  # tmd has not started yet
 
     def event(self, name: str, **match) -> dict | None:
-        return next((e for e in self.events() if e["event"] == name and all(e.get(k) == v for k, v in match.items())), None)
+        return next((e for e in self.events() if e["event"] == name and all(e.get(k) == v for k, v in match.items())),
+                    None)
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +264,7 @@ def job(cluster):
                          "--min-step-time-s", str(PACE_S), TM_RUN_DIR=run_dir)
     standbys = [cluster.sbatch("--reservation=standby", "--output", os.path.join(cluster.dir, "standby-%j.out"),
                                "slurm/standby.sbatch", jid) for _ in range(2)]
-    j = Job(cluster, jid, run_dir, standbys)
+    j = SlurmJob(cluster, jid, run_dir, standbys)
     wait_until(lambda: os.path.exists(os.path.join(cluster.state_dir, "jobs", jid, "tmd.json")), 60, "tmd.json")
 
     def ready():

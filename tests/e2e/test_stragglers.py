@@ -6,8 +6,7 @@ import subprocess
 import psutil
 import pytest
 
-from tests.support import events, wait_until
-from tests.support.job import end_job, job_client, tmd_command
+from tmctl.localjob import end_job, events, job_client, tmd_command, wait_until
 from tmd import protocol as p
 
 

@@ -18,13 +18,13 @@ import psutil
 import pytest
 import zmq
 
-from tests.support.job import end_job, final_hashes, job_client, scrape, tmd_command, web_of
 from tmctl.client import CoordinatorUnreachable
+from tmctl.localjob import (end_job, events, final_hashes, job_client, scrape, tmd_command, wait_until,
+                            web_of)
 from tmd import protocol as p
 from tmd.protocol.keys import JobKeys
 from tmd.resume import ResumeError, load
 
-from tests.support import events, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 

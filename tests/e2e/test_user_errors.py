@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-from tests.support import events, wait_until
-from tests.support.job import job_client
+from tmctl.localjob import events, job_client, wait_until
 from tmd import protocol as p
 from tmd.protocol.vocab import Event, ExitCode, FailureKind
 

@@ -14,6 +14,8 @@ from its replicas on s1, the node that just joined. Every rank's final parameter
 A second job adds a collective each process makes once, in its own second iteration: the joiners must run it in
 their sandbox (more than one shadow iteration), and the migration commits without a hang, bit-identical. A third
 makes it in each process's first iteration and kills a node: its replacements run one shadow iteration, not none.
+The three compare with one uninterrupted run: the calibration's all-reduce does not change the numerics (its value
+is not used), nor does the padding of steps (``--step-time-s``).
 """
 from __future__ import annotations
 
@@ -23,8 +25,7 @@ import sys
 
 import pytest
 
-from tests.support import events
-from tests.support.job import end_job, final_hashes, job_client, migrate_when_ready
+from tmctl.localjob import end_job, events, final_hashes, job_client, migrate_when_ready
 from tmd import protocol as p
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "varied.py")
@@ -52,11 +53,18 @@ def migrate_n2_and_finish(run_dir: str, standbys: int, *script_args: str) -> lis
     return events(run_dir)
 
 
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory) -> dict[int, str]:
+    """{rank: final state sha256} of the uninterrupted run of STEPS steps, shared by the module's tests."""
+    run_dir = str(tmp_path_factory.mktemp("reference"))
+    subprocess.run(command(run_dir, 0), check=True, timeout=120, stdout=subprocess.DEVNULL)
+    hashes = final_hashes(run_dir)
+    assert len(hashes) == 4 and len(set(hashes.values())) == 1, hashes  # replicas: one state
+    return hashes
+
+
 @pytest.mark.timeout(300)
-def test_a_migration_then_a_kill_mid_step_are_bit_identical(tmp_path):
-    subprocess.run(command(str(tmp_path / "reference"), 0), check=True, timeout=120, stdout=subprocess.DEVNULL)
-    expected = final_hashes(str(tmp_path / "reference"))
-    assert len(expected) == 4 and len(set(expected.values())) == 1, expected  # replicas: one state
+def test_a_migration_then_a_kill_mid_step_are_bit_identical(tmp_path, expected):
 
     run_dir = str(tmp_path / "job")
     journal = migrate_n2_and_finish(run_dir, 2, "--fault", f"n1:{KILL_AT}")
@@ -78,18 +86,14 @@ def test_a_migration_then_a_kill_mid_step_are_bit_identical(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_collective_of_a_process_s_second_iteration_keeps_the_joiner_in_its_sandbox(tmp_path):
+def test_a_collective_of_a_process_s_second_iteration_keeps_the_joiner_in_its_sandbox(tmp_path, expected):
     """``--calibrate-once``: every process all-reduces once in its own second iteration. The job's recorded step 1
     then issues a collective its step 2 does not, so each joiner runs all 3 shadow iterations
     (worker.sandbox.unsteady_after_first) instead of stopping after one because DDP's regrouping could be replayed:
     had it stopped, its first live step would make that all-reduce where the stayers make none, and the job would
     hang until gloo's timeout, then recover."""
-    steps = ("--steps", "24")
-    subprocess.run(command(str(tmp_path / "reference"), 0, "--calibrate-once", *steps), check=True, timeout=120,
-                   stdout=subprocess.DEVNULL)
-    expected = final_hashes(str(tmp_path / "reference"))
     run_dir = str(tmp_path / "job")
-    journal = migrate_n2_and_finish(run_dir, 1, "--calibrate-once", *steps)
+    journal = migrate_n2_and_finish(run_dir, 1, "--calibrate-once")
     committed, = [e for e in journal if e["event"] == p.Event.MIGRATION_COMMITTED]
     assert committed["shadow_steps"] == {"2": 3, "3": 3}, committed
     assert not [e for e in journal if e["event"] == p.Event.RECOVERY_STARTED]
@@ -97,18 +101,14 @@ def test_a_collective_of_a_process_s_second_iteration_keeps_the_joiner_in_its_sa
 
 
 @pytest.mark.timeout(300)
-def test_a_collective_of_a_process_s_first_iteration_gives_a_replacement_a_shadow_iteration(tmp_path):
+def test_a_collective_of_a_process_s_first_iteration_gives_a_replacement_a_shadow_iteration(tmp_path, expected):
     """``--calibrate-first``: every process all-reduces once in its own first iteration, then n2 is killed. The
     job's recorded step 0 issues a collective its step 2 does not, so the replacements (a general standby) replay
     it in one shadow iteration (worker.sandbox.unsteady_from_start) instead of running none: had they run none,
     their redone step would make that all-reduce live where the survivors make none, and the job would hang until
     gloo's timeout."""
-    steps = ("--steps", "24", "--step-time-s", "0.15")
-    subprocess.run(command(str(tmp_path / "reference"), 0, "--calibrate-first", *steps), check=True, timeout=120,
-                   stdout=subprocess.DEVNULL)
-    expected = final_hashes(str(tmp_path / "reference"))
     run_dir = str(tmp_path / "job")
-    proc = subprocess.Popen(command(run_dir, 1, "--calibrate-first", "--fault", "n2:12", *steps),
+    proc = subprocess.Popen(command(run_dir, 1, "--calibrate-first", "--fault", "n2:12", "--step-time-s", "0.15"),
                             stdout=subprocess.DEVNULL)
     try:
         assert proc.wait(timeout=240) == 0

@@ -1,32 +1,14 @@
-"""Helpers shared by the end-to-end tests."""
+"""Helpers only tests need (stand-ins for tmd and its channel). The job harness the tests share with the
+benchmarks and the demo ships with the project: tmctl.localjob."""
 from __future__ import annotations
 
 import contextlib
-import os
-import time
 from typing import Iterator
 
 import zmq
 
 from tmd import protocol as p
-from tmd.journal import read_events
 from tmd.protocol.keys import Authenticator, JobKeys
-
-
-def events(run_dir: str) -> list[dict]:
-    """tmd's journal of ``run_dir`` (``events.jsonl``), oldest first."""
-    return read_events(os.path.join(run_dir, "events.jsonl"))
-
-
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1):
-    """``predicate()``'s first truthy value, polled every ``poll_s`` s; AssertionError after ``timeout_s`` s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)  # polling another process's (or SLURM's) state: there is no event to wait on
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """Guards (tmd.guards) with the recovery state machine: where and when a guard is placed, its adoption by the
 recovery of the node it guards (no Assign, no warm-up to wait for), its release when a failure elsewhere finds no
-general standby, and the roles it moves through. No processes: the World of test_incidents (3 nodes x 2 ranks,
+general standby, and the roles it moves through. No processes: the World of test_recovery (3 nodes x 2 ranks,
 fake recordings, a channel that records what would be sent)."""
 import pytest
 
@@ -9,7 +9,7 @@ from tmd.guards import Guards, warm_guard
 from tmd.migration import MigrationError, Migrations
 from tmd.protocol.vocab import ErrorCode, Event, ExitCode, Health, IncidentMark, NodeRole, RecoveryPhase
 from tmd.status import node_status
-from tests.unit.test_incidents import World
+from tests.unit.test_recovery import World
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -101,3 +101,15 @@ def test_replica_report_of_valid_ranks_decodes():
     assert p.decode(frame("ReplicaReport", rank=2, replicas=[0, 2, top])).replicas == [0, 2, top]
     with pytest.raises(p.ProtocolError, match="ReplicaReport.rank"):
         p.decode(frame("ReplicaReport", rank=True, replicas=[0]))
+
+
+def test_exit_codes_have_one_meaning_each():
+    """tmd's, the workers', the hooks' and tmctl's exit codes are one table: an IntEnum member with a number already
+    taken would silently become an alias of the first (as tmctl's 'still running' and 'fenced' once shared 3)."""
+    from tmctl import cli
+
+    from tmd.protocol.vocab import ExitCode
+
+    assert len(ExitCode.__members__) == len({m.value for m in ExitCode.__members__.values()}), ExitCode.__members__
+    assert {cli.EXIT_ABORTED, cli.EXIT_REFUSED, cli.EXIT_STILL_RUNNING} <= set(ExitCode)
+    assert cli.EXIT_STILL_RUNNING != ExitCode.FENCED

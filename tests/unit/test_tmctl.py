@@ -266,7 +266,7 @@ def test_migrate_aborted_exits_1_with_reason(fake):
 def test_migrate_gives_up_after_timeout_s(fake):
     f = fake(scripted_migration(["warming"]))
     r = run("migrate", "--from", "node1", "--to", "spare0", "--timeout-s", "0.2", "--coordinator", f.address)
-    assert r.exit_code == cli.EXIT_STILL_RUNNING == 3
+    assert r.exit_code == cli.EXIT_STILL_RUNNING == 4
     assert lines(r.stderr) == ["error: migration 7 still warming after 0.2 s (it goes on in tmd; watch it with "
                                "tmctl status)"]
 

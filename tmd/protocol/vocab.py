@@ -234,12 +234,15 @@ class HookKind(StrEnum):
 # Exit codes
 # --------------------------------------------------------------------------------------------------------------
 class ExitCode(enum.IntEnum):
-    """Process exit codes with a meaning of their own (tmd's, a worker's, a hook's)."""
+    """Process exit codes with a meaning of their own (tmd's, a worker's, a hook's, tmctl's): one table, so that
+    no two meanings share a number."""
 
-    OK = 0  # the job finished; a leaver that handed over; a released standby
-    FAILED = 1  # the job (or this process's part in it) failed
-    REFUSED = 2  # tmd refused the process (unknown node, local rank taken) or a command's bad usage
+    OK = 0  # the job finished; a leaver that handed over; a released standby; a tmctl command that succeeded
+    FAILED = 1  # the job (or this process's part in it) failed; tmctl migrate: the migration aborted
+    REFUSED = 2  # tmd refused the process (unknown node, local rank taken) or a request; a command's bad usage
     FENCED = 3  # tmd declared this process's node failed and gave its ranks to others (e.g. after SIGSTOP)
+    STILL_RUNNING = 4  # tmctl migrate: the migration was still running when --timeout-s ran out (it goes on)
+    INTERRUPTED = 130  # a command stopped by Ctrl-C (SIGINT; 128 + 2, the shell's convention)
 
 
 # --------------------------------------------------------------------------------------------------------------

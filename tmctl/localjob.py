@@ -1,5 +1,11 @@
-"""The local-job harness the end-to-end tests, the benchmarks and the demo share: start ``tmd local`` on the demo
-workload, find its address, drive a migration through tmctl's client, and read every rank's final state hash."""
+"""A local job driven from Python: the one harness the end-to-end tests, the benchmarks and the demo share.
+
+It starts ``tmd local`` on the demo workload (examples.train_gpt, or another script), finds tmd's address in the run
+directory, drives it through tmctl's client (status, migrations), reads tmd's journal and every rank's final state
+hash, and scrapes the job's ``/metrics``. :class:`Job` bundles these for one job; the functions below are its
+parts, for callers that start tmd their own way. It ships with the project (``pip install .``), so that
+``python -m benchmarks.migration`` and ``python -m examples.demo`` work outside a source checkout.
+"""
 from __future__ import annotations
 
 import glob
@@ -9,9 +15,29 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Optional
 
 from tmctl.client import Client, CoordinatorUnreachable, find_keys
 from tmd import protocol as p
+from tmd.journal import read_events
+
+POLL_S = 0.05  # seconds between looks at another process's state (a file, tmd's status): there is no event
+
+
+def events(run_dir: str) -> list[dict]:
+    """tmd's journal of ``run_dir`` (``events.jsonl``), oldest first."""
+    return read_events(os.path.join(run_dir, "events.jsonl"))
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1):
+    """``predicate()``'s first truthy value, polled every ``poll_s`` s; AssertionError after ``timeout_s`` s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)  # polling another process's (or SLURM's) state: there is no event to wait on
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def tmd_command(run_dir: str, standbys: int, steps: int, tiny: bool, quiet: bool, script_args: tuple = (),
@@ -36,6 +62,8 @@ def end_job(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
 
 
 def final_hashes(run_dir: str) -> dict[int, str]:
+    """Every rank's final state sha256 {rank: hex}, from ``<run_dir>/final/rank*.json`` (written by
+    examples.state_hash at the end of training); {} before any is written."""
     out = {}
     for path in sorted(glob.glob(os.path.join(run_dir, "final", "rank*.json"))):
         with open(path) as f:
@@ -55,6 +83,8 @@ def reference_hashes(run_dir: str, steps: int, script_args: tuple = (), nodes: i
 
 
 def wait_for_address(run_dir: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
+    """tmd's address from ``<run_dir>/tmd.json``, once tmd wrote it. Raises RuntimeError if ``proc`` (tmd) exits
+    first, TimeoutError after ``timeout_s`` seconds."""
     path = p.layout.RunDir(run_dir).tmd_json
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -63,7 +93,7 @@ def wait_for_address(run_dir: str, proc: subprocess.Popen, timeout_s: float = 60
         if os.path.exists(path):
             with open(path) as f:
                 return json.load(f)["address"]
-        time.sleep(0.1)  # another process writes it: nothing to wait on
+        time.sleep(POLL_S)  # another process writes it: nothing to wait on
     raise TimeoutError(f"tmd did not write {path} within {timeout_s} s")
 
 
@@ -139,8 +169,6 @@ def diagnose(run_dir: str, settle_s: float = 1.0, lines: int = 15, stack_lines: 
     events; each rank process still running is asked for its threads' stacks (SIGUSR1, see
     worker.session.init; written to its log) and, after ``settle_s`` seconds, each log's last ``lines`` lines
     from before that and at most ``stack_lines`` lines of what came after (the stacks)."""
-    from tests.support import events
-
     try:
         journal = events(run_dir)
     except OSError as e:
@@ -171,3 +199,97 @@ def _is_rank_of(pid: int, run_dir: str) -> bool:
     except OSError:
         return False
     return os.path.realpath(env.get(b"TM_RUN_DIR", b"").decode(errors="replace")) == os.path.realpath(run_dir)
+
+
+class Job:
+    """One ``tmd local`` job (:func:`tmd_command`: ``nodes`` x ``ranks_per_node`` ranks of ``script`` for ``steps``
+    steps, tiny model, ``standbys`` standby nodes), started in ``run_dir`` on construction and followed through a
+    tmctl client. Raises what :func:`wait_for_address` raises (tmd then is ended). Use it as a context manager, or
+    call :meth:`finish` or :meth:`close`: either ends tmd if it still runs."""
+
+    def __init__(self, run_dir: str, standbys: int, steps: int, *script_args: str, tmd_args: tuple = (),
+                 nodes: int = 2, ranks_per_node: int = 2, script: str = "examples.train_gpt", tiny: bool = True,
+                 quiet: bool = True, stdout=subprocess.DEVNULL, client_timeout_s: float = 10.0) -> None:
+        self.run_dir = run_dir
+        self.client: Optional[Client] = None
+        self.proc = subprocess.Popen(tmd_command(run_dir, standbys, steps, tiny, quiet, script_args, tmd_args,
+                                                 nodes=nodes, ranks_per_node=ranks_per_node, script=script),
+                                     stdout=stdout)
+        try:
+            self.client = job_client(run_dir, self.proc, client_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def status(self) -> p.StatusReply:
+        return self.client.request(p.StatusRequest())
+
+    def events(self, name: Optional[str] = None) -> list[dict]:
+        """The journal's events named ``name`` (every event: None), oldest first."""
+        return [e for e in events(self.run_dir) if name is None or e["event"] == name]
+
+    def wait_event(self, name: str, timeout_s: float = 120, poll_s: float = 0.1, **fields) -> dict:
+        """The first journal event ``name`` whose ``fields`` have these values, once there is one (AssertionError
+        after ``timeout_s`` s)."""
+        return wait_until(lambda: next((e for e in self.events(name) if all(e.get(k) == v for k, v in fields.items())),
+                                       None), timeout_s, f"event {name} {fields}", poll_s=poll_s)
+
+    def pids(self, node: str) -> list[int]:
+        """The pids of every rank process ``node`` registered (journal: ``worker_registered``)."""
+        return [e["pid"] for e in self.events(p.Event.WORKER_REGISTERED) if e["node"] == node]
+
+    def wait_training(self, min_step: int = 8, timeout_s: float = 120) -> p.StatusReply:
+        """tmd's status once training reached ``min_step`` and a standby is warm."""
+        def ready():
+            st = self.status()
+            return st.step >= min_step and any(n["warm"] for n in st.nodes) and st
+
+        return wait_until(ready, timeout_s, "training and a warm standby")
+
+    def migrate(self, source: str, target: str, timeout_s: float = 120) -> int:
+        """Request a migration (in process: no tmctl start-up delay) as soon as tmd accepts it (the job trains,
+        ``target`` is warm); returns its id. Raises AssertionError on another refusal, or after ``timeout_s`` s."""
+        def request():
+            reply = self.client.request(p.MigrateRequest(sources=[source], targets=[target]))
+            if isinstance(reply, p.ErrorReply) and reply.code in (p.ErrorCode.NOT_READY, p.ErrorCode.BUSY_STANDBY):
+                return None  # not training yet, or the standby is still starting
+            assert isinstance(reply, p.MigrationReply), reply
+            return reply.migration["id"]
+
+        return wait_until(request, timeout_s, f"migration {source} -> {target} accepted", poll_s=POLL_S)
+
+    def finished(self, migration_id: int, timeout_s: float = 60) -> dict:
+        """The journal's ``migration_committed`` or ``migration_aborted`` event of ``migration_id``, once written."""
+        def end():
+            return next((e for e in events(self.run_dir) if e.get("migration_id") == migration_id and e["event"] in (
+                p.Event.MIGRATION_COMMITTED, p.Event.MIGRATION_ABORTED)), None)
+
+        return wait_until(end, timeout_s, f"the end of migration {migration_id}", poll_s=0.02)
+
+    def tmctl(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+        """``tmctl ARGS --run-dir RUN_DIR`` in a process of its own (text output captured)."""
+        return subprocess.run([sys.executable, "-m", "tmctl.cli", *args, "--run-dir", self.run_dir],
+                              capture_output=True, text=True, timeout=timeout_s)
+
+    def final_hashes(self) -> dict[int, str]:
+        return final_hashes(self.run_dir)
+
+    def finish(self, timeout_s: float = 240) -> int:
+        """tmd's exit code once the job ended (at most ``timeout_s`` s, then TimeoutExpired); tmd is ended either
+        way."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the client and end tmd if it still runs (:func:`end_job`)."""
+        if self.client is not None:
+            self.client.close()  # idempotent; a later request would open a new socket
+        end_job(self.proc)
