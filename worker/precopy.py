@@ -71,6 +71,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from worker import datapath, transfer
+from worker.dtensor import is_dtensor, local_shard
 from worker.transfer import TransferRefused
 
 log = logging.getLogger("worker.precopy")
@@ -168,7 +169,7 @@ def unflatten(state: Any, leaves: list) -> Any:
 def _key(t: torch.Tensor) -> tuple:
     """Where a tensor's values live: a state_dict's detached view of a parameter has the parameter's key (its
     first element's address, shape, strides, dtype and device; a DTensor's local shard's)."""
-    t = _local(t)
+    t = local_shard(t)
     return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
 
@@ -186,27 +187,22 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return out
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself otherwise), without a collective."""
-    return t._local_tensor if transfer.is_dtensor(t) else t
-
-
 def _plain(t: Any) -> bool:
     """A dense tensor, or a DTensor whose local shard is one: what replay tracks and moves."""
-    if transfer.is_dtensor(t):
-        t = t._local_tensor
+    if is_dtensor(t):
+        t = local_shard(t)
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
 
 
 def _version(t: torch.Tensor) -> Any:
     """``t``'s version counter; a DTensor's with its local shard's (an in-place op on the DTensor bumps the first,
-    one on ``to_local()`` the second)."""
-    return (t._version, t._local_tensor._version) if transfer.is_dtensor(t) else t._version
+    one on its local shard the second)."""
+    return (t._version, local_shard(t)._version) if is_dtensor(t) else t._version
 
 
 def _placed(t: torch.Tensor) -> Any:
     """A DTensor's mesh and placements (None for a plain tensor)."""
-    return (t.device_mesh, tuple(t.placements)) if transfer.is_dtensor(t) else None
+    return (t.device_mesh, tuple(t.placements)) if is_dtensor(t) else None
 
 
 @dataclasses.dataclass
@@ -276,7 +272,7 @@ class Precopy:
                 why = "" if replayable_class(o) else "not one of torch.optim's optimizers"
                 why = why or ("" if all(_plain(p) for p in _params(o)) else "its parameters are not dense tensors "
                                                                            "or DTensors of dense shards")
-                why = why or ("" if ops_issued is not None or not any(map(transfer.is_dtensor, _params(o)))
+                why = why or ("" if ops_issued is not None or not any(map(is_dtensor, _params(o)))
                               else "its parameters are DTensors and no count of collectives is available")
                 if why:
                     self._turn_off(name, why)
@@ -627,11 +623,11 @@ def _as_gradient(name: str, i: int, p: torch.Tensor, g: Any) -> Optional[torch.T
     Raises TransferRefused where it does not fit."""
     if g is None:
         return None
-    if isinstance(g, transfer.ReceivedShard) and transfer.is_dtensor(p):
+    if isinstance(g, transfer.ReceivedShard) and is_dtensor(p):
         if g.local.dtype != p.dtype:
             raise TransferRefused(f"{name}: gradient {i} is {g.local.dtype}, its parameter {p.dtype}")
         return transfer._wrap(g, p, ("grads", i), name)  # checks shape, placements, mesh and local shape
-    if not isinstance(g, torch.Tensor) or transfer.is_dtensor(p) or g.shape != p.shape or g.dtype != p.dtype:
+    if not isinstance(g, torch.Tensor) or is_dtensor(p) or g.shape != p.shape or g.dtype != p.dtype:
         raise TransferRefused(f"{name}: gradient {i} does not fit its parameter ({list(p.shape)} {p.dtype})")
     return g
 

@@ -104,7 +104,7 @@ from worker import rank_state, transfer
 from worker.snapshot import Snapshot, Snapshots, round_id
 from worker.control import Attempt, Control, Stage
 from worker.exit import exit_process
-from worker.misuse import local_tensor  # a DTensor's shard: comparing or copying a DTensor is a collective
+from worker.dtensor import local_shard  # a DTensor op may communicate: copy its local shard
 from worker.reports import Reporter
 
 log = logging.getLogger("worker.recovery")
@@ -373,7 +373,7 @@ class Recovery:
         for name, obj in self._managed():
             if isinstance(obj, torch.nn.Module):
                 for key, buf in obj.named_buffers():
-                    found[(name, key)] = local_tensor(buf)
+                    found[(name, key)] = local_shard(buf)
         return found
 
     def _copy_at_begin(self, step: int) -> None:
