@@ -47,7 +47,7 @@ the pre-hook here runs after every other pre-hook (it sees what they changed, an
 and the post-hook here before every other post-hook (what they change afterwards shows in the version counters
 at the tail); a hook registered after the pre-copy started turns replay off. One change is invisible to version
 counters: an in-place write through ``.data`` to an optimizer's parameter or state outside its step (in the
-loop or in a hook). The replica check after every switch (worker.recovery ``verify_next``) compares the
+loop or in a hook). The replica check after every switch (worker.step_exchange ``verify_next``) compares the
 joiner's state with a data-parallel replica's and fails the job (``state_mismatch``) if they differ.
 
 Wire: each message is one worker.transfer message over the migration's 2-rank transfer group (leaver rank 0);
@@ -72,6 +72,7 @@ import torch
 
 from worker import datapath, transfer
 from worker.dtensor import is_dtensor, local_shard
+from worker.step_hooks import StepHooks
 from worker.transfer import TransferRefused
 
 log = logging.getLogger("worker.precopy")
@@ -254,10 +255,11 @@ class Precopy:
     :meth:`finish` at it, :meth:`cancel` when the migration was aborted first. ``objects``: the managed objects
     by name; ``keys``: the job's keys (default: env ``TM_KEYS``); ``ops_issued()``: how many collectives the job's
     process groups issued so far (worker.groups.GroupManager.ops_issued; None: no DTensor optimizer is replayed,
-    since a step that communicates could not be told from one that does not)."""
+    since a step that communicates could not be told from one that does not); ``hooks``: the session's pipeline of
+    optimizer step hooks, where the pre-copy's take their place (worker.step_hooks; default: one of its own)."""
 
     def __init__(self, pg: Any, migration_id: int, objects: dict[str, Any], keys: Any = None,
-                 ops_issued: Optional[Callable[[], int]] = None) -> None:
+                 ops_issued: Optional[Callable[[], int]] = None, hooks: Optional[StepHooks] = None) -> None:
         self.pg = pg
         self.migration_id = migration_id
         self.objects = objects
@@ -288,7 +290,8 @@ class Precopy:
         self._snapshot = _Job(lambda job: None)  # the pre-copy's (set by start)
         self._grads: Optional[_Job] = None  # the current step's
         self._jobs: queue.Queue = queue.Queue()
-        self._hooks: dict[int, tuple] = {}  # id(optimizer) -> (pre-hook handle, post-hook handle)
+        self._pipeline = hooks if hooks is not None else StepHooks()
+        self._hooked = False  # the pre-copy's stages are in the pipeline (start .. finish or cancel)
         self.in_place = False  # send gradients unpacked (the last step before the switch; see last_step)
         self._thread = threading.Thread(target=self._run, name="tm-precopy", daemon=True)
         self._delivery: Any = None  # the pending receive of the joiner's confirmation (see delivered())
@@ -297,10 +300,9 @@ class Precopy:
     def start(self, step: int) -> None:
         """At the boundary before ``step`` (< the switch step): queue the pre-copy and hook the optimizers."""
         self.step = step
-        for opt in self.optimizers.values():
-            pre, post = opt.register_step_pre_hook(self._before_step), opt.register_step_post_hook(self._after_step)
-            opt._optimizer_step_post_hooks.move_to_end(post.id, last=False)  # first: see the module docstring
-            self._hooks[id(opt)] = (pre, post)
+        for opt in self.optimizers.values():  # last before the update, first after it: see the module docstring
+            self._pipeline.attach_precopy(opt, self._before_step, self._after_step)
+        self._hooked = True
         for name, opt in self.optimizers.items():  # before packing: a change during it shows in the versions
             self._track(name, opt)
         # state_dict() here, on the training thread (FSDP2's switches its module between sharded and unsharded
@@ -359,10 +361,10 @@ class Precopy:
         self._jobs.put(None)
 
     def _unhook(self) -> None:
-        for pre, post in self._hooks.values():
-            pre.remove()
-            post.remove()
-        self._hooks = {}
+        if self._hooked:
+            for opt in self.optimizers.values():
+                self._pipeline.detach_precopy(opt)
+        self._hooked = False
 
     def _before_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         name = self._names[id(opt)]
@@ -412,9 +414,7 @@ class Precopy:
     def _unreplayable(self, name: str, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> str:
         if any(a is not None for a in args[1:]) or any(v is not None for v in kwargs.values()):  # args[0]: opt
             return "its step takes a closure"
-        pre, post = self._hooks[id(opt)]
-        if next(reversed(opt._optimizer_step_pre_hooks)) != pre.id \
-                or next(iter(opt._optimizer_step_post_hooks)) != post.id:
+        if not self._pipeline.precopy_in_place(opt):
             return "a step hook was registered after the pre-copy started"
         for p in _params(opt):
             if not _plain(p) or (p.grad is not None and (not _plain(p.grad) or p.grad.shape != p.shape

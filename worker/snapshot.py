@@ -21,7 +21,7 @@ another receives its buddy's, each over a 2-rank group of the round (``layout.sn
 on meanwhile. Memory per rank: its own copy and one peer's, each the size of one rank's replicated state, plus a
 second pair while a round completes (the previous one is kept until every rank holds the new one).
 
-**Agreement.** Each rank publishes, in the per-step exchange (worker.recovery), the steps whose own copy and
+**Agreement.** Each rank publishes, in the per-step exchange (worker.step_exchange), the steps whose own copy and
 buddy copy it holds; every rank drops the snapshots older than the newest step every rank holds (none while no
 step is common), so the newest step every rank holds always survives, even when a round completes on some
 ranks after a later one or not at all. tmd rolls back to the newest step all survivors report holding.
