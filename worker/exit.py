@@ -12,7 +12,7 @@ through here, so that its log always says why and its exit status is one of :cla
 - a replacement whose recovery failed (``FAILED``), or a rank that heard nothing from tmd for
   ``RECOVERY_TIMEOUT_S`` seconds while waiting in a recovery (``FAILED``) (worker.recovery);
 - a rank whose replicated state differs from its replicas' after a migration or recovery: ``FAILED``, after
-  reporting ``RankFailed(state_mismatch)`` (worker.session, from worker.recovery's fingerprint check);
+  reporting ``RankFailed(state_mismatch)`` (worker.session, from worker.step_exchange's fingerprint check);
 - a leaver that handed its rank over: ``OK`` from an ``atexit`` handler, after the script's own ``finally``
   blocks ran, skipping the interpreter's teardown (seconds of CPU for torch, stolen from co-located ranks).
 

@@ -331,7 +331,7 @@ class GroupManager:
         - not at the swap itself: the trim and the page faults that bring the trimmed pages back would land in the
           step right after it, the switch step's neighbour or a recovery's redone step, which every peer waits for;
         - where ``at_backward(fn)`` arms ``fn`` to run as the next step's backward pass begins (it returns False
-          where it cannot: worker.recovery ``Recovery.at_next_backward``), then. That is when the step's
+          where it cannot: worker.void_passes ``VoidPassStopper.at_next_backward``), then. That is when the step's
           activations are all allocated, so the trim releases little more than what the swap freed: measured on a
           demo GPT rank, ~6 k minor page faults and ~15 ms more CPU in that step, against ~23 k and ~60 ms for a
           trim at the step boundary, where the step's transient memory is all free and every page of it comes back

@@ -29,6 +29,7 @@ import torch
 
 from tmd import protocol as p
 from worker import precopy, transfer
+from worker.step_hooks import StepHooks
 from worker.control import Control, Stage
 from worker.exit import exit_process
 from worker.reports import Reporter
@@ -70,11 +71,13 @@ class LeaverExit(SystemExit):
 
 class Migration:
     """This rank's part in planned migrations (see the module docstring). ``objects`` is the session's dict of
-    managed objects (by reference); ``finish_agent()`` flushes and stops the agent (a leaver's last act)."""
+    managed objects (by reference); ``finish_agent()`` flushes and stops the agent (a leaver's last act);
+    ``step_hooks``: the session's pipeline of optimizer step hooks, which a leaver's pre-copy joins."""
 
     def __init__(self, control: Control, reports: Reporter, objects: dict[str, Any],
-                 finish_agent: Callable[[], None]) -> None:
+                 finish_agent: Callable[[], None], step_hooks: Optional[StepHooks] = None) -> None:
         self.control = control
+        self.step_hooks = step_hooks
         self.precopy: Optional[precopy.Precopy] = None  # a leaver's, between its start and the switch step
         self.reports = reports
         self.objects = objects
@@ -195,7 +198,7 @@ class Migration:
                 log.warning("rank %d: no pre-copy for migration %d: %s", control.rank, switch.migration_id, e)
                 return
             self.precopy = precopy.Precopy(pg, switch.migration_id, self.objects,
-                                           ops_issued=control.groups.ops_issued)
+                                           ops_issued=control.groups.ops_issued, hooks=self.step_hooks)
             self.precopy.start(step)
         if self.precopy is not None and switch.step - step == 1:
             self.precopy.last_step()

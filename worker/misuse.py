@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from tmd import protocol as p
+from worker.dtensor import local_shard
 
 
 def _data_ptrs(states: Iterable[Any], out: set) -> set:
@@ -31,15 +32,9 @@ def _data_ptrs(states: Iterable[Any], out: set) -> set:
     return out
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2 parameters), else the tensor itself."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
-
-
 def _local_state(node: Any) -> Any:
     if isinstance(node, torch.Tensor):
-        return local_tensor(node)
+        return local_shard(node)
     if isinstance(node, dict):
         return {k: _local_state(v) for k, v in node.items()}
     if isinstance(node, (list, tuple)):
@@ -81,7 +76,7 @@ def check(replicated: dict[str, Any]) -> Optional[tuple[p.WarningCode, str]]:
     managed = _data_ptrs((_local_state(obj.state_dict()) for obj in replicated.values()), set())
     for module in data_parallel_modules():
         missing = [name for name, param in module.named_parameters()
-                   if local_tensor(param).untyped_storage().data_ptr() not in managed]
+                   if local_shard(param).untyped_storage().data_ptr() not in managed]
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             return (p.WarningCode.UNMANAGED_PARAMETERS,

@@ -47,7 +47,7 @@ the pre-hook here runs after every other pre-hook (it sees what they changed, an
 and the post-hook here before every other post-hook (what they change afterwards shows in the version counters
 at the tail); a hook registered after the pre-copy started turns replay off. One change is invisible to version
 counters: an in-place write through ``.data`` to an optimizer's parameter or state outside its step (in the
-loop or in a hook). The replica check after every switch (worker.recovery ``verify_next``) compares the
+loop or in a hook). The replica check after every switch (worker.step_exchange ``verify_next``) compares the
 joiner's state with a data-parallel replica's and fails the job (``state_mismatch``) if they differ.
 
 Wire: each message is one worker.transfer message over the migration's 2-rank transfer group (leaver rank 0);
@@ -71,6 +71,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from worker import datapath, transfer
+from worker.dtensor import is_dtensor, local_shard
+from worker.step_hooks import StepHooks
 from worker.transfer import TransferRefused
 
 log = logging.getLogger("worker.precopy")
@@ -168,7 +170,7 @@ def unflatten(state: Any, leaves: list) -> Any:
 def _key(t: torch.Tensor) -> tuple:
     """Where a tensor's values live: a state_dict's detached view of a parameter has the parameter's key (its
     first element's address, shape, strides, dtype and device; a DTensor's local shard's)."""
-    t = _local(t)
+    t = local_shard(t)
     return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
 
@@ -186,27 +188,22 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return out
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself otherwise), without a collective."""
-    return t._local_tensor if transfer.is_dtensor(t) else t
-
-
 def _plain(t: Any) -> bool:
     """A dense tensor, or a DTensor whose local shard is one: what replay tracks and moves."""
-    if transfer.is_dtensor(t):
-        t = t._local_tensor
+    if is_dtensor(t):
+        t = local_shard(t)
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
 
 
 def _version(t: torch.Tensor) -> Any:
     """``t``'s version counter; a DTensor's with its local shard's (an in-place op on the DTensor bumps the first,
-    one on ``to_local()`` the second)."""
-    return (t._version, t._local_tensor._version) if transfer.is_dtensor(t) else t._version
+    one on its local shard the second)."""
+    return (t._version, local_shard(t)._version) if is_dtensor(t) else t._version
 
 
 def _placed(t: torch.Tensor) -> Any:
     """A DTensor's mesh and placements (None for a plain tensor)."""
-    return (t.device_mesh, tuple(t.placements)) if transfer.is_dtensor(t) else None
+    return (t.device_mesh, tuple(t.placements)) if is_dtensor(t) else None
 
 
 @dataclasses.dataclass
@@ -258,10 +255,11 @@ class Precopy:
     :meth:`finish` at it, :meth:`cancel` when the migration was aborted first. ``objects``: the managed objects
     by name; ``keys``: the job's keys (default: env ``TM_KEYS``); ``ops_issued()``: how many collectives the job's
     process groups issued so far (worker.groups.GroupManager.ops_issued; None: no DTensor optimizer is replayed,
-    since a step that communicates could not be told from one that does not)."""
+    since a step that communicates could not be told from one that does not); ``hooks``: the session's pipeline of
+    optimizer step hooks, where the pre-copy's take their place (worker.step_hooks; default: one of its own)."""
 
     def __init__(self, pg: Any, migration_id: int, objects: dict[str, Any], keys: Any = None,
-                 ops_issued: Optional[Callable[[], int]] = None) -> None:
+                 ops_issued: Optional[Callable[[], int]] = None, hooks: Optional[StepHooks] = None) -> None:
         self.pg = pg
         self.migration_id = migration_id
         self.objects = objects
@@ -276,7 +274,7 @@ class Precopy:
                 why = "" if replayable_class(o) else "not one of torch.optim's optimizers"
                 why = why or ("" if all(_plain(p) for p in _params(o)) else "its parameters are not dense tensors "
                                                                            "or DTensors of dense shards")
-                why = why or ("" if ops_issued is not None or not any(map(transfer.is_dtensor, _params(o)))
+                why = why or ("" if ops_issued is not None or not any(map(is_dtensor, _params(o)))
                               else "its parameters are DTensors and no count of collectives is available")
                 if why:
                     self._turn_off(name, why)
@@ -292,7 +290,8 @@ class Precopy:
         self._snapshot = _Job(lambda job: None)  # the pre-copy's (set by start)
         self._grads: Optional[_Job] = None  # the current step's
         self._jobs: queue.Queue = queue.Queue()
-        self._hooks: dict[int, tuple] = {}  # id(optimizer) -> (pre-hook handle, post-hook handle)
+        self._pipeline = hooks if hooks is not None else StepHooks()
+        self._hooked = False  # the pre-copy's stages are in the pipeline (start .. finish or cancel)
         self.in_place = False  # send gradients unpacked (the last step before the switch; see last_step)
         self._thread = threading.Thread(target=self._run, name="tm-precopy", daemon=True)
         self._delivery: Any = None  # the pending receive of the joiner's confirmation (see delivered())
@@ -301,10 +300,9 @@ class Precopy:
     def start(self, step: int) -> None:
         """At the boundary before ``step`` (< the switch step): queue the pre-copy and hook the optimizers."""
         self.step = step
-        for opt in self.optimizers.values():
-            pre, post = opt.register_step_pre_hook(self._before_step), opt.register_step_post_hook(self._after_step)
-            opt._optimizer_step_post_hooks.move_to_end(post.id, last=False)  # first: see the module docstring
-            self._hooks[id(opt)] = (pre, post)
+        for opt in self.optimizers.values():  # last before the update, first after it: see the module docstring
+            self._pipeline.attach_precopy(opt, self._before_step, self._after_step)
+        self._hooked = True
         for name, opt in self.optimizers.items():  # before packing: a change during it shows in the versions
             self._track(name, opt)
         # state_dict() here, on the training thread (FSDP2's switches its module between sharded and unsharded
@@ -363,10 +361,10 @@ class Precopy:
         self._jobs.put(None)
 
     def _unhook(self) -> None:
-        for pre, post in self._hooks.values():
-            pre.remove()
-            post.remove()
-        self._hooks = {}
+        if self._hooked:
+            for opt in self.optimizers.values():
+                self._pipeline.detach_precopy(opt)
+        self._hooked = False
 
     def _before_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         name = self._names[id(opt)]
@@ -416,9 +414,7 @@ class Precopy:
     def _unreplayable(self, name: str, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> str:
         if any(a is not None for a in args[1:]) or any(v is not None for v in kwargs.values()):  # args[0]: opt
             return "its step takes a closure"
-        pre, post = self._hooks[id(opt)]
-        if next(reversed(opt._optimizer_step_pre_hooks)) != pre.id \
-                or next(iter(opt._optimizer_step_post_hooks)) != post.id:
+        if not self._pipeline.precopy_in_place(opt):
             return "a step hook was registered after the pre-copy started"
         for p in _params(opt):
             if not _plain(p) or (p.grad is not None and (not _plain(p.grad) or p.grad.shape != p.shape
@@ -627,11 +623,11 @@ def _as_gradient(name: str, i: int, p: torch.Tensor, g: Any) -> Optional[torch.T
     Raises TransferRefused where it does not fit."""
     if g is None:
         return None
-    if isinstance(g, transfer.ReceivedShard) and transfer.is_dtensor(p):
+    if isinstance(g, transfer.ReceivedShard) and is_dtensor(p):
         if g.local.dtype != p.dtype:
             raise TransferRefused(f"{name}: gradient {i} is {g.local.dtype}, its parameter {p.dtype}")
         return transfer._wrap(g, p, ("grads", i), name)  # checks shape, placements, mesh and local shape
-    if not isinstance(g, torch.Tensor) or transfer.is_dtensor(p) or g.shape != p.shape or g.dtype != p.dtype:
+    if not isinstance(g, torch.Tensor) or is_dtensor(p) or g.shape != p.shape or g.dtype != p.dtype:
         raise TransferRefused(f"{name}: gradient {i} does not fit its parameter ({list(p.shape)} {p.dtype})")
     return g
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from worker.backend import inner_kind
-from worker.transfer import dtensor_layout, is_dtensor, local_shard
+from worker.dtensor import dtensor_layout, is_dtensor, local_shard
 
 SAMPLE = 64  # at most this many elements of each tensor enter the fingerprint
 FINGERPRINT_BYTES = 32

@@ -13,7 +13,7 @@ recorded at the boundary before that step; the ops before the first step are the
 joiner can tell, after its first shadow iteration, whether the rest of the job's second step issued exactly the
 collectives of its third (:func:`unsteady_after_first`): then a process's second iteration does what every later
 one does, and the joiner may run it live. A script whose second step differs (DDP's one-time regrouping of its
-buckets, which worker.recovery ``regroup_ddp_buckets`` replays without an iteration's compute; a collective of
+buckets, which worker.ddp_regroup ``regroup_ddp_buckets`` replays without an iteration's compute; a collective of
 the script's own at step 1 only; a group created after the first step) keeps running shadow iterations.
 """
 from __future__ import annotations
@@ -143,7 +143,7 @@ def unsteady_from_start(recordings: dict[str, Optional[Recording]], positions: d
     """Why a failure's replacement must run a shadow iteration at all, or "" when its first live step may be the
     redone step itself: then its process's first iteration must do what the job's later steps do. Arguments as
     for :func:`unsteady_after_first`; ``regroup``: the group of the one DDP model whose buckets are regrouped
-    before that step (worker.recovery ``regroup_ddp_buckets``), whose recorded step 1 then begins with
+    before that step (worker.ddp_regroup ``regroup_ddp_buckets``), whose recorded step 1 then begins with
     ``regroup_ops`` broadcasts.
 
     "" only when every recorded group exists here, each group's replay stands where the job's step 0 began (the

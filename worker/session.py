@@ -15,8 +15,11 @@ rebuilt groups in at the switch step and use no extra memory.
 This module is the API and the step loop only. The rooms behind it: worker.control (where the process stands and
 tmd's commands not acted on yet: one Condition shared by the agent thread and the training thread),
 worker.commands (the agent thread's handling of tmd's commands), worker.migration (joiner, leaver and stayers),
-worker.recovery (survivors and replacements after a failure), worker.reports (what the rank tells tmd),
-worker.exit (the one way to end the process early), worker.groups, worker.sandbox, worker.transfer.
+the step's rooms (worker.step_ledger: what an attempt began from and committed; worker.step_exchange: every
+rank's state, replica classes, snapshot agreement; worker.void_passes: DDP's passes stopped once void;
+worker.recovery: survivors and replacements after a failure), worker.step_hooks (the one ordered pipeline of
+optimizer step hooks they and the pre-copy act through), worker.reports (what the rank tells tmd), worker.exit
+(the one way to end the process early), worker.groups, worker.sandbox, worker.transfer.
 """
 from __future__ import annotations
 
@@ -44,12 +47,14 @@ from worker.exit import exit_process
 from worker.gpu_health import probe_from_env
 from worker.groups import GroupManager
 from worker.migration import DECISION_TIMEOUT_S, LeaverExit, Migration
-from worker.recovery import (
-    REGROUP_OPS, RECOVERY_TIMEOUT_S, REPLACEMENT_SHADOW_STEPS, Recovery, StepAborted, ddp_to_regroup,
-    regroup_ddp_buckets, track_ddp_modules,
-)
+from worker.ddp_regroup import REGROUP_OPS, ddp_to_regroup, regroup_ddp_buckets, track_ddp_modules
+from worker.recovery import RECOVERY_TIMEOUT_S, REPLACEMENT_SHADOW_STEPS, Recovery
 from worker.reports import Reporter
 from worker.snapshot import Snapshots
+from worker.step_exchange import StepExchange
+from worker.step_hooks import StepHooks
+from worker.step_ledger import StepAborted, StepLedger, failure
+from worker.void_passes import VoidPassStopper
 
 __all__ = ["init", "Session", "StepAborted", "LeaverExit", "DECISION_TIMEOUT_S", "RECOVERY_TIMEOUT_S"]
 
@@ -86,10 +91,16 @@ class Session:
         self._groups: Optional[GroupManager] = None
         self._record_writer: Optional[threading.Thread] = None
         self._step_starts: dict[str, list[int]] = {}  # group -> ops it recorded before each recorded step
-        self._recovery = Recovery(control, reports, self._fail)
+        self._ledger = StepLedger(control)
+        self._exchange = StepExchange(control, reports, self._fail, self._ledger)
+        self._stopper = VoidPassStopper(control)
+        self._recovery = Recovery(control, reports, self._ledger, self._exchange, self._stopper)
+        # the one pipeline of the managed optimizers' step hooks; the pre-copy's join it (worker.step_hooks)
+        self._hooks = StepHooks(exchange=self._exchange.before_update, refuse=self._ledger.refuse,
+                                commit=self._ledger.commit, keep=self._exchange.keep)
         self._failure_reported = False
         self._misuse_checked = False
-        self._migration = Migration(control, reports, self.objects, agent.close)
+        self._migration = Migration(control, reports, self.objects, agent.close, self._hooks)
 
     @property
     def rank(self) -> int:
@@ -130,8 +141,8 @@ class Session:
                               timeout=datetime.timedelta(seconds=timeout_s))
         groups = self._groups = GroupManager(store, a.rank, a.world_size, backend.gloo_host(a.store_host))
         self._control.attach(groups)
-        self._recovery.node = self.node
-        self._recovery.snapshots = Snapshots(a.snapshot_every, a.rank, groups)
+        self._exchange.node = self.node
+        self._exchange.snapshots = Snapshots(a.snapshot_every, a.rank, groups)
         if a.role == p.WorkerRole.ACTIVE:
             groups.init_world(a.generation, p.MoverMode.RECORD if a.record_steps > 0 else p.MoverMode.LIVE,
                               connect=True)
@@ -181,7 +192,9 @@ class Session:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"managed object {name!r} has no state_dict/load_state_dict")
         self.objects.update(objects)
-        self._recovery.manage(objects, rank_local)
+        for opt in self._ledger.manage(objects, rank_local):
+            self._hooks.add(opt)
+        self._stopper.hook(objects)
 
     # --- the script's own errors ------------------------------------------------------------------------------
     def _script_error(self, exc: BaseException) -> None:
@@ -191,7 +204,7 @@ class Session:
         reported (tmd handles the node failure)."""
         if self._failure_reported or isinstance(exc, (StepAborted, KeyboardInterrupt, SystemExit)):
             return
-        if self._recovery.failure() is not None:
+        if failure(self._control) is not None:
             return
         self._failure_reported = True
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -230,7 +243,7 @@ class Session:
         """Once, at the first step boundary on an active rank: report a job whose replicated state is not all
         managed (worker.misuse); rank 0 also warns on stderr."""
         self._misuse_checked = True
-        found = misuse.check(self._recovery.replicated)
+        found = misuse.check(self._ledger.replicated)
         if found is None:
             return
         code, message = found
@@ -248,15 +261,16 @@ class Session:
         and do at most one update per managed optimizer. Exceptions not caused by a failure are raised;
         :class:`LeaverExit` ends a leaver's loop."""
         for step in self.steps(total):
-            self._recovery.step_raised = False
+            self._ledger.step_raised = False
             try:
                 step_fn(step)
             except Exception as e:
-                if self._recovery.failure() is None:
+                why = failure(self._control)
+                if why is None:
                     self._script_error(e)
                     raise
-                self._recovery.step_raised = True
-                log.warning("rank %d step %d interrupted by a failure: %s", self.rank, step, self._recovery.failure())
+                self._ledger.step_raised = True
+                log.warning("rank %d step %d interrupted by a failure: %s", self.rank, step, why)
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the step numbers this process runs, ``0 .. total-1`` on an active rank. A joiner first yields
@@ -269,7 +283,7 @@ class Session:
         word from tmd for ``RECOVERY_TIMEOUT_S`` seconds exits the process (code 1), as does a joiner whose
         state transfer failed with no recovery plan to fall back on."""
         a = self._assign
-        control, recovery = self._control, self._recovery
+        control, recovery, exchange = self._control, self._recovery, self._exchange
         step = 0
         if control.role == p.WorkerRole.JOINER:
             # No misuse check here: the job's own ranks ran it at their first boundary (same script), and tmd
@@ -300,11 +314,11 @@ class Session:
             if a.incident_id == 0 and self._migration.migration_id != 0:
                 joined = self._migration.join()
                 step = joined if joined is not None else recovery.replace(0)  # None: its leaver died
-                recovery.snapshots.want = True  # the leaver's snapshots left with it: a fresh round
+                exchange.snapshots.want = True  # the leaver's snapshots left with it: a fresh round
             else:  # a failure's replacement, or an adopted guard (incident 0: tmd knows it is warm)
                 self._migration.drop_buffers()
                 step = recovery.replace(a.incident_id, self._migration.shadow_steps)
-            recovery.verify_next = True
+            exchange.verify_next = True
         first = step
         prev = None
         while step < total:
@@ -317,20 +331,20 @@ class Session:
                 self._mark_recorded_step(step, a.record_steps, a.record_dir)
             if switch is not None:
                 self._migration.switch_boundary(switch)
-                recovery.verify_next = True
+                exchange.verify_next = True
             elif control.migration_role == p.MigrationRole.LEAVER:
                 self._migration.before_switch(step)
             if step > first and not self._misuse_checked and control.role == p.WorkerRole.ACTIVE:
                 self._check_misuse()
-            recovery.begin_step()
-            if recovery.failure() is None:
+            self._begin_step()
+            if failure(control) is None:
                 yield step
-                recovery.in_step = False
-                if recovery.failure() is None:
+                self._stopper.in_step = False
+                if failure(control) is None:
                     step += 1
-                    self._groups.step_committed(recovery.at_next_backward)
+                    self._groups.step_committed(self._stopper.at_next_backward)
                     continue
-                done = recovery.committed(step)
+                done = self._ledger.committed(step)
             else:
                 done = False  # halted before the step began
             step = recovery.recover(step, done)
@@ -338,6 +352,15 @@ class Session:
         if prev is not None:
             self._reports.step_time(step - 1, time.perf_counter() - prev, shadow=False)
         control.set_step(step)
+
+    def _begin_step(self) -> None:
+        """A step attempt starts: the buddy snapshot due at the step just committed is taken (before anything of
+        the new attempt runs), passes may be stopped from now on, the ledger copies what the attempt begins from,
+        and the exchange starts afresh and checks what changed after the last update against those copies."""
+        self._exchange.take_due_snapshot()
+        self._stopper.in_step = True
+        self._ledger.begin(self._control.step)
+        self._exchange.begin()
 
     def _mark_recorded_step(self, step: int, record_steps: int, record_dir: str) -> None:
         """At the boundary before ``step`` of an active rank still recording: note where that step begins in each

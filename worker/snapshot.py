@@ -21,7 +21,7 @@ another receives its buddy's, each over a 2-rank group of the round (``layout.sn
 on meanwhile. Memory per rank: its own copy and one peer's, each the size of one rank's replicated state, plus a
 second pair while a round completes (the previous one is kept until every rank holds the new one).
 
-**Agreement.** Each rank publishes, in the per-step exchange (worker.recovery), the steps whose own copy and
+**Agreement.** Each rank publishes, in the per-step exchange (worker.step_exchange), the steps whose own copy and
 buddy copy it holds; every rank drops the snapshots older than the newest step every rank holds (none while no
 step is common), so the newest step every rank holds always survives, even when a round completes on some
 ranks after a later one or not at all. tmd rolls back to the newest step all survivors report holding.
@@ -41,6 +41,7 @@ import torch
 from tmd import protocol as p
 from worker import backend as mb
 from worker import transfer
+from worker.dtensor import dtensor_layout, is_dtensor, local_shard
 
 log = logging.getLogger("worker.snapshot")
 
@@ -77,9 +78,9 @@ def copy_state(value: Any) -> Any:
     host copy of its local shard with its layout, as a buddy's copy arrives: ``DTensor.from_local`` would move
     the shard back to its mesh's device; transfer.load_state places it, without communicating), containers
     copied, other values deep-copied."""
-    if transfer.is_dtensor(value):
-        shape, placements, mesh = transfer.dtensor_layout(value)
-        return transfer.ReceivedShard(transfer.local_shard(value).to("cpu", copy=True), shape, placements, mesh)
+    if is_dtensor(value):
+        shape, placements, mesh = dtensor_layout(value)
+        return transfer.ReceivedShard(local_shard(value).to("cpu", copy=True), shape, placements, mesh)
     if isinstance(value, transfer.ReceivedShard):
         return dataclasses.replace(value, local=value.local.detach().to("cpu", copy=True))
     if isinstance(value, torch.Tensor):
@@ -245,10 +246,7 @@ class Snapshots:
 
 
 def _nbytes(value: Any) -> int:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        value = value.to_local()
+    value = local_shard(value) if isinstance(value, torch.Tensor) else value
     if isinstance(value, transfer.ReceivedShard):
         value = value.local
     if isinstance(value, torch.Tensor):

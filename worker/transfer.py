@@ -19,7 +19,7 @@ The sender does not wait for its header to arrive: it readies its data path (and
 the receiver parses the header.
 
 **Sharded state.** A DTensor (FSDP2 and tensor-parallel parameters, their optimizer state) travels as its local
-shard only: the sender takes ``to_local()`` (no collective) and its skeleton entry is ``{"s": {"r": [buffer,
+shard only: the sender takes its local shard (worker.dtensor, no collective) and its skeleton entry is ``{"s": {"r": [buffer,
 index], "shape": global shape, "placements": ["S(0)", "R", ...] (``str`` of each placement), "mesh": mesh
 shape}}``; the receiver hands it back as a :class:`ReceivedShard`. :func:`load_state` wraps each received shard
 into a DTensor on the joiner's own mesh and placements (those of the DTensor the joiner holds at the same key, or
@@ -68,11 +68,7 @@ import torch
 
 from tmd.protocol.keys import JobKeys
 from worker import datapath, job_keys
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch built without distributed support: no DTensors exist
-    DTensor = None
+from worker.dtensor import DTensor, dtensor_layout, is_dtensor, local_shard
 
 FORMAT = 2  # the header's format version (2: chunked buffers, their CRC32s in the trailer)
 MAC_BYTES = 32  # HMAC-SHA256
@@ -115,23 +111,6 @@ class ReceivedShard:
     def describe(self) -> str:
         """``global [16, 8] as ['S(0)'] on mesh [4], local [4, 8]``"""
         return _describe(self.shape, self.placements, self.mesh, self.local.shape)
-
-
-def is_dtensor(value: Any) -> bool:
-    """Whether ``value`` is a DTensor (``torch.distributed.tensor.DTensor``)."""
-    return DTensor is not None and isinstance(value, DTensor)
-
-
-def dtensor_layout(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]:
-    """A DTensor's (global shape, placements as ``str`` each, mesh shape): what its local shard alone does not
-    say. Issues no collective."""
-    return tuple(t.shape), tuple(str(p) for p in t.placements), tuple(t.device_mesh.shape)
-
-
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, detached (``to_local()``: no collective, whatever the placements)."""
-    with torch.no_grad():
-        return t.to_local().detach()
 
 
 def _describe(shape, placements, mesh, local_shape) -> str:

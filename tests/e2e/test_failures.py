@@ -79,7 +79,7 @@ def test_two_failures_in_a_row_with_guards_adopted_then_released(start_job, refe
         [("s1", "n1", (0, 1)), ("s2", "n2", (2, 3))]
     first_failure = job.events("node_failed")[0]["seq"]
     assert sorted(e["standby"] for e in job.events("guard_warmed") if e["seq"] < first_failure) == ["s1", "s2"]
-    # each guard ran one shadow iteration: DDP's regrouping replayed right after it (worker.recovery)
+    # each guard ran one shadow iteration: DDP's regrouping replayed right after it (worker.ddp_regroup)
     assert [e["shadow_steps"] for e in job.events("guard_warmed") if e["seq"] < first_failure] == [1, 1]
     started = job.events("recovery_started")
     assert [e["adopted"] for e in started] == [{"n2": "s2"}, {}]

@@ -150,7 +150,7 @@ def test_cold_standby_is_busy_then_a_second_migration_commits(job):
     # the decision waiting at S (a pause of a group swap), and the joiners' lag behind them was measured
     order = [e["event"] for e in events(job["run_dir"]) if e.get("migration_id") == m["id"]]
     # each joiner ran one shadow iteration: DDP's bucket regrouping (the second's one-time collective) was
-    # replayed right after it (worker.recovery.regroup_ddp_buckets), as a failure's replacement does
+    # replayed right after it (worker.ddp_regroup.regroup_ddp_buckets), as a failure's replacement does
     committed = next(e for e in events(job["run_dir"]) if e["event"] == "migration_committed"
                      and e["migration_id"] == m["id"])
     assert committed["shadow_steps"] == {"2": 1, "3": 1}, committed

@@ -66,4 +66,4 @@ def test_read_jsonl_skips_a_torn_last_line(tmp_path):
 def test_a_missing_torchft_is_a_reason_to_skip(monkeypatch):
     real = peers.importlib.util.find_spec
     monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None if name == "torchft" else real(name))
-    assert "pip install -e .[bench]" in peers.torchft_missing()
+    assert "pip install --no-build-isolation -e .[bench]" in peers.torchft_missing()

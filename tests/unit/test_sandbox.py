@@ -95,7 +95,7 @@ def test_a_one_time_collective_in_step_1_needs_another_shadow_iteration(tmp_path
     entries = [_op(), _op(8), _op(3, "broadcast"), _op(), _op(8), _op(), _op(8)]
     rec = _recording(tmp_path, "world", entries, [0, 2, 5])
     assert "step 1 issued other collectives (3 ops from op 2) than step 2 (2)" in _steady({"world": rec}, {"world": 2})
-    # replayed past it (worker.recovery.regroup_ddp_buckets consumed the broadcast): the rest is steady
+    # replayed past it (worker.ddp_regroup.regroup_ddp_buckets consumed the broadcast): the rest is steady
     assert _steady({"world": rec}, {"world": 3}) == ""
     # same ops, other shapes: another collective
     other = [_op(), _op(8), _op(), _op(9), _op(), _op(8)]

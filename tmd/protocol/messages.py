@@ -143,7 +143,7 @@ class RecoveryReport(Message, sender=Sender.WORKER):
 @dataclasses.dataclass(kw_only=True)
 class ReplicaReport(Message, sender=Sender.WORKER):
     """The ranks that hold a bit-identical copy of rank ``rank``'s replicated state (its replica class, ``rank``
-    included), found from every rank's state fingerprint at the job's first step (worker.recovery). Sent once
+    included), found from every rank's state fingerprint at the job's first step (worker.step_exchange). Sent once
     per process. tmd recovers a lost rank from a survivor of its class, and journals at start every node whose
     loss would take all copies of a rank's state (``no_replica``). ``replicas`` holds 1 to MAX_RANKS ranks."""
 
