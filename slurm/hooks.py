@@ -16,6 +16,8 @@ epilog: kills TrainMover worker processes of the job left on this node (by their
 job's tmd that this node left the job (a one-way :class:`tmd.protocol.NodeNotice`, if the job has a tmd.json).
 Exit 1 only when a leftover process survives SIGKILL (the node is unfit), else 0.
 
+Everything in the state directory is read and written as the job's user (effective ids dropped, no root
+privilege), never as root: the epilog's read of tmd.json and of the hook key it names, and the reports.
 Both write a JSON report to ``<state>/jobs/<SLURM_JOB_ID>/hooks/<hook>.<node>.json`` (as the job's user; tmd
 journals the prolog reports of its own and its standby jobs) and append one JSON line to ``--log``. ``<state>``
 is ``--state-dir`` or ``~<job user>/.trainmover``. A failure of the hook itself (a bug, a missing module) is
@@ -230,18 +232,26 @@ def _user_state_dir(args: argparse.Namespace, uid: int | None) -> str | None:
         return None
 
 
-def _as_user(uid: int | None, gid: int | None, fn) -> None:
-    """Run ``fn`` with the job user's effective ids (root writes nothing into a user's directory as root)."""
-    drop = os.geteuid() == 0 and uid not in (None, 0)
+def _as_user(uid: int | None, gid: int | None, fn):
+    """``fn()`` run with the job user's effective ids and no supplementary groups, and its value: root reads
+    and writes nothing in a user's state directory as root, so no path the user controls (a symlink, a
+    ``keys`` field in tmd.json) leads it to a file the user could not read or write. Raises PermissionError,
+    without calling ``fn``, when the hook runs as root and the job's user is unknown."""
+    if os.geteuid() == 0 and uid is None:
+        raise PermissionError("the job's user is unknown (no SLURM_JOB_UID): its state directory is not touched")
+    drop = os.geteuid() == 0 and uid != 0
     if drop:
+        groups = os.getgroups()
+        os.setgroups([])
         os.setegid(gid if gid is not None else uid)
         os.seteuid(uid)
     try:
-        fn()
+        return fn()
     finally:
         if drop:
             os.seteuid(0)
             os.setegid(0)
+            os.setgroups(groups)
 
 
 def _write_report(state_dir: str | None, report: dict) -> None:
@@ -291,7 +301,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # The notice first: it is what tmd needs soonest; then the cleanup.
             state_dir = _user_state_dir(args, uid)
-            report["notice"] = notify_tmd(state_dir, job_id, node, "node left the job") if job_id else "no job"
+            _protocol()
+            import zmq  # noqa: F401 - imported as root: the job's user may not read the interpreter's files
+            import tmd.protocol.keys  # noqa: F401
+            try:  # as the job's user: tmd.json and the keys it names are the user's to choose
+                report["notice"] = _as_user(uid, gid, lambda: notify_tmd(state_dir, job_id, node, "node left the job")
+                                            ) if job_id else "no job"
+            except PermissionError as e:
+                report["notice"] = f"not sent: {e}"
             details, problems = kill_leftovers(job_id, node, uid) if job_id else ({}, [])
             report["checks"].update(details)
             report["problems"] += problems

@@ -76,6 +76,7 @@ def local(
     from tmd.daemon import Daemon
     from tmd.local import LocalLauncher
 
+    run_dir = _private(run_dir, "run directory")
     command = list(ctx.args) or DEFAULT_COMMAND
     active = [f"n{i + 1}" for i in range(nodes)]
     spares = [f"s{i + 1}" for i in range(standbys)]
@@ -203,7 +204,9 @@ def slurm(
     from tmd.protocol import layout
 
     host = host or socket.gethostbyname(socket.gethostname())  # this host's own address, never all interfaces
-    daemon = Daemon(job_id, run_dir or os.path.join("tmrun", job_id), nodes, rpn, [],
+    run_dir = _private(run_dir or os.path.join("tmrun", job_id), "run directory")
+    _private(layout.job_dir(job_id), "state directory")  # ~/.trainmover/jobs/<JOBID>: tmd.json and the keys
+    daemon = Daemon(job_id, run_dir, nodes, rpn, [],
                     bind_host=host, store_host=host, port=port, keys_dir=os.path.join(layout.job_dir(job_id), "keys"),
                     record_steps=record_steps, snapshot_every=snapshot_every, guards=guards,
                     heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
@@ -287,6 +290,18 @@ def version() -> None:
     from tmd.protocol import PROTOCOL_VERSION
 
     print(f"trainmover tmd, protocol v{PROTOCOL_VERSION}")
+
+
+def _private(path: str, what: str) -> str:
+    """``path`` made (0700) or checked as a directory only this user can change (tmd.rundir.private_dir),
+    resolved; else exit 2 with one line saying why."""
+    from tmd.rundir import private_dir
+
+    try:
+        return private_dir(path, what)
+    except OSError as e:  # tmd.rundir.UnsafePath, or e.g. no permission to create it
+        print(f"error: {e}: refusing it (choose another, or fix its owner and mode)", file=sys.stderr)
+        raise typer.Exit(ExitCode.REFUSED)
 
 
 def _exit(code: int) -> NoReturn:

@@ -42,6 +42,7 @@ from tmd.journal import Journal, cut_text
 from tmd.local import LocalLauncher
 from tmd.migration import Migration, MigrationError, Migrations
 from tmd.protocol.keys import KEYS_ENV, Authenticator, JobKeys, limit, role_of_frame
+from tmd.rundir import write_atomic
 from tmd.protocol.layout import RunDir
 from tmd.protocol.vocab import (
     ErrorCode, Event, ExitCode, FailureSignal, Health, MigrationPhase, MigrationState, NodeRole, Sender,
@@ -139,7 +140,7 @@ class Daemon:
         if auth:
             keys_dir = keys_dir or os.path.join(self.layout.path, "keys")
             self.keys = JobKeys.load(keys_dir) if resume is not None else JobKeys.create(keys_dir)
-            os.environ[KEYS_ENV] = self.keys.path  # for the processes tmd starts (local mode, srun)
+            os.environ[KEYS_ENV] = self.keys.worker_keys()  # the processes tmd starts get a worker's keys only
             self._auth = Authenticator(self._ctx, self.keys)
             self._auth.start()
             self.keys.serve(self.sock)
@@ -173,8 +174,7 @@ class Daemon:
                 "web": {"url": self.web.url, "token_file": self.web_token_file} if self.web else None}
         if command:
             info.update(command=command, cwd=os.getcwd())
-        with open(self.layout.tmd_json, "w") as f:
-            json.dump(info, f)
+        write_atomic(self.layout.tmd_json, json.dumps(info).encode())  # never through a symlink (tmd.rundir)
         # How a process becomes a known worker, then what each sender role may send.
         self._joining: dict[type, Callable[[bytes, Any], None]] = {p.Register: self._register, p.Rejoin: self._rejoin}
         self._handlers: dict[Sender, dict[type, Callable[[Any, Any], None]]] = {

@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable, Optional
 
 from tmd.protocol.vocab import Event
+from tmd.rundir import no_follow
 
 MAX_FIELD_CHARS = 8192  # one text value in an event (characters)
 MAX_LINE_BYTES = 16 * 1024  # one journal line (bytes, UTF-8)
@@ -95,8 +96,9 @@ def _line(entry: dict) -> str:
 class Journal:
     def __init__(self, path: Optional[str], keep: int = 10_000, echo: bool = False, seq: int = 0) -> None:
         """``path``: the JSON-lines file (None: memory only). ``echo``: also print each event to stdout.
-        ``seq``: the last sequence number already in the file (a restarted tmd goes on after it)."""
-        self._file = open(path, "a", buffering=1, encoding="utf-8") if path else None
+        ``seq``: the last sequence number already in the file (a restarted tmd goes on after it). The file is
+        created 0600 and never opened through a symlink (OSError ELOOP)."""
+        self._file = open(path, "a", buffering=1, encoding="utf-8", opener=no_follow) if path else None
         self._recent: collections.deque[tuple[dict, int]] = collections.deque(maxlen=keep)  # (entry, line bytes)
         self._seq = seq
         self._echo = echo

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import psutil
 
 from tmd.protocol.layout import RunDir
+from tmd.rundir import no_follow
 
 if TYPE_CHECKING:
     from tmd.cpusets import Isolation
@@ -148,7 +149,7 @@ class LocalLauncher:
         argv = self.argv(node, local_rank)
         if self.isolation is not None:
             argv = self.isolation.wrap(node, standby, argv)
-        with open(self._log_path(node, local_rank), "ab") as log:
+        with open(self._log_path(node, local_rank), "ab", opener=no_follow) as log:  # never through a symlink
             start = log.tell()
             popen = subprocess.Popen(ns.wrap(argv) if ns else argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
@@ -172,7 +173,7 @@ class LocalLauncher:
 
     def _pump(self, proc: Proc, offset: int) -> None:
         """Echo what the process appends to its log file (from ``offset``) until it exited."""
-        with open(self._log_path(proc.node, proc.local_rank), "rb") as log:
+        with open(self._log_path(proc.node, proc.local_rank), "rb", opener=no_follow) as log:
             log.seek(offset)
             pending = b""
             while True:

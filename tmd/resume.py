@@ -49,7 +49,9 @@ from tmd.control import JobControl
 from tmd.journal import read_events
 from tmd.protocol.layout import RunDir
 from tmd.protocol.vocab import Event, ExitCode, FailureSignal, NodeRole, WorkerRole
+from tmd.protocol.keys import WORKER_DIR
 from tmd.registry import Worker
+from tmd.rundir import SECRET, UnsafePath, check_file, no_follow, private_dir, trusted_dir
 
 REASK_S = 1.0  # a worker that has not answered Reregister is asked again after this many seconds
 
@@ -90,14 +92,24 @@ class JobState:
 
 def load(run_dir: str) -> JobState:
     """Read ``tmd.json`` and the journal of ``run_dir``. Raises ResumeError when there is nothing to resume:
-    no such job, the job ended, or its tmd still runs."""
+    no such job, the job ended, or its tmd still runs; or when this user did not make it (:func:`check_owned`)."""
     layout = RunDir(run_dir)
     try:
-        with open(layout.tmd_json) as f:
+        layout = RunDir(check_owned(layout))
+        with open(layout.tmd_json, opener=no_follow) as f:
             info = json.load(f)
         events = read_events(layout.events)
+    except UnsafePath as e:
+        raise ResumeError(f"refusing to resume: {e}") from None
     except (OSError, ValueError) as e:
         raise ResumeError(f"no job to resume in {layout.path}: {e}") from None
+    if not isinstance(info, dict):
+        raise ResumeError(f"no job to resume in {layout.path}: its tmd.json holds no object")
+    if info.get("command") and info.get("cwd"):
+        try:
+            trusted_dir(str(info["cwd"]), "the job's working directory")
+        except UnsafePath as e:
+            raise ResumeError(f"refusing to run the job's command: {e}") from None
     starts = [i for i, e in enumerate(events) if e["event"] == Event.TMD_STARTED]
     if not starts:
         raise ResumeError(f"no job to resume in {layout.path}: its journal has no {Event.TMD_STARTED} event")
@@ -184,6 +196,27 @@ def load(run_dir: str) -> JobState:
         previous_pid=pid if isinstance(pid, int) else None, snapshot_every=started.get("snapshot_every"),
         guards=int(started.get("guards") or 0),
         replicas=replicas, keepers=keepers, unprotected=unprotected, web_port=_web_port(info))
+
+
+def check_owned(layout: RunDir) -> str:
+    """What ``tmd resume`` trusts is this user's own: the run directory (resolved, returned), its ``tmd.json``
+    and journal, and the keys directory and its files (tmd.rundir: owned by this user, not a symlink, the run
+    directory and files writable by nobody else, the keys readable by nobody else). The command tmd.json names
+    is then the user's own: only the user (or root) can have written it. Raises tmd.rundir.UnsafePath;
+    FileNotFoundError when a file is missing."""
+    real = private_dir(layout.path, "run directory", create=False)
+    for path, what in ((os.path.join(real, RunDir.TMD_JSON), "tmd.json"),
+                       (os.path.join(real, RunDir.EVENTS), "journal")):
+        check_file(path, what)
+    keys = os.path.join(real, "keys")
+    for d in (keys, os.path.join(keys, WORKER_DIR)):
+        if not os.path.lexists(d):
+            continue  # a job run with --no-auth has no keys; one of an older tmd no worker/
+        private_dir(d, "keys directory", create=False, loose=SECRET)
+        for entry in os.scandir(d):
+            if not entry.is_dir(follow_symlinks=False):
+                check_file(entry.path, "key file", loose=SECRET)
+    return real
 
 
 def _web_port(info: dict) -> Optional[int]:

@@ -37,6 +37,7 @@ from tmd.control import JobControl
 from tmd.local import LocalLauncher, Proc
 from tmd.migration import MigrationError
 from tmd.protocol.vocab import ErrorCode, Event, ExitCode, HookKind, NodeRole, StrEnum
+from tmd.rundir import private_dir, write_atomic
 
 DEFAULT_TIMEOUT_S = 5.0  # every SLURM client call
 DEFAULT_POLL_S = 1.0  # node states and standby jobs
@@ -90,11 +91,10 @@ def hostnames(nodelist: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
 
 
 def write_json_atomic(path: str, obj: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    """Write ``obj`` to ``path`` in a directory only this user can change (made 0700 if missing), never
+    through a symlink (tmd.rundir). Raises OSError (tmd.rundir.UnsafePath for another user's directory)."""
+    write_atomic(os.path.join(private_dir(os.path.dirname(path), "state directory"), os.path.basename(path)),
+                 json.dumps(obj).encode())
 
 
 def hook_reports(job_id: str, hook: HookKind) -> list[dict]:

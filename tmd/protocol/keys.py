@@ -20,8 +20,12 @@ processes it starts), each 0600 (pyzmq's certificate format)::
     client.key       client.key_secret
     hook.key         hook.key_secret
     secret           the job secret, 64 hex digits
+    worker/          what a rank gets (least privilege): worker.key, worker.key_secret, coordinator.key, secret
 
 Only the job's user (and root, e.g. the SLURM epilog) can read them: another user cannot talk to the job at all.
+tmd exports ``TM_KEYS`` as the ``worker/`` directory (:meth:`JobKeys.worker_keys`): a rank, and everything its
+script starts, is handed no client, hook or coordinator secret key. tmctl reads the client secret key and the
+epilog the hook's from the whole directory (tmd.json's ``keys``). See docs/security.md.
 Imports only the standard library and pyzmq (the SLURM epilog imports it).
 """
 from __future__ import annotations
@@ -30,6 +34,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import tempfile
 from typing import Optional
 
 import zmq
@@ -41,6 +46,7 @@ from tmd.protocol.vocab import Sender
 KEYS_ENV = "TM_KEYS"  # the key directory, for the processes tmd starts
 PARTIES = (Sender.COORDINATOR, Sender.WORKER, Sender.CLIENT, Sender.HOOK)
 SECRET_FILE = "secret"
+WORKER_DIR = "worker"  # below the keys directory: the keys a rank gets (TM_KEYS)
 ZAP_DOMAIN = "trainmover"  # the ZAP domain of tmd's socket
 from tmd.protocol.messages import MAX_MESSAGE_BYTES  # noqa: E402 - ZMQ_MAXMSGSIZE on every socket (bytes)
 
@@ -64,6 +70,8 @@ class JobKeys:
         """Generate a fresh key pair per party and a job secret in ``path`` (created 0700; files 0600).
         Existing keys in ``path`` are replaced. Raises OSError when ``path`` cannot be made private."""
         os.makedirs(path, mode=0o700, exist_ok=True)
+        if os.path.islink(path):
+            raise KeysUnavailable(f"{path} is a symlink: refusing to keep the job's keys there")
         os.chmod(path, 0o700)
         if os.stat(path).st_uid != os.getuid():
             raise KeysUnavailable(f"{path} belongs to another user: refusing to keep the job's keys there")
@@ -82,20 +90,43 @@ class JobKeys:
         finally:
             os.umask(old)
         for name in os.listdir(path):
-            os.chmod(os.path.join(path, name), 0o600)
+            if os.path.isfile(os.path.join(path, name)):
+                os.chmod(os.path.join(path, name), 0o600)
         return cls.load(path)
+
+    def worker_keys(self) -> str:
+        """Write ``<keys>/worker/`` (0700; files 0600, each a new file renamed into place): the worker key pair,
+        tmd's public key and the job secret, what a rank needs and nothing else. Returns its path (the
+        ``TM_KEYS`` of the processes tmd starts). Raises OSError when it cannot be written."""
+        d = os.path.join(self.path, WORKER_DIR)
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        if os.path.islink(d) or os.stat(d).st_uid != os.getuid():
+            raise KeysUnavailable(f"{d} is a symlink or another user's: refusing to put the worker's keys there")
+        os.chmod(d, 0o700)
+        for name in (f"{Sender.WORKER.value}.key", f"{Sender.WORKER.value}.key_secret",
+                     f"{Sender.COORDINATOR.value}.key", SECRET_FILE):
+            with open(os.path.join(self.path, name), "rb") as f:
+                data = f.read()
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")  # 0600, never an existing file
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, os.path.join(d, name))
+        return d
 
     @classmethod
     def load(cls, path: str, parties: tuple[Sender, ...] = PARTIES) -> "JobKeys":
-        """Read the keys in ``path``: every party's public key, and the secret key of each party in ``parties``
-        that this process can read. Raises :class:`KeysUnavailable` when ``path`` or a public key or the job
-        secret cannot be read."""
+        """Read the keys in ``path`` (a job's keys directory, or its ``worker/``): each party's public key that
+        is there, and the secret key of each party in ``parties`` that this process can read. Raises
+        :class:`KeysUnavailable` when ``path``, tmd's public key or the job secret cannot be read."""
         pairs: dict[Sender, tuple[bytes, Optional[bytes]]] = {}
         try:
             for party in PARTIES:
                 secret_file = os.path.join(path, party.value + ".key_secret")
+                public_file = os.path.join(path, party.value + ".key")
                 if party in parties and os.access(secret_file, os.R_OK):
                     pairs[party] = zmq.auth.load_certificate(secret_file)
+                elif party != Sender.COORDINATOR and not os.path.exists(public_file) and os.path.isdir(path):
+                    continue  # a worker/ directory: no other party's key
                 else:
                     public, _ = zmq.auth.load_certificate(os.path.join(path, party.value + ".key"))
                     pairs[party] = (public, None)
@@ -118,7 +149,9 @@ class JobKeys:
 
     # --- what the keys are for ----------------------------------------------------------------------------------
     def public(self, party: Sender) -> bytes:
-        """``party``'s public key (z85, 40 bytes)."""
+        """``party``'s public key (z85, 40 bytes). Raises KeysUnavailable when it is not in these keys."""
+        if party not in self._pairs:
+            raise KeysUnavailable(f"no {party} key in {self.path}")
         return self._pairs[party][0]
 
     def role_of(self, public_key: bytes) -> Optional[Sender]:
@@ -160,7 +193,7 @@ class JobKeys:
     def connect_as(self, sock: zmq.Socket, party: Sender) -> None:
         """Make ``sock`` (a DEALER, before connect) a CURVE client of this job's tmd as ``party``, pinning tmd's
         public key. Raises KeysUnavailable when ``party``'s secret key is not readable here."""
-        public, secret = self._pairs[party]
+        public, secret = self._pairs.get(party, (b"", None))
         if secret is None:
             raise KeysUnavailable(f"no {party} secret key readable in {self.path}")
         limit(sock)
