@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import sys
 import time
 from typing import TYPE_CHECKING, NoReturn, Optional
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from tmd.netns import Bridge
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="TrainMover coordinator daemon (one per job).")
+# tmd's own options are parsed strictly (an unknown one is refused, naming the closest known option); everything
+# after ``--`` is the job's command, unchanged.
+JOB_COMMAND = {"allow_extra_args": True}
 
 DEFAULT_COMMAND = [sys.executable, "-m", "examples.train_gpt"]
 RECORD_STEPS_HELP = (f"Steps recorded at job start (at least {MIN_RECORD_STEPS}: DDP regroups its buckets in the "
@@ -34,7 +38,7 @@ GUARDS_HELP = ("Standby nodes kept warm as particular active nodes' ranks (guard
                "joiners'. A guard is no migration target for another node (0: off).")
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings=JOB_COMMAND)
 def local(
     ctx: typer.Context,
     nodes: int = typer.Option(2, min=1, help="Active nodes (n1, n2, ...)."),
@@ -78,6 +82,7 @@ def local(
 
     run_dir = _private(run_dir, "run directory")
     command = list(ctx.args) or DEFAULT_COMMAND
+    _refuse_unstartable(command, run_dir)
     active = [f"n{i + 1}" for i in range(nodes)]
     spares = [f"s{i + 1}" for i in range(standbys)]
     namespaces, bridge, specs, host = _namespaces(netns_node, netns_all, active + spares)
@@ -155,7 +160,7 @@ def _namespaces(netns_node: list[str], netns_all: bool,
     return namespaces, bridge, specs, tmd_ns.node_ip
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings=JOB_COMMAND)
 def slurm(
     ctx: typer.Context,
     ranks_per_node: Optional[int] = typer.Option(
@@ -205,6 +210,7 @@ def slurm(
 
     host = host or socket.gethostbyname(socket.gethostname())  # this host's own address, never all interfaces
     run_dir = _private(run_dir or os.path.join("tmrun", job_id), "run directory")
+    _refuse_unstartable(command, run_dir)
     _private(layout.job_dir(job_id), "state directory")  # ~/.trainmover/jobs/<JOBID>: tmd.json and the keys
     daemon = Daemon(job_id, run_dir, nodes, rpn, [],
                     bind_host=host, store_host=host, port=port, keys_dir=os.path.join(layout.job_dir(job_id), "keys"),
@@ -304,6 +310,37 @@ def _private(path: str, what: str) -> str:
         raise typer.Exit(ExitCode.REFUSED)
 
 
+def unstartable(command: list[str]) -> Optional[str]:
+    """Why ``command`` (the job's argv) cannot be started on this host, or None when its program is found and
+    executable: an absolute or relative path must name an executable file; a bare name must be on ``$PATH``."""
+    program = command[0]
+    if os.sep in program:
+        if not os.path.isfile(program):
+            return f"the job's command {program!r} was not found"
+        if not os.access(program, os.X_OK):
+            return f"the job's command {program!r} is not executable"
+        return None
+    if shutil.which(program) is None:
+        return f"the job's command {program!r} was not found on PATH"
+    return None
+
+
+def _refuse_unstartable(command: list[str], run_dir: str) -> None:
+    """Exit 2 with one line, before any rank or standby starts, when the job's ``command`` cannot be started;
+    the run directory's journal then says why (``job_refused``)."""
+    reason = unstartable(command)
+    if reason is None:
+        return
+    from tmd.journal import Journal
+    from tmd.protocol.layout import RunDir
+
+    journal = Journal(RunDir(run_dir).events)
+    journal.record(Event.JOB_REFUSED, reason=reason, command=command)
+    journal.close()
+    print(f"error: {reason}: nothing was started (the job's command comes after --)", file=sys.stderr)
+    raise typer.Exit(ExitCode.REFUSED)
+
+
 def _exit(code: int) -> NoReturn:
     """End tmd once its job is over, with the job's exit code ``code``: run the atexit handlers (the network
     namespaces' cleanup), flush, and skip the interpreter's teardown, ~1.5 s of CPU with torch imported on a host
@@ -315,8 +352,19 @@ def _exit(code: int) -> NoReturn:
     os._exit(code)
 
 
-def main() -> None:
-    app()
+def main(argv: Optional[list[str]] = None) -> None:
+    """Console-script entry point (``tmd``). A usage error (an unknown option, a bad value) is one line on stderr,
+    ``error: ...``, with exit 2 (:attr:`ExitCode.REFUSED`), not a rich panel."""
+    try:
+        code = app(args=argv, standalone_mode=False)
+    except typer.Abort:
+        code = ExitCode.INTERRUPTED
+    except typer.TyperException as e:  # click's UsageError (exit code 2) and its other ClickExceptions
+        message = " ".join((e.format_message() if hasattr(e, "format_message") else str(e)).split())
+        if message:  # empty after the help that no_args_is_help printed
+            print(f"error: {message}", file=sys.stderr)
+        code = getattr(e, "exit_code", ExitCode.REFUSED)
+    sys.exit(code or 0)
 
 
 if __name__ == "__main__":

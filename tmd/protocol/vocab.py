@@ -261,6 +261,7 @@ class Event(StrEnum):
     INTERNAL_ERROR = "internal_error"  # a bug in tmd while handling one message or tick (traceback); tmd goes on
     JOB_FINISHED = "job_finished"
     JOB_FAILED = "job_failed"
+    JOB_REFUSED = "job_refused"  # tmd local|slurm refused to start the job (its command cannot be started)
     JOB_RELEARNED = "job_relearned"
     PROCESSES_TERMINATED = "processes_terminated"
     NODES_ISOLATED = "nodes_isolated"  # tmd local --isolate-nodes: the CPU sets of the nodes (tmd.cpusets.Isolation)

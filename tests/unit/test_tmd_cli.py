@@ -1,0 +1,76 @@
+"""tmd's command line as a user types it (issue 37): an unknown option or a command that cannot be started is
+refused in one line, ``error: ...`` on stderr, exit 2, before anything starts; everything after ``--`` is the
+job's command, unchanged."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tmd.cli import unstartable
+from tmd.protocol.vocab import ExitCode
+
+
+def tmd_local(run_dir, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "tmd.cli", "local", "--nodes", "1", "--ranks-per-node", "1",
+                           "--standbys", "0", "--run-dir", str(run_dir), *args],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return done, time.monotonic() - started
+
+
+def nothing_runs_in(run_dir) -> bool:
+    """No process has ``run_dir`` on its command line or as its working directory."""
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        try:
+            if str(run_dir) in " ".join(p.info["cmdline"] or ()) or p.info["cwd"] == str(run_dir):
+                return False
+        except psutil.Error:
+            continue
+    return True
+
+
+@pytest.mark.parametrize("typo,named,suggested", [(["--bogus-flag", "3"], "--bogus-flag", None),
+                                                  (["--standby", "1"], "--standby", "--standbys")])
+def test_an_unknown_option_is_refused_in_one_line_before_anything_starts(tmp_path, typo, named, suggested):
+    run_dir = tmp_path / "run"
+    done, took_s = tmd_local(run_dir, *typo, "--", sys.executable, "-c", "pass")
+    assert done.returncode == ExitCode.REFUSED, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: No such option: {named}"), done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    if suggested:
+        assert suggested in lines[0]
+    assert took_s < 5.0, took_s
+    assert not run_dir.exists() and nothing_runs_in(run_dir)
+
+
+def test_a_command_that_cannot_start_is_refused_and_the_run_directory_says_why(tmp_path):
+    run_dir = tmp_path / "run"
+    # what follows -- is the job's, options included: it is not parsed as tmd's
+    done, took_s = tmd_local(run_dir, "--", "/no/such/binary", "--bogus-flag", "3")
+    assert done.returncode == ExitCode.REFUSED, done
+    assert done.stderr.strip().splitlines() == [
+        "error: the job's command '/no/such/binary' was not found: nothing was started (the job's command comes "
+        "after --)"], done.stderr
+    assert took_s < 5.0, took_s
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["command"]) for e in events] == [("job_refused", ["/no/such/binary", "--bogus-flag", "3"])]
+    assert nothing_runs_in(run_dir)
+
+
+def test_unstartable_names_what_is_wrong(tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/sh\n")
+    assert "is not executable" in unstartable([str(script)])
+    script.chmod(0o755)
+    assert unstartable([str(script), "--anything"]) is None
+    assert "was not found on PATH" in unstartable(["no-such-program-tm", "x"])
+    assert "was not found" in unstartable([str(tmp_path / "missing")])
+    assert unstartable([sys.executable, "-m", "examples.train_gpt"]) is None
+    assert unstartable(["sh", "-c", "true"]) is None
