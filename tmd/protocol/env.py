@@ -62,7 +62,8 @@ VARIABLES: tuple[EnvVar, ...] = (
            "The process's index on its node (also picks its CUDA device)."),
     EnvVar("TM_STANDBY", "0", BY_TMD, "`1`: this process is a standby and waits in `worker.init()` for a rank."),
     EnvVar("TM_KEYS", "none", BY_TMD + "; tmctl",
-           "The job's key directory (CURVE keys, HMAC secret, web token); tmctl reads the client key there."),
+           "A key directory: tmd sets it for the ranks to `<keys>/worker` (the worker key pair, tmd's public key and "
+           "the job secret, nothing else); tmctl reads the client key from a full keys directory named here."),
     EnvVar("TM_RUN_DIR", "`tmrun` (tmd, tmctl); the working directory (ranks)", BY_TMD + "; " + CLI,
            "The run directory: events, logs, recordings and `tmd.json`."),
     # the CLI and state on disk
