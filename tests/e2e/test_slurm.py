@@ -384,7 +384,7 @@ def test_prolog_and_epilog_ran_on_every_node(job):
                 wait_until(lambda path=path: os.path.exists(path), 20, f"{path}")
                 with open(path) as f:
                     r = json.load(f)
-                assert r["ok"] and "error" not in r, r
+                assert r["ok"] and "error" not in r, json.dumps(r)
                 assert r["duration_s"] < 1.0, r
                 durations[f"{hook} {node} (job {jid})"] = r["duration_s"]
     # tmd journalled the prolog of each node, and the epilog of n2 (released while the job ran)
