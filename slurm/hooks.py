@@ -215,7 +215,7 @@ def notify_tmd(state_dir: str | None, job_id: str, node: str, detail: str) -> st
         sock.send(p.encode(p.NodeNotice(node=node, job_id=job_id, hook=p.HookKind.EPILOG, detail=detail)))
         return f"notice sent to {address}"
     except (zmq.ZMQError, KeysUnavailable, OSError) as e:  # OSError: tmd.rundir.UnsafePath among others
-        return f"notice to {address} failed: {type(e).__name__}: {e}"
+        return f"notice to {address} failed: {e}"
     finally:
         sock.close()
         ctx.term()
