@@ -90,9 +90,13 @@ def wait_for_address(run_dir: str, proc: subprocess.Popen, timeout_s: float = 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"tmd exited with {proc.returncode} before it was up")
-        if os.path.exists(path):
+        try:
             with open(path) as f:
                 return json.load(f)["address"]
+        except FileNotFoundError:
+            pass
+        except ValueError:  # caught half-written by a writer that does not rename into place: read it again
+            pass
         time.sleep(POLL_S)  # another process writes it: nothing to wait on
     raise TimeoutError(f"tmd did not write {path} within {timeout_s} s")
 
