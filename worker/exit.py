@@ -46,9 +46,14 @@ def exit_process(code: Union[p.ExitCode, int], why: str) -> NoReturn:
         print(f"[worker] exiting with code {describe(status)}: {why}", file=stream, flush=True)
     except Exception:  # noqa: BLE001 - a closed or broken stream must not keep the process alive
         pass
+    flush_stdio()
+    os._exit(status)
+
+
+def flush_stdio() -> None:
+    """Flush stdout and stderr before an ``os._exit``; errors (a closed stream) are ignored."""
     for s in (sys.stdout, sys.stderr):
         try:
             s.flush()
         except Exception:  # noqa: BLE001
             pass
-    os._exit(status)
