@@ -24,6 +24,7 @@ from tmctl.client import (
     Client, CoordinatorUnreachable, TmctlError, find_coordinator, find_keys, web_token_file,
 )
 from tmd import timeline as timelines
+from tmd.protocol.usage import run_app
 from tmd.protocol import (
     AddStandbyRequest,
     ErrorReply,
@@ -524,9 +525,10 @@ def timeline(
     return 0
 
 
-def main() -> None:
-    """Console-script entry point (``tmctl``)."""
-    app()
+def main(argv: Optional[list[str]] = None) -> None:
+    """Console-script entry point (``tmctl``). A usage error is one line on stderr, ``error: ...``, with exit 2,
+    as for ``tmd`` (tmd.protocol.usage)."""
+    run_app(app, argv)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NoReturn, Optional
 import typer
 
 from tmd.protocol.messages import MIN_RECORD_STEPS
+from tmd.protocol.usage import run_app
 from tmd.protocol.vocab import Event, ExitCode
 
 if TYPE_CHECKING:
@@ -354,17 +355,8 @@ def _exit(code: int) -> NoReturn:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Console-script entry point (``tmd``). A usage error (an unknown option, a bad value) is one line on stderr,
-    ``error: ...``, with exit 2 (:attr:`ExitCode.REFUSED`), not a rich panel."""
-    try:
-        code = app(args=argv, standalone_mode=False)
-    except typer.Abort:
-        code = ExitCode.INTERRUPTED
-    except typer.TyperException as e:  # click's UsageError (exit code 2) and its other ClickExceptions
-        message = " ".join((e.format_message() if hasattr(e, "format_message") else str(e)).split())
-        if message:  # empty after the help that no_args_is_help printed
-            print(f"error: {message}", file=sys.stderr)
-        code = getattr(e, "exit_code", ExitCode.REFUSED)
-    sys.exit(code or 0)
+    ``error: ...``, with exit 2 (:attr:`ExitCode.REFUSED`), not a rich panel (tmd.protocol.usage)."""
+    run_app(app, argv)
 
 
 if __name__ == "__main__":
