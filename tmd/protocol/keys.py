@@ -208,13 +208,16 @@ def limit(sock: zmq.Socket, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
 
 
 class Authenticator(ThreadAuthenticator):
-    """tmd's ZAP handler: admits exactly the job's worker, client and hook public keys and labels each
-    connection with its role (the ``User-Id`` property of every message it sends: ``worker``, ``client`` or
-    ``hook``). One per ZeroMQ context (ZAP is per context); runs on pyzmq's own thread."""
+    """tmd's ZAP handler: admits exactly the job's worker, client and hook public keys (or those of ``roles``)
+    and labels each connection with its role (the ``User-Id`` property of every message it sends: ``worker``,
+    ``client`` or ``hook``). One per ZeroMQ context (ZAP is per context); runs on pyzmq's own thread."""
 
-    def __init__(self, context: zmq.Context, keys: JobKeys) -> None:
+    def __init__(self, context: zmq.Context, keys: JobKeys,
+                 roles: tuple[Sender, ...] = (Sender.WORKER, Sender.CLIENT, Sender.HOOK)) -> None:
+        """``roles``: the parties admitted (the job's store admits only ``worker``)."""
         super().__init__(context)
         self._keys = keys
+        self._roles = roles
 
     def start(self) -> None:
         super().start()
@@ -222,7 +225,7 @@ class Authenticator(ThreadAuthenticator):
 
     def callback(self, domain: str, key: bytes) -> bool:
         """CURVE credentials provider: ``key`` is the client's public key (z85)."""
-        return self._keys.role_of(key) is not None
+        return self._keys.role_of(key) in self._roles
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         role = self._keys.role_of(zmq.utils.z85.encode(client_public_key))
