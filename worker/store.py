@@ -24,8 +24,8 @@ peer, all under one parent): two round trips per peer over a TCPStore. Here:
   store answers a connection's requests in order, so the next request sees the key set); a refused ``set``
   raises there. A C++ thread's ``set`` waits for its answer.
 
-So a gloo setup costs a few round trips, about what a TCPStore costs at world 4 and less from world 8 on
-(benchmarks/rendezvous.py).
+So a gloo setup costs a few round trips instead of ``2 * world + 1`` (benchmarks/rendezvous.py compares it with a
+TCPStore).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Every party of a job talks to tmd over CURVE (elliptic-curve encryption and auth
   three public keys and labels each connection with its role (the ZeroMQ ``User-Id`` message property); tmd
   dispatches a message only when its type's ``SENDER`` matches that role (tmd.daemon).
 * The job secret (32 random bytes) keys the HMAC of each state-transfer header (worker.transfer) and names the
-  job's TCPStore keys (:attr:`JobKeys.store_namespace`), so nobody outside the job can guess a rendezvous key.
+  job's store keys (:attr:`JobKeys.store_namespace`), so nobody outside the job can guess a rendezvous key.
 
 Files, in a directory created 0700 by tmd at job start (local mode ``<run_dir>/keys``, SLURM mode
 ``<state dir>/jobs/<JOBID>/keys``; tmd.json's ``keys`` field names it and tmd exports it as ``TM_KEYS`` to the
@@ -164,7 +164,7 @@ class JobKeys:
 
     @property
     def store_namespace(self) -> str:
-        """The job's TCPStore key prefix (``tm-<16 hex digits>``, derived from the job secret): the root of every
+        """The job's store key prefix (``tm-<16 hex digits>``, derived from the job secret): the root of every
         store key the job uses (tmd.protocol.layout's prefixes go below it)."""
         return "tm-" + hmac.new(self.secret, b"store-namespace", hashlib.sha256).hexdigest()[:16]
 
