@@ -248,6 +248,8 @@ class SrunLauncher(LocalLauncher):
     TM_NODE, TM_LOCAL_RANK, TM_STANDBY, TM_RUN_DIR, OMP_NUM_THREADS=1), minus the SLURM_* variables of tmd's
     own job step (SLURM_CONF stays). A standby node is started at most every ``RESTART_BACKOFF_S`` seconds."""
 
+    FORK_SERVER = False  # srun starts the processes
+
     def __init__(self, command: list[str], run_dir: str, coordinator: str, ranks_per_node: int,
                  echo: bool = True, extra_env: Optional[dict[str, str]] = None) -> None:
         super().__init__(command, run_dir, coordinator, ranks_per_node, echo, extra_env)

@@ -59,9 +59,14 @@ def exit_process(code: Union[p.ExitCode, int], why: str) -> NoReturn:
             fn()
         except Exception:  # noqa: BLE001 - ending the process comes first
             pass
+    flush_stdio()
+    os._exit(status)
+
+
+def flush_stdio() -> None:
+    """Flush stdout and stderr before an ``os._exit``; errors (a closed stream) are ignored."""
     for s in (sys.stdout, sys.stderr):
         try:
             s.flush()
         except Exception:  # noqa: BLE001
             pass
-    os._exit(status)

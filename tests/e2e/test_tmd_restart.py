@@ -24,6 +24,7 @@ from tmctl.localjob import (end_job, events, final_hashes, job_client, scrape, t
 from tmd import protocol as p
 from tmd.protocol.keys import JobKeys
 from tmd.resume import ResumeError, load
+from worker.fork_server import SERVER_NAME
 
 
 pytestmark = pytest.mark.timeout(240)
@@ -65,7 +66,7 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path, gpt_refer
         job = status().job
         wait_until(lambda: status().step > 5 and any(n["warm"] for n in status().nodes), 120,
                    "training and a warm s1")
-        workers = psutil.Process(tmd.pid).children()
+        workers = [c for c in psutil.Process(tmd.pid).children() if c.name() != SERVER_NAME]
         assert len(workers) == 6
         page, _ = web_of(run_dir)
         steps_before = wait_until(lambda: scrape(run_dir).get(("trainmover_steps_total", (("job", job),))), 30,

@@ -52,6 +52,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("TM_EXIT_DRAIN_S", "5", RANKS,
            "Seconds a rank waits at exit for retired groups still being destroyed on C++ threads (finalizing the "
            "interpreter under them would abort the process)."),
+    EnvVar("TM_FORK_SERVER", "1", CLI + " (tmd local)",
+           "`0`: tmd local starts every rank with a fresh interpreter instead of forking it from a fork server that "
+           "imported torch once (worker/fork_server.py; only `python script.py` and `python -m module` commands "
+           "without CPU sets or namespaces are forked)."),
     EnvVar("TM_GLOO_HOST", "the address routing to tmd's store", RANKS + "; tmd local sets it",
            "The address gloo binds and advertises (local mode: 127.0.0.1, or the node's namespace address)."),
     # what tmd sets for the processes it starts
