@@ -399,6 +399,8 @@ class WebServer:
             await asyncio.wait_for(writer.drain(), WRITE_DEADLINE_S)
         except (asyncio.TimeoutError, OSError):
             pass  # the client went away or does not read
+        except asyncio.CancelledError:
+            pass  # the server stops: a task that ends quietly, not one asyncio logs as cancelled in a callback
         finally:
             self._open.discard(transport)
             if transport.get_write_buffer_size():
