@@ -1,7 +1,8 @@
 """tmd: the per-job coordinator. One ZeroMQ ROUTER serves the worker agents, tmctl and the SLURM hooks.
 
 Single-threaded by design: one loop receives messages and, between them, runs the ticks. All state lives in this
-thread, so nothing is locked. tmd hosts the job's TCPStore, so the store outlives any rank, leavers included.
+thread, so nothing is locked. tmd hosts the job's rendezvous store (tmd.store, on a thread of its own), so the store
+outlives any rank, leavers included.
 
 The daemon is the loop, the socket, a handler table per sender role (``Message.SENDER``: worker messages only
 from registered workers, Register and Rejoin being how a process becomes one; client requests (tmd.requests) and
@@ -54,6 +55,7 @@ from tmd.requests import Requests
 from tmd.resume import JobState, Resumed
 from tmd.status import status_reply
 from tmd.steplog import StepLog
+from tmd.store import StoreServer
 
 if TYPE_CHECKING:
     from tmd.metrics import Metrics
@@ -100,8 +102,6 @@ class Daemon:
         free port; None: off); the address and the token's file go into tmd.json. ``guards``: how many standby
         nodes tmd keeps warm as particular active nodes' ranks (tmd.guards; 0: none). Raises zmq.ZMQError when the address is taken, KeysUnavailable when a
         resumed job's keys cannot be read."""
-        from tmd.store import host_store  # only tmd pays for torch: it hosts the job's store
-
         if resume is None and record_steps < p.MIN_RECORD_STEPS:  # a resumed job keeps what its ranks recorded
             raise ValueError(f"record_steps must be at least {p.MIN_RECORD_STEPS}, not {record_steps}: "
                              "see tmd.protocol.messages.MIN_RECORD_STEPS")
@@ -128,8 +128,6 @@ class Daemon:
         self.guards = Guards(self.registry, self.journal, self, self.layout, guards, record_steps,
                              suspects=self._suspects)
         self.incidents.free_standby = self.guards.free_one
-        self.store = host_store(store_host)  # on the job's address only, never all interfaces
-        self.store_host = store_host
         self.keys: Optional[JobKeys] = None
         self._auth: Optional[Authenticator] = None
         self._ctx = zmq.Context()  # its own context: ZAP (the authenticator) is per context
@@ -150,6 +148,9 @@ class Daemon:
         self.sock.bind(f"tcp://{bind_host}:{port or '*'}")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT).replace(
             "0.0.0.0", advertise_host or socket.gethostname())
+        # the job's rendezvous store: on the job's address only, never all interfaces; only the worker key admitted
+        self.store = StoreServer(store_host, self.keys)
+        self.store_host = store_host
         self.launcher: Optional[LocalLauncher] = None  # starts the processes (local mode, srun): set by tmd.cli
         self.cluster: Optional["SlurmCluster"] = None  # SLURM mode: ticked; resolves targets; gets NodeNotices
         self.processes = HostProcesses(self.hostname)
@@ -248,6 +249,7 @@ class Daemon:
         self.journal.close()
         if self.web is not None:
             self.web.stop()
+        self.store.stop()
         self.sock.close()
         if self._auth is not None:
             self._auth.stop()

@@ -10,8 +10,8 @@ Start a node's processes with ``subprocess.Popen(ns.wrap(argv), ...)`` (``ip net
 the Popen's pid is the process itself). Addressing:
 
 * ranks inside the namespace advertise ``ns.node_ip`` (env ``TM_GLOO_HOST``) and reach tmd and the job's
-  TCPStore at ``ns.host_ip``. The namespace's loopback works, so ranks of the same node still reach each other
-  while the node is cut off, as on a real node;
+  rendezvous store (tmd.store) at ``ns.host_ip``. The namespace's loopback works, so ranks of the same node
+  still reach each other while the node is cut off, as on a real node;
 * ranks in the host namespace must advertise an address the namespace can reach: ``ns.host_ip`` works, it is
   a local address of the host (127.0.0.1 does not: inside the namespace it is the namespace's own loopback).
   Servers in the host namespace bound to 0.0.0.0 or to ``host_ip`` accept connections from the namespace;
@@ -65,7 +65,7 @@ from typing import Optional
 PREFIX = "tm-"
 ETC_NETNS = "/etc/netns"  # `ip netns exec NAME` bind-mounts the files of ETC_NETNS/NAME/ over those of /etc/
 # The host's nameserver is unreachable from a namespace (no NAT): every lookup would wait out its timeouts (10 s
-# with glibc's defaults; c10d's TCPStore client does a reverse lookup of its peer). 127.0.0.1 inside the
+# with glibc's defaults; gloo and c10d's TCPStore resolve names). 127.0.0.1 inside the
 # namespace refuses at once, so lookups fail fast and /etc/hosts still answers.
 RESOLV_CONF = "# tmd.netns: no DNS inside a node namespace\nnameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
 _CMD_TIMEOUT_S = 20.0

@@ -23,7 +23,6 @@ optimizer step hooks they and the pre-copy act through), worker.reports (what th
 """
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import gc
 import logging
@@ -54,6 +53,7 @@ from worker.snapshot import Snapshots
 from worker.step_exchange import StepExchange
 from worker.step_hooks import StepHooks
 from worker.step_ledger import StepAborted, StepLedger, failure
+from worker.store import JobStore
 from worker.void_passes import VoidPassStopper
 
 __all__ = ["init", "Session", "StepAborted", "LeaverExit", "DECISION_TIMEOUT_S", "RECOVERY_TIMEOUT_S"]
@@ -137,8 +137,7 @@ class Session:
         os.environ.update(RANK=str(a.rank), WORLD_SIZE=str(a.world_size), LOCAL_RANK=str(self.local_rank))
         # Store keys go below the job's secret namespace where groups are built (worker.backend.store_prefix),
         # so every store connection (this one, a recovery's own, the one after a tmd restart) is covered.
-        store = dist.TCPStore(a.store_host, a.store_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        store = JobStore.of_job(a.store_host, a.store_port, timeout_s)  # tmd's store, over CURVE with the worker key
         groups = self._groups = GroupManager(store, a.rank, a.world_size, backend.gloo_host(a.store_host))
         self._control.attach(groups)
         self._exchange.node = self.node
@@ -487,9 +486,10 @@ def init(coordinator: Optional[str] = None, store_timeout_s: float = 120.0) -> S
     blocks until tmd hands it a leaver's rank (the joiner then starts in the sandbox), or exits the process
     when tmd releases it (with tmd's exit code). Reads ``TM_COORDINATOR``, ``TM_NODE``, ``TM_LOCAL_RANK``,
     ``TM_STANDBY``, ``TM_RUN_DIR`` from the environment (set by ``tmd local`` or the SLURM scripts).
-    ``store_timeout_s``: seconds to wait for the job's TCPStore. Raises KeyError when ``TM_COORDINATOR`` is
-    missing. Unless the script handles ``SIGUSR1`` itself, that signal makes the process write every thread's
-    Python stack to its stderr and go on (``kill -USR1 PID``: where a stuck rank waits)."""
+    ``store_timeout_s``: seconds a group setup waits in the job's store (worker.store) for its peers. Raises
+    KeyError when ``TM_COORDINATOR`` is missing. Unless the script handles ``SIGUSR1`` itself, that signal makes the
+    process write every thread's Python stack to its stderr and go on (``kill -USR1 PID``: where a stuck rank
+    waits)."""
     address = coordinator or os.environ["TM_COORDINATOR"]
     dump_stacks_on(signal.SIGUSR1)
     # Under srun without TM_NODE/TM_LOCAL_RANK: SLURM's node name (hostnames may repeat) and local task id.

@@ -74,7 +74,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("TM_STATE_DIR", "`~/.trainmover`", CLI + "; SLURM hooks",
            "The per-user state directory: SLURM jobs' `jobs/<JOBID>/tmd.json`, keys and hook reports."),
     EnvVar("TM_HOST", "the address this host's name resolves to", "tmd slurm; " + SLURM,
-           "The address tmd binds and advertises, with its TCPStore (never all interfaces)."),
+           "The address tmd binds and advertises, with its rendezvous store (never all interfaces)."),
     EnvVar("TM_RESERVATION", "`standby`", "tmd slurm; " + SLURM, "The SLURM reservation holding the standby jobs."),
     EnvVar("TM_PYTHON", "`python3`", SLURM,
            "The interpreter `slurm/train.sbatch` and `slurm/standby.sbatch` run tmd with."),

@@ -228,8 +228,8 @@ MIN_RECORD_STEPS = 2
 @dataclasses.dataclass(kw_only=True)
 class Assign(Message, sender=Sender.COORDINATOR):
     """Gives a worker its rank. ``role`` is ``active`` (a rank at job start) or ``joiner`` (a standby that
-    replaces ``rank`` in ``migration_id``). ``store_host``/``store_port`` locate the job's TCPStore (hosted by
-    tmd). Active ranks record their first ``record_steps`` steps' collective outputs to ``record_dir``;
+    replaces ``rank`` in ``migration_id``). ``store_host``/``store_port`` locate the job's rendezvous store
+    (hosted by tmd: tmd.store). Active ranks record their first ``record_steps`` steps' collective outputs to ``record_dir``;
     joiners replay ``record_dir``'s file for their rank during that many shadow iterations. A joiner that
     replaces a failed rank has ``incident_id`` > 0 (and ``migration_id`` 0): after its shadow iterations it
     reports ``warmed`` and waits for :class:`Recover`. ``guard`` (both ids 0): a *guard* (tmd.guards) warms as
