@@ -1,5 +1,6 @@
-"""Rich renderings of what tmd reports: the nodes table, a migration (panel or one line), events, a job's
-timeline (sparkline, marker line, legend) and a migration's phases as they happen (``tmctl migrate`` in a terminal).
+"""Rich renderings of what tmd reports: the nodes table, a migration (panel or one line), the job's settings that
+are not the defaults, events, a job's timeline (sparkline, marker line, legend) and a migration's phases as they
+happen (``tmctl migrate`` in a terminal).
 
 Inputs are the plain dicts of :mod:`tmd.protocol` replies; any field may be missing or None (shown as ``-``).
 Durations are seconds, wall-clock times are epoch seconds, sizes are bytes.
@@ -15,6 +16,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
+from tmd.config import changed
 from tmd.protocol.vocab import REFUSING_WARNINGS, Health, MigrationState, NodeRole
 from tmd.timeline import MarkKind, SpanKind
 
@@ -228,6 +230,15 @@ def warning_lines(warnings: Any) -> list[str]:
                        f"{_cell(w.get('code'))}: {_cell(w.get('message'))}"
                        + (" (migrations and recoveries are refused)" if w.get("code") in REFUSING_WARNINGS else ""))
     return out
+
+
+def config_line(config: Any) -> str:
+    """The job's settings that differ from the defaults (tmd.config.changed), as ``name=value`` pairs:
+    ``config: heartbeat_timeout_s=12.0 suspect_after_s=1.5``, or ``config: defaults``."""
+    different = changed(config)
+    if not different:
+        return "config: defaults"
+    return "config: " + " ".join(f"{escape(str(k))}={_cell(v)}" for k, v in different.items())
 
 
 def failure_text(f: dict) -> str:

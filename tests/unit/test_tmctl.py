@@ -16,6 +16,7 @@ from tests.support import stand_in_tmd
 from tmctl import cli
 from tmctl.client import Client, CoordinatorNotFound, TimedOut, find_coordinator
 from tmctl.render import warning_lines
+from tmd.config import DEFAULTS
 from tmd.protocol import (
     ErrorReply,
     EventsReply,
@@ -124,9 +125,12 @@ def migration(state, reason="", **extra):
     return m
 
 
+CONFIG = DEFAULTS.with_options(heartbeat_timeout_s=12.0, migrate_stragglers=True).to_dict()  # tmd.config
+
+
 def status_reply(mig=None):
     return StatusReply(job="local-abc", world_size=4, generation=1, step=42, nodes=NODES, migration=mig, recovery=None, failure=None,
-                       warnings=[])
+                       warnings=[], config=CONFIG)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -144,6 +148,7 @@ def test_status_table(fake):
     assert "0-1" in out and "2-3" in out  # rank ranges
     assert "standbys: spare0 (warm), spare1 (cold)" in out
     assert "migration in progress" in out and "warming" in out
+    assert "config: heartbeat_timeout_s=12.0 migrate_stragglers=True\n" in out  # the settings not the defaults
     assert isinstance(f.requests[0], StatusRequest)
 
 
@@ -154,7 +159,9 @@ def test_status_json_is_the_reply(fake):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data == {"job": "local-abc", "world_size": 4, "generation": 1, "step": 42, "nodes": NODES,
-                    "migration": None, "recovery": None, "failure": None, "warnings": [], "page": None}
+                    "migration": None, "recovery": None, "failure": None, "warnings": [], "page": None,
+                    "config": CONFIG}
+    assert data["config"]["detection"]["heartbeat_timeout_s"] == 12.0
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -359,6 +359,7 @@ class StatusReply(Message, sender=Sender.COORDINATOR):
     failure: Optional[dict]  # why the job failed (rank, node, kind, error, traceback), or None
     warnings: list  # misuse the ranks reported: dicts of rank, node, code, message
     page: Optional[str] = None  # the status page and metrics address (http://host:port/), None when off
+    config: Optional[dict] = None  # the job's settings: tmd.config.JobConfig.to_dict() ({section: {field: value}})
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -254,6 +254,7 @@ class Event(StrEnum):
 
     # tmd's own life
     TMD_STARTED = "tmd_started"
+    JOB_CONFIG = "job_config"  # the job's whole tmd.config.JobConfig at each start (config; after a restart: overrides)
     TMD_RESTARTED = "tmd_restarted"
     TMD_SIGNALLED = "tmd_signalled"
     TMD_STOPPED = "tmd_stopped"
