@@ -263,6 +263,8 @@ def last_known(state: dict) -> str:
     lines = [head, f"from the journal of {_cell(state.get('run_dir'))}; last step seen {_cell(state.get('step'))}"]
     if state.get("reason"):
         lines.append(f"failed: {_cell(state['reason'])}")
+    if state.get("config") is not None:
+        lines.append(config_line(state["config"]))
     lines += warning_lines(state.get("warnings"))
     if state.get("failure"):
         lines.append(failure_text(state["failure"]))
