@@ -38,6 +38,7 @@ DEFAULT_COMMAND = [sys.executable, "-m", "examples.train_gpt"]
 RUN_SETTINGS = ("record_steps", "snapshot_every", "guards", "heartbeat_timeout_s", "suspect_after_s",
                 "blocked_after_s", "migrate_stragglers", "port", "metrics_port")  # tmd local and tmd slurm
 SLURM_SETTINGS = ("host", "reservation", "poll_s", "slurm_timeout_s")  # tmd slurm's own
+# what a restarted tmd may change: not what the ranks were assigned (record_steps, snapshot_every), nor its addresses
 RESUME_SETTINGS = ("heartbeat_timeout_s", "suspect_after_s", "blocked_after_s", "migrate_stragglers", "guards")
 
 
