@@ -194,7 +194,9 @@ class RankFailed(Message, sender=Sender.WORKER):
     """This rank cannot go on and the job must fail (not a node failure: no standby is spent on it). ``kind``
     SCRIPT_ERROR: the training script raised at ``step`` (``error`` is one line, ``"ValueError: ..."``;
     ``traceback`` the formatted traceback, at most 8000 characters, its tail kept). STATE_MISMATCH: after a
-    migration or recovery the managed state of data-parallel replicas differs (``error`` says which ranks)."""
+    migration or recovery the managed state of data-parallel replicas differs (``error`` says which ranks).
+    STEP_ABORTED_UNCAUGHT: a ``StepAborted`` was not caught and ends the process (``error``: the step it
+    refused and what to do; ``traceback`` as for SCRIPT_ERROR)."""
 
     rank: int
     step: int
