@@ -162,7 +162,8 @@ def _console() -> Console:
 @_guarded
 def status(ctx: typer.Context, json_: JsonOpt = False, coordinator: CoordinatorOpt = None,
            run_dir: RunDirOpt = None, job: JobOpt = None, timeout: TimeoutOpt = None) -> int:
-    """Show the job's nodes, standbys and the current (or last) migration.
+    """Show the job's nodes, standbys and the current (or last) migration, and the job's settings that differ from
+    the defaults (with --json: every setting, under ``config``).
 
     When tmd does not answer but the run directory's journal exists (the job ended, or tmd died), shows the
     last known state from the journal instead, marked as such (with --json: ``{"ended": ..., ...}``).
@@ -197,6 +198,8 @@ def status(ctx: typer.Context, json_: JsonOpt = False, coordinator: CoordinatorO
         console.print(line)
     if reply.failure:
         console.print(render.failure_text(reply.failure))
+    if reply.config is not None:
+        console.print(render.config_line(reply.config))
     if reply.page:
         console.print(f"page: {escape(reply.page)}  (tmctl page: with its token; Prometheus: {escape(reply.page)}metrics)")
     return 0

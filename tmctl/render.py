@@ -1,5 +1,6 @@
-"""Rich renderings of what tmd reports: the nodes table, a migration (panel or one line), events, a job's
-timeline (sparkline, marker line, legend) and a migration's phases as they happen (``tmctl migrate`` in a terminal).
+"""Rich renderings of what tmd reports: the nodes table, a migration (panel or one line), the job's settings that
+are not the defaults, events, a job's timeline (sparkline, marker line, legend) and a migration's phases as they
+happen (``tmctl migrate`` in a terminal).
 
 Inputs are the plain dicts of :mod:`tmd.protocol` replies; any field may be missing or None (shown as ``-``).
 Durations are seconds, wall-clock times are epoch seconds, sizes are bytes.
@@ -15,6 +16,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
+from tmd.config import changed
 from tmd.protocol.vocab import REFUSING_WARNINGS, Health, MigrationState, NodeRole
 from tmd.timeline import MarkKind, SpanKind
 
@@ -230,6 +232,15 @@ def warning_lines(warnings: Any) -> list[str]:
     return out
 
 
+def config_line(config: Any) -> str:
+    """The job's settings that differ from the defaults (tmd.config.changed), as ``name=value`` pairs:
+    ``config: heartbeat_timeout_s=12.0 suspect_after_s=1.5``, or ``config: defaults``."""
+    different = changed(config)
+    if not different:
+        return "config: defaults"
+    return "config: " + " ".join(f"{escape(str(k))}={_cell(v)}" for k, v in different.items())
+
+
 def failure_text(f: dict) -> str:
     """Why the job failed: rank, node, kind and error on one line, then the traceback (or log tail) if any."""
     head = (f"[red]job failed[/]: rank {_cell(f.get('rank'))} on {_cell(f.get('node'))} ({_cell(f.get('kind'))}): "
@@ -252,6 +263,8 @@ def last_known(state: dict) -> str:
     lines = [head, f"from the journal of {_cell(state.get('run_dir'))}; last step seen {_cell(state.get('step'))}"]
     if state.get("reason"):
         lines.append(f"failed: {_cell(state['reason'])}")
+    if state.get("config") is not None:
+        lines.append(config_line(state["config"]))
     lines += warning_lines(state.get("warnings"))
     if state.get("failure"):
         lines.append(failure_text(state["failure"]))

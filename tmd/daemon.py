@@ -34,6 +34,7 @@ import zmq
 
 from tmd import protocol as p
 from tmd.bad_input import BadInput
+from tmd.config import DEFAULTS, JobConfig
 from tmd.detection import Detector, Failure, Healthy, HostProcesses, ProcessExited, Slow, Unhealthy, Verdict
 from tmd.ending import JobEnd
 from tmd.evacuation import Evacuation
@@ -52,7 +53,7 @@ from tmd.protocol.vocab import (
 from tmd.recovery import Incident, Incidents, RecoveryError
 from tmd.registry import Node, Registry, Worker
 from tmd.requests import Requests
-from tmd.resume import JobState, Resumed
+from tmd.resume import JobState, Resumed, split_address
 from tmd.status import status_reply
 from tmd.steplog import StepLog
 from tmd.store import StoreServer
@@ -79,40 +80,31 @@ class Daemon:
     :class:`tmd.channel.WorkerChannel`."""
 
     def __init__(self, job: str, run_dir: str, nodes: list[str], ranks_per_node: int, standbys: list[str],
-                 bind_host: str = "127.0.0.1", store_host: str = "127.0.0.1", port: int = 0, record_steps: int = 3,
-                 heartbeat_timeout_s: float = 5.0, echo: bool = True, suspect_after_s: float = 0.8,
-                 blocked_after_s: float = 0.3, migrate_stragglers: bool = False, advertise_host: Optional[str] = None,
-                 netns: Optional[dict] = None, command: Optional[list[str]] = None,
-                 resume: Optional[JobState] = None, keys_dir: Optional[str] = None, auth: bool = True,
-                 snapshot_every: int = 10, metrics_port: Optional[int] = None, guards: int = 0) -> None:
-        """``record_steps``: steps whose collective outputs the active ranks record for joiners' replay (and
-        the joiners' number of shadow iterations); ValueError below ``p.MIN_RECORD_STEPS`` (a resumed job keeps
-        its own). ``heartbeat_timeout_s``: silence after which a node is
-        failed whatever its peers do (seconds). ``suspect_after_s``: silence after which a node is failed if a
-        peer has been blocked in a collective for ``blocked_after_s`` (seconds; see tmd.detection).
-        ``migrate_stragglers``: move a node with a straggler rank to a warm standby (a planned migration).
-        ``command``: the workers' command line in local mode (kept in tmd.json for ``tmd resume``).
-        ``resume``: take over this running job (its journal goes on; the workers re-register) instead of
-        starting one. ``keys_dir``: where the job's CURVE keys and secret live (tmd.protocol.keys; default
-        ``<run_dir>/keys``): created at start, reused by a resumed tmd (the workers pinned its public key).
-        ``auth`` false serves plain ZeroMQ with no authentication (only to measure CURVE's cost: anyone on the
-        host can then command the job). ``snapshot_every``: the ranks keep buddy snapshots every that many steps
-        when some rank's state has no replica on another node (0: off; worker.snapshot).
-        ``metrics_port``: serve Prometheus metrics and the status page (tmd.web) on ``bind_host`` at this port (0: a
-        free port; None: off); the address and the token's file go into tmd.json. ``guards``: how many standby
-        nodes tmd keeps warm as particular active nodes' ranks (tmd.guards; 0: none). Raises zmq.ZMQError when the address is taken, KeysUnavailable when a
-        resumed job's keys cannot be read."""
-        if resume is None and record_steps < p.MIN_RECORD_STEPS:  # a resumed job keeps what its ranks recorded
-            raise ValueError(f"record_steps must be at least {p.MIN_RECORD_STEPS}, not {record_steps}: "
-                             "see tmd.protocol.messages.MIN_RECORD_STEPS")
-
+                 config: JobConfig = DEFAULTS, *, host: str = "127.0.0.1", echo: bool = True,
+                 resume: Optional[JobState] = None, command: Optional[list[str]] = None,
+                 netns: Optional[dict] = None, keys_dir: Optional[str] = None) -> None:
+        """Coordinate job ``job`` (its journal, logs and recordings in ``run_dir``): ``nodes`` active nodes of
+        ``ranks_per_node`` ranks each, in rank order, and ``standbys``, with the settings of ``config``
+        (tmd.config.JobConfig: detection, recording, snapshots, guards, ports...), journalled whole as
+        ``job_config``. ``host``: the address tmd binds, hosts the job's store at and advertises (never all
+        interfaces). ``echo``: print each journal event. ``resume``: take over this running job (its journal goes
+        on; the workers re-register) instead of starting one: bind the address it had (``resume.address``), and
+        journal where ``config`` differs from the journal's (the options given to ``tmd resume``).
+        ``command``: the workers' command line in local mode (kept in tmd.json for ``tmd resume``). ``netns``:
+        tmd.json's network namespaces (tmd.netns). ``keys_dir``: where the job's CURVE keys and secret live
+        (tmd.protocol.keys; default ``<run_dir>/keys``): created at start, reused by a resumed tmd (the workers
+        pinned its public key). Raises zmq.ZMQError when the address is taken, KeysUnavailable when a resumed
+        job's keys cannot be read."""
+        port = config.serve.port
+        if resume is not None:
+            host, port = split_address(resume.address)
         os.umask(0o077)  # the run dir's files (journal, recordings, logs; the workers inherit it) are the user's only
         self.job = job
         self.layout = RunDir(run_dir)
         self.run_dir = self.layout.path
         os.makedirs(self.layout.record_dir, exist_ok=True)
-        self.record_steps = record_steps
-        self.snapshot_every = snapshot_every
+        self.config = config
+        record_steps = config.replay.record_steps
         self.hostname = socket.gethostname()
         self.journal = Journal(self.layout.events, echo=echo, seq=resume.last_seq if resume else 0)
         self.registry = Registry(nodes, ranks_per_node, standbys)
@@ -121,11 +113,12 @@ class Daemon:
         self.migrations = Migrations(self.registry, self.journal, self, record_steps=record_steps)
         if resume is not None:
             self.migrations.first_id = resume.last_migration_id + 1  # migration ids go on after a restart
-        self.incidents = Incidents(self.registry, self.journal, self, self.layout, snapshot_every=snapshot_every)
+        self.incidents = Incidents(self.registry, self.journal, self, self.layout,
+                                   snapshot_every=config.snapshot.snapshot_every)
         if resume is not None:
             self.incidents.restore(resume.replicas, resume.keepers, resume.unprotected)
         self.faults = Faults(self.registry, self.journal, self.layout, self.incidents)
-        self.guards = Guards(self.registry, self.journal, self, self.layout, guards, record_steps,
+        self.guards = Guards(self.registry, self.journal, self, self.layout, config.standby.guards, record_steps,
                              suspects=self._suspects)
         self.incidents.free_standby = self.guards.free_one
         self.keys: Optional[JobKeys] = None
@@ -135,7 +128,7 @@ class Daemon:
         self.sock.setsockopt(zmq.LINGER, 0)
         # No ROUTER_HANDOVER: an identity in use cannot be taken over by another connection (worker identities
         # carry a random part, so a restarted process never collides with its predecessor).
-        if auth:
+        if config.serve.auth:
             keys_dir = keys_dir or os.path.join(self.layout.path, "keys")
             self.keys = JobKeys.load(keys_dir) if resume is not None else JobKeys.create(keys_dir)
             os.environ[KEYS_ENV] = self.keys.worker_keys()  # the processes tmd starts get a worker's keys only
@@ -145,20 +138,19 @@ class Daemon:
         else:
             os.environ.pop(KEYS_ENV, None)
             limit(self.sock)
-        self.sock.bind(f"tcp://{bind_host}:{port or '*'}")
-        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT).replace(
-            "0.0.0.0", advertise_host or socket.gethostname())
+        self.sock.bind(f"tcp://{host}:{port or '*'}")
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # the job's rendezvous store: on the job's address only, never all interfaces; only the worker key admitted
-        self.store = StoreServer(store_host, self.keys)
-        self.store_host = store_host
+        self.store = StoreServer(host, self.keys)
+        self.store_host = host
         self.launcher: Optional[LocalLauncher] = None  # starts the processes (local mode, srun): set by tmd.cli
         self.cluster: Optional["SlurmCluster"] = None  # SLURM mode: ticked; resolves targets; gets NodeNotices
         self.processes = HostProcesses(self.hostname)
-        self.evacuation = Evacuation(self, migrate_stragglers)
+        self.evacuation = Evacuation(self, config.standby.migrate_stragglers)
         self.detector = Detector(
             self.registry, exits=lambda: self.launcher.poll() if self.launcher else (), processes=self.processes,
             replacing=self._replacing, held_unhealthy=self.evacuation.gpu_unhealthy,
-            heartbeat_timeout_s=heartbeat_timeout_s, suspect_after_s=suspect_after_s, blocked_after_s=blocked_after_s)
+            config=config.detection)
         self.ending = JobEnd(self)
         self.requests = Requests(self, self.status, lambda: self.cluster)
         self.exit_code: Optional[int] = None
@@ -166,8 +158,8 @@ class Daemon:
         self.metrics: Optional["Metrics"] = None
         self.web: Optional["WebServer"] = None
         self.web_token_file: Optional[str] = None
-        if metrics_port is not None:
-            self._serve_web(bind_host, metrics_port, keys_dir or os.path.join(self.layout.path, "keys"), resume)
+        if config.serve.metrics_port >= 0:
+            self._serve_web(host, config.serve.metrics_port, keys_dir or os.path.join(self.layout.path, "keys"), resume)
         self.internal_errors = 0  # handler and tick errors (bugs of tmd's own) survived
         self._failing_ticks = 0
         info = {"address": self.address, "pid": os.getpid(), "job": job, "run_dir": self.run_dir, "netns": netns or {},
@@ -192,12 +184,15 @@ class Daemon:
         self._snapshots_journalled: set[tuple[str, int]] = set()
         self.resumed: Optional[Resumed] = None
         if resume is not None:
-            self.resumed = Resumed(self, resume, rejoin_grace_s=max(10.0, 2 * heartbeat_timeout_s))
+            self.resumed = Resumed(self, resume, rejoin_grace_s=max(10.0, 2 * config.detection.heartbeat_timeout_s))
             self.resumed.start()
+            self.journal.record(Event.JOB_CONFIG, config=config.to_dict(), overrides=config.overrides(resume.config))
         else:
             self.journal.record(Event.TMD_STARTED, job=job, address=self.address, world_size=self.registry.world_size,
                                 nodes=nodes, standbys=standbys, store_port=self.store.port, record_steps=record_steps,
-                                snapshot_every=snapshot_every, guards=guards, page=self.web.url if self.web else None)
+                                snapshot_every=config.snapshot.snapshot_every, guards=config.standby.guards,
+                                page=self.web.url if self.web else None)
+            self.journal.record(Event.JOB_CONFIG, config=config.to_dict())
 
     # --- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -435,8 +430,9 @@ class Daemon:
     def _assignment(self, role: WorkerRole, rank: int, generation: int, migration_id: int = 0,
                     incident_id: int = 0, guard: bool = False) -> p.Assign:
         return p.Assign(role=role, rank=rank, world_size=self.registry.world_size, store_host=self.store_host,
-                        store_port=self.store.port, generation=generation, record_steps=self.record_steps,
-                        snapshot_every=self.snapshot_every, record_dir=self.layout.record_dir,
+                        store_port=self.store.port, generation=generation,
+                        record_steps=self.config.replay.record_steps,
+                        snapshot_every=self.config.snapshot.snapshot_every, record_dir=self.layout.record_dir,
                         migration_id=migration_id, incident_id=incident_id, guard=guard)
 
     # --- worker messages --------------------------------------------------------------------------------------
@@ -601,7 +597,9 @@ class Daemon:
         return status_reply(self.job, self.registry, latest(self.migrations), latest(self.incidents),
                             self.evacuation.flagged, self.cluster.decorate if self.cluster else None,
                             failure=self.faults.failure, warnings=self.faults.warnings + self.incidents.unprotected,
-                            page=self.web.url if self.web else None)
+                            page=self.web.url if self.web else None,
+                            # the detection thresholds as the detector holds them: what it judges with
+                            config=dataclasses.replace(self.config, detection=self.detector.config).to_dict())
 
     # --- JobControl (see tmd.control for what each does) ---------------------------------------------------
     @property

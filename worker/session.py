@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator, NoReturn, Optional
+from typing import Any, Callable, Iterator, NoReturn, Optional, Union
 
 import torch.distributed as dist
 
@@ -59,6 +59,10 @@ from worker.void_passes import VoidPassStopper
 __all__ = ["init", "Session", "StepAborted", "LeaverExit", "DECISION_TIMEOUT_S", "RECOVERY_TIMEOUT_S"]
 
 log = logging.getLogger("worker.session")
+# what a script whose StepAborted went uncaught must do (the rule of session.steps: README, docs/user-guide.md)
+CATCH_STEP_ABORTED = ("In a session.steps() loop, catch worker.StepAborted and continue: the runtime recovers and "
+                      "yields the step again; or use session.run(step_fn, total), which does (see session.steps in "
+                      "the README and docs/user-guide.md)")
 
 
 def _prewarm() -> None:
@@ -205,9 +209,24 @@ class Session:
             return
         if failure(self._control) is not None:
             return
+        self._report(p.FailureKind.SCRIPT_ERROR, exc, exc)
+
+    def _uncaught(self, exc: BaseException) -> None:
+        """``exc`` ends the process (or a thread): report it as the script's error (:meth:`_script_error`). A
+        :class:`StepAborted` that got this far was not caught in the ``steps()`` loop: the rank's state goes with
+        the process, and tmd would see only that a survivor died too. Reported as ``STEP_ABORTED_UNCAUGHT``,
+        saying what to do, so the job fails with that reason."""
+        if isinstance(exc, StepAborted) and not self._failure_reported:
+            self._report(p.FailureKind.STEP_ABORTED_UNCAUGHT, f"{exc}. {CATCH_STEP_ABORTED}", exc)
+        else:
+            self._script_error(exc)
+
+    def _report(self, kind: p.FailureKind, error: Union[str, BaseException], exc: BaseException) -> None:
+        """Send ``RankFailed(kind)`` with ``error`` and ``exc``'s traceback, once per process, and flush the
+        agent (up to 2 s)."""
         self._failure_reported = True
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        self._reports.failed(self._control.step, p.FailureKind.SCRIPT_ERROR, exc, tb)
+        self._reports.failed(self._control.step, kind, error, tb)
         self.agent.close()
 
     def _fail(self, kind: p.FailureKind, error: str) -> NoReturn:
@@ -224,14 +243,14 @@ class Session:
 
         def hook(kind, exc, tb):
             try:
-                self._script_error(exc)
+                self._uncaught(exc)
             finally:
                 previous(kind, exc, tb)
 
         def thread_hook(args):
             try:
                 if args.exc_value is not None:
-                    self._script_error(args.exc_value)
+                    self._uncaught(args.exc_value)
             finally:
                 previous_thread(args)
 

@@ -102,6 +102,21 @@ def test_a_rank_raising_in_a_step_fails_the_job_with_its_traceback(tmp_path):
     assert st.returncode == 0 and "has ended" in st.stdout and "ValueError: a bad batch at step 5" in st.stdout, st
 
 
+@pytest.mark.timeout(90)
+def test_a_steps_loop_that_does_not_catch_step_aborted_is_named_not_taken_for_lost_ranks(tmp_path):
+    run_dir = str(tmp_path / "job")
+    r, took = run_job(run_dir, 0, script("--uncaught-at", "5", "--kill-rank", "3", "--steps", "400"))
+    assert r.returncode == ExitCode.FAILED, r.stderr
+    assert took < 60, took
+    reports = named(run_dir, Event.RANK_FAILED)  # a survivor's (n1's, or n2/1 if it got there before its fencing)
+    uncaught = [e for e in reports if e["kind"] == FailureKind.STEP_ABORTED_UNCAUGHT]
+    assert uncaught and uncaught[0]["step"] == 5 and "StepAborted" in uncaught[0]["traceback"], reports
+    (failed,) = named(run_dir, Event.JOB_FAILED)
+    assert f"rank {uncaught[0]['rank']} on {uncaught[0]['node']} raised StepAborted and did not catch it at step 5" \
+        in failed["reason"] and "catch worker.StepAborted and continue" in failed["reason"], failed
+    assert "every rank is lost" not in failed["reason"] and "did not catch it" in r.stderr
+
+
 @pytest.mark.timeout(120)
 def test_a_job_that_never_manages_its_model_is_warned_and_not_migrated(tmp_path):
     run_dir = str(tmp_path / "job")

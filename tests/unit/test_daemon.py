@@ -4,6 +4,7 @@ import time
 import pytest
 
 from tmd import protocol as p
+from tmd.config import DEFAULTS
 from tmd.daemon import CRASH_AFTER_TICK_ERRORS, Daemon, TmdCrashed
 from tmd.detection import Failure, ProcessExited
 from tmd.protocol.vocab import (
@@ -13,13 +14,14 @@ from tmd.recovery import RecoveryError
 from tmd.registry import Worker
 
 pytestmark = pytest.mark.timeout(30)
+RECORD_2 = DEFAULTS.with_options(record_steps=2, metrics_port=-1)  # the fewest recorded steps; no status page
 
 
 @pytest.fixture
 def daemon(tmp_path):
     """2 active nodes of 1 rank and standby s1, each with its process registered and past step 5; what the
     daemon sends is recorded in ``d.sent`` as (identity, message)."""
-    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], record_steps=2, echo=False)
+    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], RECORD_2, echo=False)
     d.sent = []
     d.send = lambda w, msg: d.sent.append((w.identity.decode(), msg))  # observe, no sockets
     for node in ("n1", "n2", "s1"):
@@ -46,8 +48,8 @@ def test_fewer_recorded_steps_than_a_joiner_needs_are_refused_at_start(tmp_path)
 
     from tmd import cli
 
-    with pytest.raises(ValueError, match="record_steps must be at least 2, not 1"):
-        Daemon("t", str(tmp_path / "one"), ["n1", "n2"], 1, ["s1"], record_steps=1, echo=False)
+    with pytest.raises(ValueError, match="--record-steps must be at least 2, not 1"):
+        Daemon("t", str(tmp_path / "one"), ["n1", "n2"], 1, ["s1"], DEFAULTS.with_options(record_steps=1), echo=False)
     assert not (tmp_path / "one").exists()
     result = CliRunner().invoke(cli.app, ["local", "--record-steps", "1", "--run-dir", str(tmp_path / "cli"),
                                           "--", "true"])

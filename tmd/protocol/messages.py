@@ -194,7 +194,9 @@ class RankFailed(Message, sender=Sender.WORKER):
     """This rank cannot go on and the job must fail (not a node failure: no standby is spent on it). ``kind``
     SCRIPT_ERROR: the training script raised at ``step`` (``error`` is one line, ``"ValueError: ..."``;
     ``traceback`` the formatted traceback, at most 8000 characters, its tail kept). STATE_MISMATCH: after a
-    migration or recovery the managed state of data-parallel replicas differs (``error`` says which ranks)."""
+    migration or recovery the managed state of data-parallel replicas differs (``error`` says which ranks).
+    STEP_ABORTED_UNCAUGHT: a ``StepAborted`` was not caught and ends the process (``error``: the step it
+    refused and what to do; ``traceback`` as for SCRIPT_ERROR)."""
 
     rank: int
     step: int
@@ -359,6 +361,7 @@ class StatusReply(Message, sender=Sender.COORDINATOR):
     failure: Optional[dict]  # why the job failed (rank, node, kind, error, traceback), or None
     warnings: list  # misuse the ranks reported: dicts of rank, node, code, message
     page: Optional[str] = None  # the status page and metrics address (http://host:port/), None when off
+    config: Optional[dict] = None  # the job's settings: tmd.config.JobConfig.to_dict() ({section: {field: value}})
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -199,11 +199,14 @@ class ErrorCode(StrEnum):
 
 class FailureKind(StrEnum):
     """Why a rank reports that the job must fail (``RankFailed.kind``): the training script raised
-    (``SCRIPT_ERROR``: the user's error, not a peer failure), or the managed state of data-parallel replicas differs
-    after a migration or recovery (``STATE_MISMATCH``: the trajectory diverged)."""
+    (``SCRIPT_ERROR``: the user's error, not a peer failure), the managed state of data-parallel replicas differs
+    after a migration or recovery (``STATE_MISMATCH``: the trajectory diverged), or the script let a
+    ``StepAborted`` (a peer failure's refused step) end the process instead of catching it in its
+    ``session.steps()`` loop (``STEP_ABORTED_UNCAUGHT``: the rank's state is lost with it)."""
 
     SCRIPT_ERROR = "script_error"
     STATE_MISMATCH = "state_mismatch"
+    STEP_ABORTED_UNCAUGHT = "step_aborted_uncaught"
 
 
 class WarningCode(StrEnum):
@@ -254,6 +257,7 @@ class Event(StrEnum):
 
     # tmd's own life
     TMD_STARTED = "tmd_started"
+    JOB_CONFIG = "job_config"  # the job's whole tmd.config.JobConfig at each start (config; after a restart: overrides)
     TMD_RESTARTED = "tmd_restarted"
     TMD_SIGNALLED = "tmd_signalled"
     TMD_STOPPED = "tmd_stopped"
