@@ -24,6 +24,7 @@ from tmd.protocol.vocab import Event, ExitCode
 
 if TYPE_CHECKING:
     from tmd.netns import Bridge
+    from tmd.tiers import Tier
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="TrainMover coordinator daemon (one per job).")
 # tmd's own options are parsed strictly (an unknown one is refused, naming the closest known option); everything
@@ -33,6 +34,18 @@ JOB_COMMAND = {"allow_extra_args": True}
 DEFAULT_COMMAND = [sys.executable, "-m", "examples.train_gpt"]
 RECORD_STEPS_HELP = (f"Steps recorded at job start (at least {MIN_RECORD_STEPS}: DDP regroups its buckets in the "
                      "second); joiners replay them as shadow iterations.")
+CHECKPOINT_DIR = typer.Option(None, "--checkpoint-dir", metavar="DIR",
+                              help="The ranks checkpoint every managed object, each rank's RNG and data position and "
+                                   "the step here (DCP, asynchronous); a failure in-memory recovery cannot repair "
+                                   "restarts the job from the newest valid one (local mode). Not another job's.")
+CHECKPOINT_EVERY = typer.Option(0, "--checkpoint-every", min=0, metavar="N", help="Checkpoint every N steps (0: off).")
+CHECKPOINT_KEEP = typer.Option(2, "--checkpoint-keep", min=1, metavar="K", help="Checkpoints kept (the newest K).")
+RESUME_FROM = typer.Option(None, "--resume-from", metavar="DIR",
+                           help="Start from the newest valid checkpoint in DIR (a checkpoint dir of any job, or one "
+                                "of its step-* directories); it must have this job's world size and layout.")
+STANDBY_WAIT_S = typer.Option(0.0, "--standby-wait-s", min=0.0, metavar="S",
+                              help="With --checkpoint-dir: a recovery that found no standby within S seconds "
+                                   "restarts the job from its newest checkpoint instead (0: wait for one).")
 GUARDS_HELP = ("Standby nodes kept warm as particular active nodes' ranks (guards, tmd.guards): a failure of a "
                "guarded node skips the replacement's warm-up, and a migration of it to its guard skips the "
                "joiners'. A guard is no migration target for another node (0: off).")
@@ -71,6 +84,11 @@ def local(
                                             "standbys and guards on their own CPUs, active nodes on the rest "
                                             "(cgroup v2 cpusets where delegated, else sched_setaffinity; "
                                             "tmd/cpusets.py). Needs 2 CPUs."),
+    checkpoint_dir: Optional[str] = CHECKPOINT_DIR,
+    checkpoint_every: int = CHECKPOINT_EVERY,
+    checkpoint_keep: int = CHECKPOINT_KEEP,
+    resume_from: Optional[str] = RESUME_FROM,
+    standby_wait_s: float = STANDBY_WAIT_S,
     no_auth: bool = typer.Option(False, "--no-auth",
                                  help="Serve plain ZeroMQ, without CURVE: only to measure its cost "
                                       "(benchmarks/curve.py); anyone on this host can then command the job."),
@@ -83,22 +101,26 @@ def local(
     run_dir = _private(run_dir, "run directory")
     command = list(ctx.args) or DEFAULT_COMMAND
     _refuse_unstartable(command, run_dir)
+    name = job or f"local-{os.getpid()}"
+    tier = _tier(name, nodes * ranks_per_node, checkpoint_dir, checkpoint_every, checkpoint_keep, resume_from,
+                 standby_wait_s)
     active = [f"n{i + 1}" for i in range(nodes)]
     spares = [f"s{i + 1}" for i in range(standbys)]
     namespaces, bridge, specs, host = _namespaces(netns_node, netns_all, active + spares)
     isolation = _isolation(active, spares) if isolate_nodes else None
     from tmd.supervise import supervise
 
-    name = job or f"local-{os.getpid()}"
+    daemons = []  # every daemon of the job: the last one's restart (tmd.tiers) relaunches the job on its port
 
     def build(state):  # None: the job's first tmd; a tmd.resume.JobState: a crashed tmd resumed (tmd.supervise)
         d = Daemon(name, run_dir, active, ranks_per_node, spares,
-                   port=port if state is None else int(state.address.rpartition(":")[2]),
+                   port=int((state or daemons[-1]).address.rpartition(":")[2]) if state or daemons else port,
                    record_steps=record_steps, snapshot_every=snapshot_every, guards=guards,
                    heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
                    bind_host=host or "127.0.0.1", store_host=host or "127.0.0.1", advertise_host=host,
                    migrate_stragglers=migrate_stragglers, netns=specs, command=command, resume=state,
-                   auth=not no_auth, metrics_port=None if metrics_port < 0 else metrics_port)
+                   auth=not no_auth, metrics_port=None if metrics_port < 0 else metrics_port, tier=tier)
+        daemons.append(d)
         if state is None:
             d.launcher = LocalLauncher(command, d.run_dir, d.address, ranks_per_node, echo=not quiet,
                                        namespaces=namespaces, host_ip=host,
@@ -114,6 +136,10 @@ def local(
 
     started = time.monotonic()
     code = supervise(build)
+    while daemons[-1].restart is not None:  # in-memory recovery was impossible: relaunch from the checkpoint
+        tier.last_seq = daemons[-1].journal.seq  # the relaunched daemon's journal goes on after it
+        tier.export()
+        code = supervise(build)
     print(f"[tmd] job {name} ended with code {code} after {time.monotonic() - started:.1f} s", flush=True)
     if bridge is not None:
         bridge.close()  # the namespaces of tmd and of every node, and the bridge (also at exit, stale at next start)
@@ -182,6 +208,11 @@ def slurm(
                                      help="Serve Prometheus metrics (/metrics) and a live status page (/) on the "
                                           "job's address at this port (0: a free port, written to tmd.json; "
                                           "-1: off). Both need the token in the keys directory's web.token."),
+    checkpoint_dir: Optional[str] = CHECKPOINT_DIR,
+    checkpoint_every: int = CHECKPOINT_EVERY,
+    checkpoint_keep: int = CHECKPOINT_KEEP,
+    resume_from: Optional[str] = RESUME_FROM,
+    standby_wait_s: float = STANDBY_WAIT_S,
     quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
 ) -> None:
     """Run tmd for the SLURM job this batch script belongs to (see slurm/train.sbatch). Exits with the job's code."""
@@ -212,11 +243,13 @@ def slurm(
     run_dir = _private(run_dir or os.path.join("tmrun", job_id), "run directory")
     _refuse_unstartable(command, run_dir)
     _private(layout.job_dir(job_id), "state directory")  # ~/.trainmover/jobs/<JOBID>: tmd.json and the keys
+    tier = _tier(job_id, len(nodes) * rpn, checkpoint_dir, checkpoint_every, checkpoint_keep, resume_from,
+                 standby_wait_s)
     daemon = Daemon(job_id, run_dir, nodes, rpn, [],
                     bind_host=host, store_host=host, port=port, keys_dir=os.path.join(layout.job_dir(job_id), "keys"),
                     record_steps=record_steps, snapshot_every=snapshot_every, guards=guards,
                     heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
-                    metrics_port=None if metrics_port < 0 else metrics_port)
+                    metrics_port=None if metrics_port < 0 else metrics_port, tier=tier)
     launcher = SrunLauncher(command, daemon.run_dir, daemon.address, rpn, echo=not quiet)
     daemon.launcher = launcher
     cluster = SlurmCluster(daemon, launcher, job_id, nodes, os.environ.get("SLURMD_NODENAME", nodes[0]),
@@ -296,6 +329,27 @@ def version() -> None:
     from tmd.protocol import PROTOCOL_VERSION
 
     print(f"trainmover tmd, protocol v{PROTOCOL_VERSION}")
+
+
+def _tier(job: str, world_size: int, checkpoint_dir: Optional[str], every: int, keep: int,
+          resume_from: Optional[str], standby_wait_s: float) -> Optional["Tier"]:
+    """The job's checkpoint tier (tmd.tiers), its settings exported to the processes tmd starts, or None without
+    ``--checkpoint-dir`` and ``--resume-from``; exit 2 with one line when the options cannot be used."""
+    if checkpoint_dir is None and resume_from is None:
+        if every or standby_wait_s:
+            print("error: --checkpoint-every and --standby-wait-s need --checkpoint-dir", file=sys.stderr)
+            raise typer.Exit(ExitCode.REFUSED)
+        return None
+    from tmd.tiers import CheckpointConfig, Tier
+
+    tier = Tier(CheckpointConfig(dir=checkpoint_dir, every=every, keep=keep, resume_from=resume_from,
+                                 standby_wait_s=standby_wait_s), job, world_size)
+    why = tier.refusal()
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr)
+        raise typer.Exit(ExitCode.REFUSED)
+    tier.export()
+    return tier
 
 
 def _private(path: str, what: str) -> str:

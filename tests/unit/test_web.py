@@ -259,3 +259,15 @@ def test_chromium_renders_the_table_and_the_timeline(server, tmp_path):
     assert '<polyline class="steps"' in out and 'class="mark node_failed"' in out
     assert '<span id="notice"></span>' in out  # the script's refresh did not fail
     assert "<img" not in out and "&lt;img src=x onerror=alert(1)&gt;" in out  # the span's label, as text
+
+
+def test_the_page_shows_the_checkpoint_tier_and_its_restarts():
+    from tmd.web import render_checkpoints, render_page
+
+    c = {"latest": 15, "failed": "checkpoint at step 10 not saved <x>", "restarts": [
+        {"tier": "checkpoint", "step": 5, "work_lost_s": 3.25}]}
+    line = render_checkpoints(c)
+    assert line == ("checkpoints: newest step 15; last save failed: checkpoint at step 10 not saved &lt;x&gt;; "
+                    "restarts 1 (last: from step 5, 3.250 s of work lost)")
+    assert render_checkpoints(None) == "checkpoints off"
+    assert line in render_page({"checkpoints": c}, 5, "n")

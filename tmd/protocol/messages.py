@@ -359,6 +359,9 @@ class StatusReply(Message, sender=Sender.COORDINATOR):
     failure: Optional[dict]  # why the job failed (rank, node, kind, error, traceback), or None
     warnings: list  # misuse the ranks reported: dicts of rank, node, code, message
     page: Optional[str] = None  # the status page and metrics address (http://host:port/), None when off
+    # the checkpoint tier (tmd.tiers.Tier.status): dir, every, keep, latest (step), failed (the last failed
+    # save's message or None), restarts (one dict per restart from a checkpoint); None when checkpoints are off
+    checkpoints: Optional[dict] = None
 
 
 @dataclasses.dataclass(kw_only=True)
