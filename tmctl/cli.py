@@ -196,6 +196,8 @@ def status(ctx: typer.Context, json_: JsonOpt = False, coordinator: CoordinatorO
         console.print(render.recovery_line(reply.recovery))
     for line in render.warning_lines(reply.warnings):
         console.print(line)
+    for line in render.checkpoint_lines(reply.checkpoints):
+        console.print(line)
     if reply.failure:
         console.print(render.failure_text(reply.failure))
     if reply.config is not None:

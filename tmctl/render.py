@@ -239,6 +239,22 @@ def config_line(config: Any) -> str:
     if not different:
         return "config: defaults"
     return "config: " + " ".join(f"{escape(str(k))}={_cell(v)}" for k, v in different.items())
+def checkpoint_lines(c: Any) -> list[str]:
+    """The checkpoint tier (StatusReply.checkpoints): where and how often, the newest committed step, a failed
+    save's warning, one line per restart from a checkpoint; none when checkpoints are off."""
+    if not isinstance(c, dict):
+        return []
+    latest = "none yet" if c.get("latest") is None else f"step {_cell(c.get('latest'))}"
+    out = [escape(f"checkpoints: {c.get('dir')} every {c.get('every')} steps, keep {c.get('keep')}; newest: ")
+           + escape(latest)]
+    if c.get("failed"):
+        out.append(f"[yellow]warning[/]: checkpoint_failed: {_cell(c.get('failed'))} (training goes on; earlier "
+                   f"checkpoints are kept)")
+    for r in c.get("restarts") or []:
+        if isinstance(r, dict):
+            out.append(f"[yellow]restarted[/] from the {_cell(r.get('tier'))} tier at step {_cell(r.get('step'))} "
+                       f"({_cell(r.get('work_lost_s'))} s of work lost): {_cell(r.get('reason'))}")
+    return out
 
 
 def failure_text(f: dict) -> str:

@@ -10,6 +10,7 @@ started by srun on the job's nodes and standbys taken from standby jobs in a res
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import inspect
 import logging
 import os
@@ -26,6 +27,7 @@ from tmd.protocol.vocab import Event, ExitCode
 
 if TYPE_CHECKING:
     from tmd.netns import Bridge
+    from tmd.tiers import Tier
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="TrainMover coordinator daemon (one per job).")
 # tmd's own options are parsed strictly (an unknown one is refused, naming the closest known option); everything
@@ -75,6 +77,20 @@ def _config(base: JobConfig, given: dict, **more: Any) -> JobConfig:
         raise typer.Exit(ExitCode.REFUSED)
 
 
+CHECKPOINT_DIR = typer.Option(None, "--checkpoint-dir", metavar="DIR",
+                              help="The ranks checkpoint every managed object, each rank's RNG and data position and "
+                                   "the step here (DCP, asynchronous); a failure in-memory recovery cannot repair "
+                                   "restarts the job from the newest valid one (local mode). Not another job's.")
+CHECKPOINT_EVERY = typer.Option(0, "--checkpoint-every", min=0, metavar="N", help="Checkpoint every N steps (0: off).")
+CHECKPOINT_KEEP = typer.Option(2, "--checkpoint-keep", min=1, metavar="K", help="Checkpoints kept (the newest K).")
+RESUME_FROM = typer.Option(None, "--resume-from", metavar="DIR",
+                           help="Start from the newest valid checkpoint in DIR (a checkpoint dir of any job, or one "
+                                "of its step-* directories); it must have this job's world size and layout.")
+STANDBY_WAIT_S = typer.Option(0.0, "--standby-wait-s", min=0.0, metavar="S",
+                              help="With --checkpoint-dir: a recovery that found no standby within S seconds "
+                                   "restarts the job from its newest checkpoint instead (0: wait for one).")
+
+
 @app.command(context_settings=JOB_COMMAND)
 @settings(*RUN_SETTINGS)
 def local(
@@ -99,6 +115,11 @@ def local(
                                             "standbys and guards on their own CPUs, active nodes on the rest "
                                             "(cgroup v2 cpusets where delegated, else sched_setaffinity; "
                                             "tmd/cpusets.py). Needs 2 CPUs."),
+    checkpoint_dir: Optional[str] = CHECKPOINT_DIR,
+    checkpoint_every: int = CHECKPOINT_EVERY,
+    checkpoint_keep: int = CHECKPOINT_KEEP,
+    resume_from: Optional[str] = RESUME_FROM,
+    standby_wait_s: float = STANDBY_WAIT_S,
     no_auth: bool = typer.Option(False, "--no-auth",
                                  help="Serve plain ZeroMQ, without CURVE: only to measure its cost "
                                       "(benchmarks/curve.py); anyone on this host can then command the job."),
@@ -113,17 +134,24 @@ def local(
     run_dir = _private(run_dir, "run directory")
     command = list(ctx.args) or DEFAULT_COMMAND
     _refuse_unstartable(command, run_dir)
+    name = job or f"local-{os.getpid()}"
+    tier = _tier(name, nodes * ranks_per_node, checkpoint_dir, checkpoint_every, checkpoint_keep, resume_from,
+                 standby_wait_s)
     active = [f"n{i + 1}" for i in range(nodes)]
     spares = [f"s{i + 1}" for i in range(standbys)]
     namespaces, bridge, specs, host = _namespaces(netns_node, netns_all, active + spares)
     isolation = _isolation(active, spares) if isolate_nodes else None
     from tmd.supervise import supervise
 
-    name = job or f"local-{os.getpid()}"
+    daemons = []  # every daemon of the job: the last one's restart (tmd.tiers) relaunches the job on its port
 
     def build(state):  # None: the job's first tmd; a tmd.resume.JobState: a crashed tmd resumed (tmd.supervise)
-        d = Daemon(name, run_dir, active, ranks_per_node, spares, config, host=host or "127.0.0.1", echo=not quiet,
-                   netns=specs, command=command, resume=state)
+        prev = state or (daemons[-1] if daemons else None)  # a resumed tmd, or a relaunch: the same port
+        serve = config.serve if prev is None else dataclasses.replace(
+            config.serve, port=int(prev.address.rpartition(":")[2]))
+        d = Daemon(name, run_dir, active, ranks_per_node, spares, dataclasses.replace(config, serve=serve),
+                   host=host or "127.0.0.1", echo=not quiet, netns=specs, command=command, resume=state, tier=tier)
+        daemons.append(d)
         if state is None:
             d.launcher = LocalLauncher(command, d.run_dir, d.address, ranks_per_node, echo=not quiet,
                                        namespaces=namespaces, host_ip=host,
@@ -139,6 +167,10 @@ def local(
 
     started = time.monotonic()
     code = supervise(build)
+    while daemons[-1].restart is not None:  # in-memory recovery was impossible: relaunch from the checkpoint
+        tier.last_seq = daemons[-1].journal.seq  # the relaunched daemon's journal goes on after it
+        tier.export()
+        code = supervise(build)
     print(f"[tmd] job {name} ended with code {code} after {time.monotonic() - started:.1f} s", flush=True)
     if bridge is not None:
         bridge.close()  # the namespaces of tmd and of every node, and the bridge (also at exit, stale at next start)
@@ -193,6 +225,11 @@ def slurm(
         None, min=1, help="Rank processes per node (default: $SLURM_NTASKS_PER_NODE, else 1)."),
     run_dir: Optional[str] = typer.Option(None, envvar="TM_RUN_DIR",
                                           help="Events, logs, recordings and tmd.json (default ./tmrun/<JOBID>)."),
+    checkpoint_dir: Optional[str] = CHECKPOINT_DIR,
+    checkpoint_every: int = CHECKPOINT_EVERY,
+    checkpoint_keep: int = CHECKPOINT_KEEP,
+    resume_from: Optional[str] = RESUME_FROM,
+    standby_wait_s: float = STANDBY_WAIT_S,
     quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
     **given: Any,
 ) -> None:
@@ -225,8 +262,10 @@ def slurm(
     run_dir = _private(run_dir or os.path.join("tmrun", job_id), "run directory")
     _refuse_unstartable(command, run_dir)
     _private(layout.job_dir(job_id), "state directory")  # ~/.trainmover/jobs/<JOBID>: tmd.json and the keys
+    tier = _tier(job_id, len(nodes) * rpn, checkpoint_dir, checkpoint_every, checkpoint_keep, resume_from,
+                 standby_wait_s)
     daemon = Daemon(job_id, run_dir, nodes, rpn, [], config, host=host, echo=not quiet,
-                    keys_dir=os.path.join(layout.job_dir(job_id), "keys"))
+                    keys_dir=os.path.join(layout.job_dir(job_id), "keys"), tier=tier)
     launcher = SrunLauncher(command, daemon.run_dir, daemon.address, rpn, echo=not quiet)
     daemon.launcher = launcher
     cluster = SlurmCluster(daemon, launcher, job_id, nodes, os.environ.get("SLURMD_NODENAME", nodes[0]),
@@ -306,6 +345,27 @@ def version() -> None:
     from tmd.protocol import PROTOCOL_VERSION
 
     print(f"trainmover tmd, protocol v{PROTOCOL_VERSION}")
+
+
+def _tier(job: str, world_size: int, checkpoint_dir: Optional[str], every: int, keep: int,
+          resume_from: Optional[str], standby_wait_s: float) -> Optional["Tier"]:
+    """The job's checkpoint tier (tmd.tiers), its settings exported to the processes tmd starts, or None without
+    ``--checkpoint-dir`` and ``--resume-from``; exit 2 with one line when the options cannot be used."""
+    if checkpoint_dir is None and resume_from is None:
+        if every or standby_wait_s:
+            print("error: --checkpoint-every and --standby-wait-s need --checkpoint-dir", file=sys.stderr)
+            raise typer.Exit(ExitCode.REFUSED)
+        return None
+    from tmd.tiers import CheckpointConfig, Tier
+
+    tier = Tier(CheckpointConfig(dir=checkpoint_dir, every=every, keep=keep, resume_from=resume_from,
+                                 standby_wait_s=standby_wait_s), job, world_size)
+    why = tier.refusal()
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr)
+        raise typer.Exit(ExitCode.REFUSED)
+    tier.export()
+    return tier
 
 
 def _private(path: str, what: str) -> str:

@@ -61,6 +61,7 @@ from tmd.store import StoreServer
 if TYPE_CHECKING:
     from tmd.metrics import Metrics
     from tmd.slurm import SlurmCluster
+    from tmd.tiers import Restart, Tier
     from tmd.web import WebServer
 
 TICK_S = 0.05
@@ -82,7 +83,8 @@ class Daemon:
     def __init__(self, job: str, run_dir: str, nodes: list[str], ranks_per_node: int, standbys: list[str],
                  config: JobConfig = DEFAULTS, *, host: str = "127.0.0.1", echo: bool = True,
                  resume: Optional[JobState] = None, command: Optional[list[str]] = None,
-                 netns: Optional[dict] = None, keys_dir: Optional[str] = None) -> None:
+                 netns: Optional[dict] = None, keys_dir: Optional[str] = None,
+                 tier: Optional["Tier"] = None) -> None:
         """Coordinate job ``job`` (its journal, logs and recordings in ``run_dir``): ``nodes`` active nodes of
         ``ranks_per_node`` ranks each, in rank order, and ``standbys``, with the settings of ``config``
         (tmd.config.JobConfig: detection, recording, snapshots, guards, ports...), journalled whole as
@@ -93,8 +95,11 @@ class Daemon:
         ``command``: the workers' command line in local mode (kept in tmd.json for ``tmd resume``). ``netns``:
         tmd.json's network namespaces (tmd.netns). ``keys_dir``: where the job's CURVE keys and secret live
         (tmd.protocol.keys; default ``<run_dir>/keys``): created at start, reused by a resumed tmd (the workers
-        pinned its public key). Raises zmq.ZMQError when the address is taken, KeysUnavailable when a resumed
-        job's keys cannot be read."""
+        pinned its public key). ``tier``: the job's checkpoint tier (tmd.tiers; None: no checkpoints): when in-memory
+        recovery is impossible, a local job is restarted from its newest checkpoint (:attr:`restart` set, the loop
+        ends, and tmd.cli relaunches the job with a new daemon and the same tier, whose keys and journal it goes on
+        with). Raises zmq.ZMQError when the address is taken, KeysUnavailable when a resumed job's keys cannot be
+        read."""
         port = config.serve.port
         if resume is not None:
             host, port = split_address(resume.address)
@@ -106,7 +111,15 @@ class Daemon:
         self.config = config
         record_steps = config.replay.record_steps
         self.hostname = socket.gethostname()
-        self.journal = Journal(self.layout.events, echo=echo, seq=resume.last_seq if resume else 0)
+        self.tier = tier
+        self.restart: Optional["Restart"] = None  # set when this daemon ends for a restart from a checkpoint
+        restarted = resume is None and tier is not None and bool(tier.restarts)  # a relaunch after a restart
+        self.journal = Journal(self.layout.events, echo=echo,
+                               seq=resume.last_seq if resume else tier.last_seq if restarted else 0)
+        if tier is not None:
+            tier.attach(self.journal)
+            if not restarted and resume is None:
+                tier.started()
         self.registry = Registry(nodes, ranks_per_node, standbys)
         self.steplog = StepLog(self.registry.world_size)
         self._steps_flushed_at = self._status_published_at = 0.0
@@ -121,6 +134,8 @@ class Daemon:
         self.guards = Guards(self.registry, self.journal, self, self.layout, config.standby.guards, record_steps,
                              suspects=self._suspects)
         self.incidents.free_standby = self.guards.free_one
+        if tier is not None:
+            self.incidents.standby_wait_s = tier.config.standby_wait_s
         self.keys: Optional[JobKeys] = None
         self._auth: Optional[Authenticator] = None
         self._ctx = zmq.Context()  # its own context: ZAP (the authenticator) is per context
@@ -130,7 +145,8 @@ class Daemon:
         # carry a random part, so a restarted process never collides with its predecessor).
         if config.serve.auth:
             keys_dir = keys_dir or os.path.join(self.layout.path, "keys")
-            self.keys = JobKeys.load(keys_dir) if resume is not None else JobKeys.create(keys_dir)
+            reuse = resume is not None or restarted  # the ranks of a relaunched job get the same keys
+            self.keys = JobKeys.load(keys_dir) if reuse else JobKeys.create(keys_dir)
             os.environ[KEYS_ENV] = self.keys.worker_keys()  # the processes tmd starts get a worker's keys only
             self._auth = Authenticator(self._ctx, self.keys)
             self._auth.start()
@@ -159,7 +175,8 @@ class Daemon:
         self.web: Optional["WebServer"] = None
         self.web_token_file: Optional[str] = None
         if config.serve.metrics_port >= 0:
-            self._serve_web(host, config.serve.metrics_port, keys_dir or os.path.join(self.layout.path, "keys"), resume)
+            self._serve_web(host, config.serve.metrics_port, keys_dir or os.path.join(self.layout.path, "keys"), resume,
+                            replay=resume is not None or restarted)
         self.internal_errors = 0  # handler and tick errors (bugs of tmd's own) survived
         self._failing_ticks = 0
         info = {"address": self.address, "pid": os.getpid(), "job": job, "run_dir": self.run_dir, "netns": netns or {},
@@ -221,7 +238,7 @@ class Daemon:
                     if self.exit_code is None:
                         self._contained_tick()
                 except RecoveryError as e:
-                    self.fail_job(JobFailed(str(e)))
+                    self._recovery_impossible(str(e))
                 except JobFailed as e:
                     self.fail_job(e)
         except Exception as e:  # a bug of tmd's own that containment could not absorb: the ranks train on
@@ -230,7 +247,7 @@ class Daemon:
             raise TmdCrashed(f"tmd crashed: {type(e).__name__}: {e}") from e
         finally:
             if self.launcher and crashed is None:
-                self.launcher.terminate_all()
+                self.launcher.terminate_all(close=self.restart is None)  # a relaunch keeps namespaces, CPU sets
             self._flush_steps()
             if crashed is None:
                 self.journal.record(Event.TMD_STOPPED, exit_code=self.exit_code)
@@ -251,18 +268,20 @@ class Daemon:
             self._auth = None
         self._ctx.term()
 
-    def _serve_web(self, host: str, port: int, keys_dir: str, resume: Optional[JobState]) -> None:
+    def _serve_web(self, host: str, port: int, keys_dir: str, resume: Optional[JobState], replay: bool) -> None:
         """Start the metrics endpoint and status page (tmd.metrics, tmd.web) on ``host``:``port``, fed by the
-        journal. A resumed tmd replays the journal first (counters go on) and takes its old port back when free."""
+        journal. A resumed tmd (and one relaunched from a checkpoint: ``replay``) replays the journal first
+        (counters go on); a resumed one takes its old port back when free."""
         from tmd.journal import read_events
         from tmd.metrics import Metrics
         from tmd.web import WebServer, WebState, load_or_create_token
 
         self.metrics, self.web_state = Metrics(self.job), WebState()
-        if resume is not None:
+        if replay:
             for entry in read_events(self.layout.events):
                 self.metrics.observe(entry)
                 self.web_state.add_event(entry)
+        if resume is not None:
             port = resume.web_port or port
         self.web_token_file = p.layout.web_token(keys_dir)
         token = load_or_create_token(self.web_token_file)
@@ -299,6 +318,30 @@ class Daemon:
                 self.journal.record(Event.INTERNAL_ERROR, where="tick", error=f"{type(e).__name__}: {e}",
                                     traceback=traceback.format_exc())
 
+    def _recovery_impossible(self, reason: str) -> None:
+        """In-memory recovery cannot repair the job (tmd.recovery.RecoveryError's ``reason``): in local mode with a
+        checkpoint tier, end this daemon for a restart of every process from the newest valid checkpoint
+        (:attr:`restart`; tmd.cli relaunches); else fail the job."""
+        why = "no --checkpoint-dir"
+        if self.tier is not None and not self.ending.released:
+            local = self.cluster is None and isinstance(self.launcher, LocalLauncher) and bool(self.launcher.command)
+            restart, why = self.tier.plan_restart(reason) if local or self.cluster is not None else \
+                (None, "tmd starts no processes")
+            if restart is not None and self.cluster is not None:  # SLURM: the next run of the job resumes
+                error = self.cluster.requeue()
+                self.journal.record(Event.JOB_REQUEUED, step=restart.step, error=error)
+                if error is not None:
+                    why = f"scontrol requeue failed: {error}"
+                    restart = None
+            if restart is not None:
+                how = "the job is requeued" if self.cluster is not None else "every process restarts"
+                print(f"[tmd] in-memory recovery impossible ({reason}): {how} from checkpoint {restart.path} (step "
+                      f"{restart.step}; {restart.work_lost_s:.1f} s of work lost)", flush=True)
+                self.restart = restart
+                self.exit_code = ExitCode.FAILED  # unless tmd.cli relaunches the job (local mode)
+                return
+        self.fail_job(JobFailed(reason if self.tier is None else f"{reason} (no restart from a checkpoint: {why})"))
+
     def fail_job(self, failure: JobFailed) -> None:
         """End the job now with exit code 1: journal ``job_failed`` and print the reason and its details (a
         traceback, a log tail) on stderr, even with --quiet. The loop's end terminates every process."""
@@ -318,6 +361,8 @@ class Daemon:
         self.migrations.tick(now)
         self.incidents.tick(now)
         self.evacuation.tick(now)
+        if self.tier is not None:
+            self.tier.tick(now)
         busy = self.migrations.current is not None or self.incidents.current is not None or self.ending.released
         self.guards.tick(busy, time.time())
         if self.resumed is not None:
@@ -537,6 +582,9 @@ class Daemon:
                             bytes_per_copy=msg.bytes_per_copy, copy_s=round(msg.copy_s, 6))
 
     def _rank_warning(self, w: Worker, msg: p.RankWarning) -> None:
+        if msg.code == p.WarningCode.CHECKPOINT_FAILED and self.tier is not None:
+            self.tier.save_failed(msg.rank, w.node, msg.message)  # every failed save, not the first one only
+            return
         self.faults.warned(w, msg)
 
     # --- verdicts of failure detection --------------------------------------------------------------------------
@@ -599,7 +647,8 @@ class Daemon:
                             failure=self.faults.failure, warnings=self.faults.warnings + self.incidents.unprotected,
                             page=self.web.url if self.web else None,
                             # the detection thresholds as the detector holds them: what it judges with
-                            config=dataclasses.replace(self.config, detection=self.detector.config).to_dict())
+                            config=dataclasses.replace(self.config, detection=self.detector.config).to_dict(),
+                            checkpoints=self.tier.status() if self.tier is not None else None)
 
     # --- JobControl (see tmd.control for what each does) ---------------------------------------------------
     @property

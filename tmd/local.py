@@ -349,8 +349,9 @@ class LocalLauncher:
                 return proc.popen.pid
         return None
 
-    def terminate_all(self, grace_s: float = 5.0) -> None:
-        """SIGTERM every running process, then SIGKILL what is left after ``grace_s`` seconds."""
+    def terminate_all(self, grace_s: float = 5.0, close: bool = True) -> None:
+        """SIGTERM every running process, then SIGKILL what is left after ``grace_s`` seconds; with ``close``
+        also delete the nodes' network namespaces and CPU sets (not before a relaunch that reuses them)."""
         for proc in self.running():
             proc.popen.terminate()
         for proc in self.procs:
@@ -365,9 +366,11 @@ class LocalLauncher:
         for proc in self.procs:  # echo the last lines (the pumps end at the end of their files)
             if proc.pump is not None:
                 proc.pump.join(timeout=1.0)
+        if self.fork_server is not None:  # a relaunch makes a launcher, and so a fork server, of its own
+            self.fork_server.close()
+        if not close:
+            return
         for ns in self.namespaces.values():
             ns.close()
-        if self.fork_server is not None:
-            self.fork_server.close()
         if self.isolation is not None:
             self.isolation.close()

@@ -211,6 +211,19 @@ def render_episode(kind: str, episode: Any) -> str:
             + (f" &mdash; {parts}" if parts else ""))
 
 
+def render_checkpoints(c: Any) -> str:
+    """One line on the checkpoint tier (StatusReply.checkpoints): the newest step, a failed save, the restarts."""
+    if not isinstance(c, dict):
+        return "checkpoints off"
+    restarts = c.get("restarts") if isinstance(c.get("restarts"), list) else []
+    last = restarts[-1] if restarts and isinstance(restarts[-1], dict) else None
+    return (f"checkpoints: newest step {_text(c.get('latest'))}"
+            + (f"; last save failed: {_text(c.get('failed'))}" if c.get("failed") else "")
+            + f"; restarts {len(restarts)}"
+            + (f" (last: from step {_text(last.get('step'))}, {_text(last.get('work_lost_s'))} s of work lost)"
+               if last else ""))
+
+
 def render_page(status: dict, minutes: float, nonce: str) -> str:
     """The status page's HTML for ``status``; ``nonce``: the inline script's CSP nonce."""
     status = status if isinstance(status, dict) else {}
@@ -219,6 +232,7 @@ def render_page(status: dict, minutes: float, nonce: str) -> str:
         "generation": _text(status.get("generation")), "step": _text(status.get("step")),
         "nodes": render_nodes(status), "migration": render_episode("migration", status.get("migration")),
         "recovery": render_episode("incident", status.get("recovery")),
+        "checkpoints": render_checkpoints(status.get("checkpoints")),
         "failure": _text((status.get("failure") or {}).get("error")) if isinstance(status.get("failure"), dict)
         else "",
         "minutes": _text(f"{minutes:g}"), "refresh_ms": str(int(REFRESH_S * 1000)), "nonce": nonce,

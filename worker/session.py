@@ -40,6 +40,8 @@ import torch.distributed as dist
 from tmd import protocol as p
 from worker import backend, misuse, sandbox
 from worker.agent import Agent
+from worker.checkpoint import CheckpointError
+from worker.checkpointing import SessionCheckpoints, Settings as CheckpointSettings
 from worker.commands import Commands
 from worker.control import Control, Stage
 from worker.exit import exit_process
@@ -105,6 +107,8 @@ class Session:
         self._failure_reported = False
         self._misuse_checked = False
         self._migration = Migration(control, reports, self.objects, agent.close, self._hooks)
+        self._checkpoints: Optional[SessionCheckpoints] = None  # the checkpoint tier (worker.checkpointing)
+        self._recording_kept = False  # relaunched by tmd: the run dir's recording of the job's first steps stays
 
     @property
     def rank(self) -> int:
@@ -144,11 +148,19 @@ class Session:
         store = JobStore.of_job(a.store_host, a.store_port, timeout_s)  # tmd's store, over CURVE with the worker key
         groups = self._groups = GroupManager(store, a.rank, a.world_size, backend.gloo_host(a.store_host))
         self._control.attach(groups)
+        settings = CheckpointSettings.from_env()
+        if settings.active:
+            self._checkpoints = SessionCheckpoints(settings, lambda: groups.store, groups.host,
+                                                   self._reports.warning, self._hooks.disarmed)
+        if settings.resume_from is not None and a.role == p.WorkerRole.ACTIVE:
+            track_ddp_modules()  # before the script builds its model: its DDP is regrouped after the load
+            self._recording_kept = settings.restart and os.path.exists(
+                p.layout.recording_path(a.record_dir, a.rank, p.layout.WORLD_GROUP))
         self._exchange.node = self.node
         self._exchange.snapshots = Snapshots(a.snapshot_every, a.rank, groups)
         if a.role == p.WorkerRole.ACTIVE:
-            groups.init_world(a.generation, p.MoverMode.RECORD if a.record_steps > 0 else p.MoverMode.LIVE,
-                              connect=True)
+            recording = a.record_steps > 0 and not self._recording_kept
+            groups.init_world(a.generation, p.MoverMode.RECORD if recording else p.MoverMode.LIVE, connect=True)
             groups.set_tolerant()
         else:
             track_ddp_modules()  # before the script builds its model: regroup_ddp_buckets finds its DDP there
@@ -337,6 +349,25 @@ class Session:
                 self._migration.drop_buffers()
                 step = recovery.replace(a.incident_id, self._migration.shadow_steps)
             exchange.verify_next = True
+        record_base = 0  # the step the job's recording starts at (a job resumed from a checkpoint: that step)
+        if a.role == p.WorkerRole.ACTIVE and self._checkpoints is not None:
+            try:
+                step = record_base = self._checkpoints.start(self.rank, self.world_size, self._groups.world.generation,
+                                                             self._ledger.replicated, self._ledger.local)
+            except CheckpointError as e:
+                self._fail(p.FailureKind.SCRIPT_ERROR, str(e))
+        try:
+            yield from self._loop(step, total, record_base)
+        except LeaverExit:
+            if self._checkpoints is not None:
+                self._checkpoints.wait()  # its part of a save in flight, before it hands over and exits
+            raise
+
+    def _loop(self, step: int, total: int, record_base: int) -> Iterator[int]:
+        """The step loop of :meth:`steps` from ``step``: the boundaries (switches, recording marks, due
+        checkpoints), the yielded steps and the recoveries."""
+        a = self._assign
+        control, recovery, exchange = self._control, self._recovery, self._exchange
         first = step
         prev = None
         while step < total:
@@ -345,8 +376,9 @@ class Session:
                 self._reports.step_time(step - 1, t0 - prev, shadow=False)
             prev = t0
             switch = control.boundary(step)
-            if control.role == p.WorkerRole.ACTIVE and self._record_writer is None and step <= a.record_steps:
-                self._mark_recorded_step(step, a.record_steps, a.record_dir)
+            if control.role == p.WorkerRole.ACTIVE and self._record_writer is None and not self._recording_kept and \
+                    step - record_base <= a.record_steps:
+                self._mark_recorded_step(step - record_base, a.record_steps, a.record_dir)
             if switch is not None:
                 self._migration.switch_boundary(switch)
                 exchange.verify_next = True
@@ -361,6 +393,9 @@ class Session:
                 if failure(control) is None:
                     step += 1
                     self._groups.step_committed(self._stopper.at_next_backward)
+                    if self._checkpoints is not None and control.role == p.WorkerRole.ACTIVE:
+                        self._checkpoints.after_commit(step, self.rank, self.world_size, self._groups.world.generation,
+                                                       self._ledger.replicated, self._ledger.local)
                     continue
                 done = self._ledger.committed(step)
             else:
@@ -480,6 +515,8 @@ class Session:
         reclaimed at exit from then on."""
         if self._record_writer is not None:
             self._record_writer.join()
+        if self._checkpoints is not None:
+            self._checkpoints.wait()  # the last save is committed before the job reports its end
         if note:
             log.info("rank %d finished: %s", self.rank, note)
         self._control.enter(Stage.FINISHED)

@@ -127,7 +127,7 @@ class FakeLauncher:
     def pid_of(self, node, local_rank):
         return None
 
-    def terminate_all(self):
+    def terminate_all(self, close=True):
         pass
 
 

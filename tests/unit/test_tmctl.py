@@ -160,7 +160,7 @@ def test_status_json_is_the_reply(fake):
     data = json.loads(r.stdout)
     assert data == {"job": "local-abc", "world_size": 4, "generation": 1, "step": 42, "nodes": NODES,
                     "migration": None, "recovery": None, "failure": None, "warnings": [], "page": None,
-                    "config": CONFIG}
+                    "config": CONFIG, "checkpoints": None}
     assert data["config"]["detection"]["heartbeat_timeout_s"] == 12.0
 
 
@@ -786,3 +786,16 @@ def test_a_warning_says_migrations_are_refused_only_for_unmanaged_state():
         {"rank": 2, "node": "n2", "code": "state_after_update", "message": "the CPU RNG changed"}])
     assert refusing.endswith("(migrations and recoveries are refused)") and "unmanaged_parameters" in refusing
     assert informative == "[yellow]warning[/]: rank 2 on n2: state_after_update: the CPU RNG changed"
+
+
+def test_status_shows_the_checkpoint_tier_a_failed_save_and_each_restart():
+    from tmctl import render
+
+    lines = render.checkpoint_lines({"dir": "/c", "every": 5, "keep": 2, "latest": 15,
+                                     "failed": "checkpoint at step 10 not saved (/c/step-000000010): rank 0: denied",
+                                     "restarts": [{"tier": "checkpoint", "step": 5, "work_lost_s": 3.2,
+                                                   "reason": "every rank is lost"}]})
+    assert lines[0] == "checkpoints: /c every 5 steps, keep 2; newest: step 15"
+    assert "checkpoint_failed: checkpoint at step 10 not saved" in lines[1] and "training goes on" in lines[1]
+    assert "restarted[/] from the checkpoint tier at step 5 (3.2 s of work lost): every rank is lost" in lines[2]
+    assert render.checkpoint_lines(None) == []

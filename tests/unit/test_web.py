@@ -311,3 +311,15 @@ def test_pending_connections_are_bounded_per_address_and_in_all():
     for conn in (a3, b1, b2):
         pending.leave(conn)
     assert pending.all == {} and pending.by_address == {}
+
+
+def test_the_page_shows_the_checkpoint_tier_and_its_restarts():
+    from tmd.web import render_checkpoints, render_page
+
+    c = {"latest": 15, "failed": "checkpoint at step 10 not saved <x>", "restarts": [
+        {"tier": "checkpoint", "step": 5, "work_lost_s": 3.25}]}
+    line = render_checkpoints(c)
+    assert line == ("checkpoints: newest step 15; last save failed: checkpoint at step 10 not saved &lt;x&gt;; "
+                    "restarts 1 (last: from step 5, 3.250 s of work lost)")
+    assert render_checkpoints(None) == "checkpoints off"
+    assert line in render_page({"checkpoints": c}, 5, "n")

@@ -70,6 +70,18 @@ VARIABLES: tuple[EnvVar, ...] = (
            "the job secret, nothing else); tmctl reads the client key from a full keys directory named here."),
     EnvVar("TM_RUN_DIR", "`tmrun` (tmd, tmctl); the working directory (ranks)", BY_TMD + "; " + CLI,
            "The run directory: events, logs, recordings and `tmd.json`."),
+    EnvVar("TM_CHECKPOINT_DIR", "unset (no checkpoints)", BY_TMD,
+           "`--checkpoint-dir`: where the ranks write their checkpoints (worker.checkpointing)."),
+    EnvVar("TM_CHECKPOINT_EVERY", "0 (none)", BY_TMD, "`--checkpoint-every`: steps between checkpoints."),
+    EnvVar("TM_CHECKPOINT_KEEP", "2", BY_TMD, "`--checkpoint-keep`: checkpoints kept (the newest)."),
+    EnvVar("TM_CHECKPOINT_JOB", "`local`", BY_TMD,
+           "The job id that owns the checkpoint directory (`<dir>/JOB`; tmd.tiers derives it from the job's name)."),
+    EnvVar("TM_CHECKPOINT_RESTART", "unset", BY_TMD,
+           "`1`: tmd relaunched the job from its checkpoint tier; the ranks keep the run directory's recording of the "
+           "job's first steps instead of recording again."),
+    EnvVar("TM_RESUME_FROM", "unset", BY_TMD,
+           "The checkpoint every rank loads before its first step: `--resume-from`'s, or the one tmd restarts the "
+           "job from when in-memory recovery is impossible."),
     # the CLI and state on disk
     EnvVar("TM_STATE_DIR", "`~/.trainmover`", CLI + "; SLURM hooks",
            "The per-user state directory: SLURM jobs' `jobs/<JOBID>/tmd.json`, keys and hook reports."),

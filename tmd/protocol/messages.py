@@ -362,6 +362,9 @@ class StatusReply(Message, sender=Sender.COORDINATOR):
     warnings: list  # misuse the ranks reported: dicts of rank, node, code, message
     page: Optional[str] = None  # the status page and metrics address (http://host:port/), None when off
     config: Optional[dict] = None  # the job's settings: tmd.config.JobConfig.to_dict() ({section: {field: value}})
+    # the checkpoint tier (tmd.tiers.Tier.status): dir, every, keep, latest (step), failed (the last failed
+    # save's message or None), restarts (one dict per restart from a checkpoint); None when checkpoints are off
+    checkpoints: Optional[dict] = None
 
 
 @dataclasses.dataclass(kw_only=True)

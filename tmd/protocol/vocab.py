@@ -220,6 +220,7 @@ class WarningCode(StrEnum):
     NOTHING_MANAGED = "nothing_managed"
     UNMANAGED_PARAMETERS = "unmanaged_parameters"
     STATE_AFTER_UPDATE = "state_after_update"
+    CHECKPOINT_FAILED = "checkpoint_failed"  # a save failed (worker.checkpointing); training goes on
 
 
 # the warnings that make a job's state unmovable: tmd refuses its migrations, and a failure fails it (tmd.faults)
@@ -338,6 +339,12 @@ class Event(StrEnum):
     RECOVERY_DONE = "recovery_done"
     RECOVERY_FAILED = "recovery_failed"  # an incident cannot finish (tmd.recovery): the job fails next
     RECOVERY_NOT_RESUMED = "recovery_not_resumed"
+    # the checkpoint tier (tmd.tiers)
+    CHECKPOINT_COMMITTED = "checkpoint_committed"  # a checkpoint's manifest appeared: step, path
+    CHECKPOINT_FAILED = "checkpoint_failed"  # a save failed (full disk, unwritable dir): the job trains on
+    CHECKPOINT_REFUSED = "checkpoint_refused"  # a torn or corrupted checkpoint passed over, by name and why
+    JOB_RESTARTING = "job_restarting"  # in-memory recovery impossible: every process relaunched from a checkpoint
+    JOB_REQUEUED = "job_requeued"  # SLURM: scontrol requeue for a restart from the checkpoint (error: None or why not)
     # SLURM mode (tmd.slurm) and its hooks
     NODE_NOTICE = "node_notice"
     SLURM_HOOK = "slurm_hook"
