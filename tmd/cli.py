@@ -36,6 +36,9 @@ RECORD_STEPS_HELP = (f"Steps recorded at job start (at least {MIN_RECORD_STEPS}:
 GUARDS_HELP = ("Standby nodes kept warm as particular active nodes' ranks (guards, tmd.guards): a failure of a "
                "guarded node skips the replacement's warm-up, and a migration of it to its guard skips the "
                "joiners'. A guard is no migration target for another node (0: off).")
+IFACE_HELP = ("The network interface the ranks' data plane binds and advertises on every node (gloo's "
+              "TM_GLOO_HOST and GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), e.g. ib0; a node without it fails its "
+              "ranks at start, naming node and interface (tmd/netif.py). Default: the interface that routes to tmd.")
 
 
 @app.command(context_settings=JOB_COMMAND)
@@ -71,6 +74,8 @@ def local(
                                             "standbys and guards on their own CPUs, active nodes on the rest "
                                             "(cgroup v2 cpusets where delegated, else sched_setaffinity; "
                                             "tmd/cpusets.py). Needs 2 CPUs."),
+    iface: Optional[str] = typer.Option(None, "--iface", envvar="TM_IFNAME", metavar="NAME",
+                                        help=IFACE_HELP + " With --netns-all every node's is tm0."),
     no_auth: bool = typer.Option(False, "--no-auth",
                                  help="Serve plain ZeroMQ, without CURVE: only to measure its cost "
                                       "(benchmarks/curve.py); anyone on this host can then command the job."),
@@ -82,6 +87,7 @@ def local(
 
     run_dir = _private(run_dir, "run directory")
     command = list(ctx.args) or DEFAULT_COMMAND
+    _use_iface(iface)
     _refuse_unstartable(command, run_dir)
     active = [f"n{i + 1}" for i in range(nodes)]
     spares = [f"s{i + 1}" for i in range(standbys)]
@@ -118,6 +124,19 @@ def local(
     if bridge is not None:
         bridge.close()  # the namespaces of tmd and of every node, and the bridge (also at exit, stale at next start)
     _exit(code)
+
+
+def _use_iface(iface: Optional[str]) -> None:
+    """Hand ``--iface`` to every process tmd starts (env TM_IFNAME; each resolves it on its node, tmd.netif), or
+    exit 2 with one line when it cannot be an interface name."""
+    if iface is None:
+        return
+    from tmd import netif
+
+    try:
+        os.environ[netif.ENV] = netif.check_name(iface)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--iface")
 
 
 def _isolation(active: list[str], spares: list[str]):
@@ -176,7 +195,9 @@ def slurm(
     slurm_timeout_s: float = typer.Option(5.0, min=0.1, help="Timeout of every SLURM client call (seconds)."),
     host: Optional[str] = typer.Option(None, envvar="TM_HOST",
                                        help="Address tmd binds and the ranks reach it and its store at (default: "
-                                            "the address this host's name resolves to; never all interfaces)."),
+                                            "the address of --iface on this host, else the address this host's "
+                                            "name resolves to; never all interfaces)."),
+    iface: Optional[str] = typer.Option(None, "--iface", envvar="TM_IFNAME", metavar="NAME", help=IFACE_HELP),
     port: int = typer.Option(0, help="ZeroMQ port (0: any free port)."),
     metrics_port: int = typer.Option(0, "--metrics-port", min=-1, metavar="PORT",
                                      help="Serve Prometheus metrics (/metrics) and a live status page (/) on the "
@@ -208,6 +229,14 @@ def slurm(
     rpn = ranks_per_node or int((os.environ.get("SLURM_NTASKS_PER_NODE") or "1").split("(")[0].split(",")[0])
     from tmd.protocol import layout
 
+    _use_iface(iface)
+    if not host and iface:  # tmd binds the job's network too: the ranks reach it and its store there
+        from tmd.netif import InterfaceError, resolve
+        try:
+            host = resolve(iface, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        except InterfaceError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise typer.Exit(ExitCode.REFUSED)
     host = host or socket.gethostbyname(socket.gethostname())  # this host's own address, never all interfaces
     run_dir = _private(run_dir or os.path.join("tmrun", job_id), "run directory")
     _refuse_unstartable(command, run_dir)
