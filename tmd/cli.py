@@ -85,9 +85,9 @@ def local(
     from tmd.daemon import Daemon
     from tmd.local import LocalLauncher
 
+    _use_iface(iface)
     run_dir = _private(run_dir, "run directory")
     command = list(ctx.args) or DEFAULT_COMMAND
-    _use_iface(iface)
     _refuse_unstartable(command, run_dir)
     active = [f"n{i + 1}" for i in range(nodes)]
     spares = [f"s{i + 1}" for i in range(standbys)]
@@ -221,14 +221,6 @@ def slurm(
         print("error: give the training command after --, e.g. tmd slurm -- python -m examples.train_gpt",
               file=sys.stderr)
         raise typer.Exit(ExitCode.REFUSED)
-    try:
-        nodes = hostnames(os.environ["SLURM_JOB_NODELIST"], slurm_timeout_s)
-    except SlurmError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(ExitCode.REFUSED)
-    rpn = ranks_per_node or int((os.environ.get("SLURM_NTASKS_PER_NODE") or "1").split("(")[0].split(",")[0])
-    from tmd.protocol import layout
-
     _use_iface(iface)
     if not host and iface:  # tmd binds the job's network too: the ranks reach it and its store there
         from tmd.netif import InterfaceError, resolve
@@ -237,6 +229,14 @@ def slurm(
         except InterfaceError as e:
             print(f"error: {e}", file=sys.stderr)
             raise typer.Exit(ExitCode.REFUSED)
+    try:
+        nodes = hostnames(os.environ["SLURM_JOB_NODELIST"], slurm_timeout_s)
+    except SlurmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(ExitCode.REFUSED)
+    rpn = ranks_per_node or int((os.environ.get("SLURM_NTASKS_PER_NODE") or "1").split("(")[0].split(",")[0])
+    from tmd.protocol import layout
+
     host = host or socket.gethostbyname(socket.gethostname())  # this host's own address, never all interfaces
     run_dir = _private(run_dir or os.path.join("tmrun", job_id), "run directory")
     _refuse_unstartable(command, run_dir)

@@ -109,3 +109,70 @@ def test_register_carries_the_data_plane_and_status_shows_it_per_node():
     console.print(nodes_table([n1, n2]))
     text = console.export_text()
     assert "network" in text and "tm0 10.214.0.3" in text
+
+
+# --- `python -m tmd.netns hold`: the namespaces of slurm/local-cluster.sh --multihost -------------------------------
+def test_hold_refuses_node_names_a_shell_variable_cannot_carry(tmp_path, capsys):
+    from tmd import netns
+
+    assert netns.hold(["n1", "n-2"], str(tmp_path / "netns.env")) == 1
+    assert "node names must be distinct letters, digits and _" in capsys.readouterr().err
+    assert not (tmp_path / "netns.env").exists()
+
+
+def test_hold_gives_each_node_its_own_address_on_tm0_and_deletes_them_when_stopped(tmp_path):
+    import threading
+
+    from tmd import netns
+
+    if not netns.available():
+        pytest.skip("needs root and iproute2")
+    env_file, stop = tmp_path / "netns.env", threading.Event()
+    held: dict[str, str] = {}
+
+    def look() -> None:  # while it holds them: each namespace has tm0 at its node's address
+        while not env_file.exists():
+            threading.Event().wait(0.05)
+        held.update(line.split("=", 1) for line in env_file.read_text().split())
+        for node in ("n1", "n2"):
+            out = subprocess.run(["ip", "-n", held[f"NETNS_{node}"], "-4", "-o", "addr", "show", "dev", "tm0"],
+                                 capture_output=True, text=True).stdout
+            held[f"seen_{node}"] = out.split()[3].split("/")[0] if out else ""
+        stop.set()
+    t = threading.Thread(target=look)
+    t.start()
+    assert netns.hold(["n1", "n2"], str(env_file), stop) == 0
+    t.join()
+    assert held["seen_n1"] == held["ADDR_n1"] != held["seen_n2"] == held["ADDR_n2"]
+    assert held["NETNS_HOST_IP"].startswith("10.214.") and held["ADDR_n1"].startswith("10.214.")
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert held["NETNS_n1"] not in names and held["NETNS_n2"] not in names
+    assert subprocess.run(["ip", "link", "show", held["NETNS_BRIDGE"]], capture_output=True).returncode != 0
+
+
+# --- the command line ---------------------------------------------------------------------------------------------
+def test_tmd_local_refuses_a_name_that_is_no_interface_name_in_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "tmd.cli", "local", "--run-dir", str(tmp_path / "run"), "--iface",
+                        "eth0/x", "--", sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == p.ExitCode.REFUSED, r
+    assert r.stderr.strip().splitlines() == [
+        "error: Invalid value for --iface: 'eth0/x' is not a network interface name (1 to 15 characters of letters, "
+        "digits and _.:@-)"], r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_tmd_slurm_refuses_an_interface_its_own_node_lacks_in_one_line(tmp_path):
+    env = {**os_environ(), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "n1", "SLURMD_NODENAME": "n1",
+           "TM_STATE_DIR": str(tmp_path / "state"), "TM_IFNAME": NOPE}  # the environment variable, as --iface
+    env.pop("TM_HOST", None)
+    r = subprocess.run([sys.executable, "-m", "tmd.cli", "slurm", "--", sys.executable, "-c", "pass"], env=env,
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == p.ExitCode.REFUSED, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: node n1: network interface '{NOPE}' does not exist"), r
+
+
+def os_environ() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
