@@ -80,12 +80,16 @@ def _cell(value: Any) -> str:
 
 def nodes_table(nodes: list[dict]) -> Table:
     """One row per node; a standby's role reads ``standby (warm)`` or ``standby (cold)``, a guard's
-    ``guarding 0-1 (warm)`` or ``guarding 0-1 (warming)`` (the ranks it is warm for)."""
+    ``guarding 0-1 (warm)`` or ``guarding 0-1 (warming)`` (the ranks it is warm for). ``network``: the interface
+    and the address its data plane uses (``tm0 10.214.0.3``), once a process of it registered."""
     table = Table(title="nodes", title_justify="left")
     for name in ("node", "role", "ranks", "health"):
         table.add_column(name, no_wrap=name in ("role", "health"))
     for name in ("hb age (s)", "step", "step time (s)"):  # hb age: seconds since the node's last heartbeat
         table.add_column(name, justify="right")
+    network = any(n.get("address") for n in nodes)  # the interface and address its data plane uses (tmd.netif)
+    if network:
+        table.add_column("network", no_wrap=True)
     slurm = any("slurm_state" in n for n in nodes)  # SLURM mode: the node's SLURM state and the job holding it
     if slurm:
         table.add_column("slurm", no_wrap=True)
@@ -102,6 +106,8 @@ def nodes_table(nodes: list[dict]) -> Table:
             health_cell += f", [yellow]straggler {ranks(n['stragglers'])}[/]"
         cells = [_cell(n.get("name")), escape(role), ranks(n.get("ranks")), health_cell,
                  seconds(n.get("heartbeat_age_s"), 1), _dash(n.get("step")), seconds(n.get("step_time_s"), 3)]
+        if network:
+            cells.append(escape(" ".join(x for x in (n.get("iface"), n.get("address")) if x) or "-"))
         if slurm:
             state = _dash(n.get("slurm_state")) + (f" ({n['slurm_reason']})" if n.get("slurm_reason") else "")
             cells.append(escape(state + (f", job {n['slurm_job']}" if n.get("slurm_job") else "")))

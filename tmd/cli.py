@@ -89,6 +89,9 @@ RESUME_FROM = typer.Option(None, "--resume-from", metavar="DIR",
 STANDBY_WAIT_S = typer.Option(0.0, "--standby-wait-s", min=0.0, metavar="S",
                               help="With --checkpoint-dir: a recovery that found no standby within S seconds "
                                    "restarts the job from its newest checkpoint instead (0: wait for one).")
+IFACE_HELP = ("The network interface the ranks' data plane binds and advertises on every node (gloo's "
+              "TM_GLOO_HOST and GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), e.g. ib0; a node without it fails its "
+              "ranks at start, naming node and interface (tmd/netif.py). Default: the interface that routes to tmd.")
 
 
 @app.command(context_settings=JOB_COMMAND)
@@ -120,6 +123,8 @@ def local(
     checkpoint_keep: int = CHECKPOINT_KEEP,
     resume_from: Optional[str] = RESUME_FROM,
     standby_wait_s: float = STANDBY_WAIT_S,
+    iface: Optional[str] = typer.Option(None, "--iface", envvar="TM_IFNAME", metavar="NAME",
+                                        help=IFACE_HELP + " With --netns-all every node's is tm0."),
     no_auth: bool = typer.Option(False, "--no-auth",
                                  help="Serve plain ZeroMQ, without CURVE: only to measure its cost "
                                       "(benchmarks/curve.py); anyone on this host can then command the job."),
@@ -131,6 +136,7 @@ def local(
     from tmd.local import LocalLauncher
 
     config = _config(DEFAULTS, given, auth=False if no_auth else None)
+    _use_iface(iface)
     run_dir = _private(run_dir, "run directory")
     command = list(ctx.args) or DEFAULT_COMMAND
     _refuse_unstartable(command, run_dir)
@@ -175,6 +181,19 @@ def local(
     if bridge is not None:
         bridge.close()  # the namespaces of tmd and of every node, and the bridge (also at exit, stale at next start)
     _exit(code)
+
+
+def _use_iface(iface: Optional[str]) -> None:
+    """Hand ``--iface`` to every process tmd starts (env TM_IFNAME; each resolves it on its node, tmd.netif), or
+    exit 2 with one line when it cannot be an interface name."""
+    if iface is None:
+        return
+    from tmd import netif
+
+    try:
+        os.environ[netif.ENV] = netif.check_name(iface)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--iface")
 
 
 def _isolation(active: list[str], spares: list[str]):
@@ -230,6 +249,7 @@ def slurm(
     checkpoint_keep: int = CHECKPOINT_KEEP,
     resume_from: Optional[str] = RESUME_FROM,
     standby_wait_s: float = STANDBY_WAIT_S,
+    iface: Optional[str] = typer.Option(None, "--iface", envvar="TM_IFNAME", metavar="NAME", help=IFACE_HELP),
     quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
     **given: Any,
 ) -> None:
@@ -250,6 +270,15 @@ def slurm(
         print("error: give the training command after --, e.g. tmd slurm -- python -m examples.train_gpt",
               file=sys.stderr)
         raise typer.Exit(ExitCode.REFUSED)
+    _use_iface(iface)
+    host = config.slurm.host
+    if not host and iface:  # tmd binds the job's network too: the ranks reach it and its store there
+        from tmd.netif import InterfaceError, resolve
+        try:
+            host = resolve(iface, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        except InterfaceError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise typer.Exit(ExitCode.REFUSED)
     try:
         nodes = hostnames(os.environ["SLURM_JOB_NODELIST"], config.slurm.slurm_timeout_s)
     except SlurmError as e:
@@ -258,7 +287,7 @@ def slurm(
     rpn = ranks_per_node or int((os.environ.get("SLURM_NTASKS_PER_NODE") or "1").split("(")[0].split(",")[0])
     from tmd.protocol import layout
 
-    host = config.slurm.host or socket.gethostbyname(socket.gethostname())  # this host's address, never all interfaces
+    host = host or socket.gethostbyname(socket.gethostname())  # this host's address, never all interfaces
     run_dir = _private(run_dir or os.path.join("tmrun", job_id), "run directory")
     _refuse_unstartable(command, run_dir)
     _private(layout.job_dir(job_id), "state directory")  # ~/.trainmover/jobs/<JOBID>: tmd.json and the keys

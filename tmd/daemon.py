@@ -485,7 +485,7 @@ class Daemon:
         if not identity.startswith(f"{msg.node}/{msg.local_rank}/".encode()):  # see worker.agent: node/local/nonce
             self._refuse(identity, f"Register of {msg.node}/{msg.local_rank} from another identity")
             return
-        w = Worker(identity, msg.node, msg.local_rank, msg.pid, msg.host)
+        w = Worker(identity, msg.node, msg.local_rank, msg.pid, msg.host, iface=msg.iface, data_host=msg.data_host)
         try:
             node = self.registry.add_worker(w)
         except (KeyError, ValueError) as e:
@@ -494,7 +494,7 @@ class Daemon:
             self.reply(identity, p.Release(reason=reason, exit_code=ExitCode.REFUSED))
             return
         self.journal.record(Event.WORKER_REGISTERED, node=msg.node, local_rank=msg.local_rank, pid=msg.pid,
-                            rank=w.rank, role=node.role)
+                            rank=w.rank, role=node.role, iface=msg.iface or None, address=msg.data_host or None)
         self.faults.registered(w)
         if w.rank is not None:  # an active rank at job start: the first generation of groups
             self.send(w, self._assignment(WorkerRole.ACTIVE, w.rank, 0))

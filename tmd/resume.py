@@ -379,7 +379,8 @@ class Resumed:
             return self._refuse(identity, fields, f"holds rank {msg.rank}, but {node.name} is a standby",
                                 ExitCode.FENCED)
         reg.generations.restore(msg.generation)  # new groups go on after the highest this worker built
-        w = Worker(identity, msg.node, msg.local_rank, msg.pid, msg.host, step=msg.step, last_heartbeat=now)
+        w = Worker(identity, msg.node, msg.local_rank, msg.pid, msg.host, step=msg.step, last_heartbeat=now,
+                   iface=msg.iface, data_host=msg.data_host)
         if node.role == NodeRole.LEFT:  # a leaver whose migration committed: it leaves once it has the decision
             w.done = True
             node.workers[w.local_rank] = w

@@ -1,10 +1,11 @@
 """What ``tmctl status`` shows: the job's :class:`~tmd.protocol.StatusReply`, built from tmd's state.
 
 One dict per node (name, role, ranks, health and its reason, live processes, heartbeat age, step, step time,
-warm, straggler ranks, ``pids``: local rank (a string) -> pid of each live process; SLURM mode adds the node's
-SLURM state), the latest migration and the latest failure recovery (their ``to_dict()``), the job's generation
-and step, why it failed (``failure``), the misuse its ranks reported (``warnings``) and the job's settings
-(``config``: tmd.config.JobConfig.to_dict()).
+warm, straggler ranks, ``pids``: local rank (a string) -> pid of each live process, ``iface`` and ``address``: the
+network interface and address its data plane uses (tmd.netif; None before a process registered); SLURM mode adds
+the node's SLURM state), the latest migration and the latest failure recovery (their ``to_dict()``), the job's
+generation and step, why it failed (``failure``), the misuse its ranks reported (``warnings``) and the job's
+settings (``config``: tmd.config.JobConfig.to_dict()).
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ def node_status(n: Node, now: float, stragglers: list[int]) -> dict:
         "guards": list(n.guards),  # a guarding node: the ranks it is warm for
         "stragglers": stragglers,
         "pids": {str(w.local_rank): w.pid for w in workers},
+        # the network its data plane uses (tmd.netif): the interface and the address of its first live process
+        "iface": next((w.iface for w in workers if w.iface), None),
+        "address": next((w.data_host for w in workers if w.data_host), None),
     }
 
 

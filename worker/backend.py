@@ -20,11 +20,13 @@ import logging
 import os
 import socket
 import threading
+import urllib.parse
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from tmd import netif
 from tmd.protocol.vocab import MoverMode
 from worker import _C, job_keys
 from worker.exit import before_exit
@@ -44,7 +46,7 @@ EXIT_DRAIN_S = float(os.environ.get("TM_EXIT_DRAIN_S", "5"))
 wait_for_background = _C.wait_for_background
 
 __all__ = ["new_mover_group", "set_group_factory", "GroupFactory", "build_inner", "inner_kind", "store_prefix",
-           "gloo_host", "BACKEND_NAME", "MoverBackend", "build_gloo", "init_mover_world", "mover_of",
+           "gloo_host", "data_plane", "BACKEND_NAME", "MoverBackend", "build_gloo", "init_mover_world", "mover_of",
            "release_in_background", "wait_for_background", "Setup", "setup_of", "release_all_setups"]
 
 # The registered creator is called by torch (init_process_group, new_group, and so init_device_mesh) with the
@@ -82,6 +84,21 @@ def gloo_host(store_host: str) -> Optional[str]:
             return probe.getsockname()[0]
     except OSError:
         return None
+
+
+def data_plane(node: str, coordinator: str) -> tuple[str, str]:
+    """Where this process's data plane goes: ``(interface, address)``. With env ``TM_IFNAME`` (``--iface``) it
+    resolves that interface on this node and sets ``TM_GLOO_HOST``, ``GLOO_SOCKET_IFNAME`` and
+    ``NCCL_SOCKET_IFNAME`` in this process's environment (tmd.netif.data_plane_env), before any group exists;
+    otherwise the address is :func:`gloo_host` of tmd's host (``coordinator``: ``tcp://host:port``; the job's
+    store is there too) and the interface the one holding it ("" when neither is known). Raises
+    tmd.netif.InterfaceError (one line naming ``node`` and the interface) when this node has no such interface
+    or it has no IPv4 address."""
+    name = os.environ.get(netif.ENV)
+    if name:
+        os.environ.update(netif.data_plane_env(name, node))
+    host = gloo_host(urllib.parse.urlsplit(coordinator).hostname or "") or ""
+    return name or (netif.interface_of(host) if host else None) or "", host
 
 
 def build_gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float = 60.0,

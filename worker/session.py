@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, NoReturn, Optional, Union
 import torch.distributed as dist
 
 from tmd import protocol as p
+from tmd.netif import InterfaceError
 from worker import backend, misuse, sandbox
 from worker.agent import Agent
 from worker.checkpoint import CheckpointError
@@ -541,7 +542,9 @@ def init(coordinator: Optional[str] = None, store_timeout_s: float = 120.0) -> S
     mover-backed world group installed as the default process group (backend ``tmover``); on a standby it
     blocks until tmd hands it a leaver's rank (the joiner then starts in the sandbox), or exits the process
     when tmd releases it (with tmd's exit code). Reads ``TM_COORDINATOR``, ``TM_NODE``, ``TM_LOCAL_RANK``,
-    ``TM_STANDBY``, ``TM_RUN_DIR`` from the environment (set by ``tmd local`` or the SLURM scripts).
+    ``TM_STANDBY``, ``TM_RUN_DIR`` from the environment (set by ``tmd local`` or the SLURM scripts), and
+    ``TM_IFNAME`` (``--iface``): the network interface the data plane binds; a node without it ends the process
+    at once with exit code 2 and one line naming the node and the interface (worker.backend.data_plane).
     ``store_timeout_s``: seconds a group setup waits in the job's store (worker.store) for its peers. Raises
     KeyError when ``TM_COORDINATOR`` is missing. Unless the script handles ``SIGUSR1`` itself, that signal makes the
     process write every thread's Python stack to its stderr and go on (``kill -USR1 PID``: where a stuck rank
@@ -553,9 +556,14 @@ def init(coordinator: Optional[str] = None, store_timeout_s: float = 120.0) -> S
     local_rank = int(os.environ.get("TM_LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or "0")
     standby = os.environ.get("TM_STANDBY", "0") == "1"
     run_dir = os.environ.get("TM_RUN_DIR", os.getcwd())
+    try:  # the network the data plane uses (--iface): a node without that interface fails here, not in a rendezvous
+        iface, data_host = backend.data_plane(node, address)
+    except InterfaceError as e:
+        exit_process(p.ExitCode.REFUSED, str(e))
     control = Control()
     commands: Commands
-    agent = Agent(address, node, local_rank, standby, lambda m: commands.on_message(m), lambda: commands.heartbeat())
+    agent = Agent(address, node, local_rank, standby, lambda m: commands.on_message(m), lambda: commands.heartbeat(),
+                  iface=iface, data_host=data_host)
     reports = Reporter(agent.send, lambda: control.rank)
     commands = Commands(control, reports, agent.rejoin, probe_from_env().sample)
     session = Session(agent, control, reports, node, local_rank, run_dir)

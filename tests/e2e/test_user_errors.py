@@ -59,6 +59,22 @@ def test_every_rank_exiting_before_init_ends_the_job_in_seconds(tmp_path):
     assert "argparse says no" in r.stderr  # the log tail is printed, --quiet or not
 
 
+@pytest.mark.timeout(60)
+def test_an_interface_the_nodes_lack_fails_their_ranks_at_start_naming_node_and_interface(tmp_path):
+    run_dir = str(tmp_path / "job")
+    cmd = [sys.executable, "-m", "tmd.cli", "local", "--nodes", "2", "--ranks-per-node", "1", "--standbys", "0",
+           "--run-dir", run_dir, "--quiet", "--iface", "tm-nope0", "--", *script("--steps", "50")]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == ExitCode.FAILED, r.stderr
+    assert time.monotonic() - t0 < 30  # no rendezvous waited for them
+    startup = named(run_dir, Event.STARTUP_FAILED)[0]
+    assert startup["returncode"] == ExitCode.REFUSED
+    line = f"node {startup['node']}: network interface 'tm-nope0' does not exist"
+    assert line in startup["log_tail"] and line in r.stderr, r.stderr
+    assert not named(run_dir, Event.WORKER_REGISTERED) and not named(run_dir, Event.NODE_FAILED)
+
+
 @pytest.mark.timeout(90)
 def test_one_rank_exiting_before_init_is_named_and_the_rest_terminated(tmp_path):
     run_dir = str(tmp_path / "job")

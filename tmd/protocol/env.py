@@ -58,6 +58,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "without CPU sets or namespaces are forked)."),
     EnvVar("TM_GLOO_HOST", "the address routing to tmd's store", RANKS + "; tmd local sets it",
            "The address gloo binds and advertises (local mode: 127.0.0.1, or the node's namespace address)."),
+    EnvVar("TM_IFNAME", "unset (the interface routing to tmd)", "tmd local / tmd slurm (`--iface`); ranks",
+           "The network interface the ranks' data plane uses on every node: each rank sets `TM_GLOO_HOST` to its "
+           "address and `GLOO_SOCKET_IFNAME`, `NCCL_SOCKET_IFNAME` to the name; a node without it fails its ranks "
+           "at start."),
     # what tmd sets for the processes it starts
     EnvVar("TM_COORDINATOR", "none", BY_TMD + "; tmctl",
            "tmd's ZeroMQ address: `worker.init()` registers there; tmctl uses it before `--job`/`--run-dir`."),

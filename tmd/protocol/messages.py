@@ -56,13 +56,17 @@ class Message:
 # --------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(kw_only=True)
 class Register(Message, sender=Sender.WORKER):
-    """First message of a worker process. ``standby`` is true for processes started on a standby node."""
+    """First message of a worker process. ``standby`` is true for processes started on a standby node.
+    ``data_host``: the address its data plane (gloo, NCCL's bootstrap) binds and advertises, ``iface``: the
+    network interface holding it (tmd.netif; "" when unknown)."""
 
     node: str
     local_rank: int
     pid: int
     host: str
     standby: bool
+    iface: str = ""
+    data_host: str = ""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -168,7 +172,8 @@ class Rejoin(Message, sender=Sender.WORKER):
     """A worker's answer to :class:`Reregister`: what this process holds now, so a restarted tmd can re-learn
     the job. ``role`` is ``active``, ``joiner`` or ``standby`` (never assigned a rank; ``rank`` is -1 then);
     ``step`` is the step it is running (-1 before training); ``generation`` is the highest group generation
-    it built (-1: none). Sent after the worker switched its group builder to the new store."""
+    it built (-1: none). Sent after the worker switched its group builder to the new store. ``iface`` and
+    ``data_host``: as in :class:`Register`."""
 
     node: str
     local_rank: int
@@ -178,6 +183,8 @@ class Rejoin(Message, sender=Sender.WORKER):
     role: WorkerRole
     step: int
     generation: int
+    iface: str = ""
+    data_host: str = ""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -458,8 +465,8 @@ MAX_NAME_CHARS = 64  # a name field (NAME_FIELDS): node names, SLURM job ids; ea
 MAX_MIGRATE_NODES = 64  # MigrateRequest.sources / .targets entries: the nodes one migration moves
 MAX_HOST_CHARS = 255  # a host name (RFC 1035's limit on a full domain name)
 INT_RANGE = (-2 ** 63, 2 ** 63 - 1)  # every integer, anywhere in a frame (beyond: OverflowError in float math)
-NAME_FIELDS = frozenset({"node", "job_id"})
-HOST_FIELDS = frozenset({"host"})
+NAME_FIELDS = frozenset({"node", "job_id", "iface"})
+HOST_FIELDS = frozenset({"host", "data_host"})
 NON_NEGATIVE_FIELDS = frozenset({"step_time_s", "seconds", "bytes_moved", "bytes_per_copy", "copy_s", "kept_tensors",
                                  "shadow_steps"})
 MAX_COUNTER_KEYS = 64  # keys of Heartbeat.counters and of its ``gpu`` sample
