@@ -263,10 +263,12 @@ def rebuild_rank(rank: int, world: int, port: int) -> None:
              for name, ranks in ((p.layout.WORLD_GROUP, world_ranks), (f"node{node_ranks[0]}", node_ranks))]
     seconds = time.perf_counter() - t0
     print(json.dumps({"rank": rank, "seconds": seconds}), flush=True)
-    store.add("done", 1)  # the master keeps the store up until everyone is done with it
-    if rank == 0:
-        while store.add("done", 0) < world:
-            time.sleep(0.02)
+    # every rank stays until all are done: a rank that exits closes its gloo pairs while a slower peer may still be
+    # completing its side of the full mesh ("Connection closed by peer" at 32 ranks under load); the master keeps
+    # the store up until then as well
+    store.add("done", 1)
+    while store.add("done", 0) < world:
+        time.sleep(0.02)
     del built
 
 
@@ -281,6 +283,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--run-dir", default="tmrun/bench-scale")
     ap.add_argument("--no-save", action="store_true", help="print only (a trial run)")
     ap.add_argument("--isolate-nodes", action="store_true", help=report.ISOLATE_HELP)
+    ap.add_argument("--heartbeat-timeout-s", type=float, default=15.0,
+                    help="tmd's heartbeat timeout (seconds; default 15: at 32 ranks 17 processes share a core, and a "
+                         "rank starved for 5 s while the world starts would be declared dead before its first step)")
     ap.add_argument("--rebuild-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -297,8 +302,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         for nodes in node_counts:
             run_dir = os.path.join(args.run_dir, f"n{nodes}-{repeat}")
             try:
-                job = run_size(nodes, args.ranks_per_node, args.steps, args.migrate_at, args.pad_s, run_dir,
-                               ("--isolate-nodes",) if args.isolate_nodes else ())
+                tmd_args = ("--heartbeat-timeout-s", str(args.heartbeat_timeout_s),
+                            *(("--isolate-nodes",) if args.isolate_nodes else ()))
+                job = run_size(nodes, args.ranks_per_node, args.steps, args.migrate_at, args.pad_s, run_dir, tmd_args)
             except (RuntimeError, subprocess.TimeoutExpired) as e:  # a job that fails is reported, the rest go on
                 job = {"nodes": nodes, "world": nodes * args.ranks_per_node, "state": None, "error": str(e)}
             jobs[nodes].append(job)
@@ -321,6 +327,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {
         "workload": {"model": "gpt-tiny", "ranks_per_node": args.ranks_per_node, "group_size": GROUP_SIZE,
                      "steps": args.steps, "migrate_at": args.migrate_at, "pad_s": args.pad_s,
+                     "heartbeat_timeout_s": args.heartbeat_timeout_s,
                      "repeats": args.repeats,
                      "migration": f"{LEAVER_NODE} -> {STANDBY_NODE}"},
         "setting": report.setting(args.isolate_nodes),
