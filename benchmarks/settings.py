@@ -32,8 +32,8 @@ from benchmarks import report
 BENCHMARKS = ("migration", "scale", "ettr")
 
 
-def _load(name: str, isolated: bool) -> dict:
-    with open(os.path.join(report.RESULTS_DIR, f"{report.result_name(name, isolated)}.json"), encoding="utf-8") as f:
+def _load(name: str, isolated: bool, results_dir: str = report.RESULTS_DIR) -> dict:
+    with open(os.path.join(results_dir, f"{report.result_name(name, isolated)}.json"), encoding="utf-8") as f:
         return json.load(f)
 
 
@@ -69,13 +69,16 @@ TARGET = {"migration": "1: switch stall <= 0.02 s and downtime <= 0.05 s",
           "ettr": "5: ETTR >= 0.995 with planned migrations"}
 
 
-def summarise(names=BENCHMARKS) -> dict:
-    """The side-by-side table from the saved results of ``names``: ``{name: {"target": ..., "co-located": {...},
-    "isolated": {...}}}``. Raises OSError/KeyError when a result of either setting is missing or malformed."""
-    return {name: {"target": TARGET[name], "co-located": SUMMARY[name](_load(name, False)),
-                   "isolated": {**SUMMARY[name](_load(name, True)),
-                                "split": _split(_load(name, True).get("isolation"))}}
-            for name in names}
+def summarise(names=BENCHMARKS, results_dir: str = report.RESULTS_DIR) -> dict:
+    """The side-by-side table from the saved results of ``names`` in ``results_dir``: ``{name: {"target": ...,
+    "co-located": {...}, "isolated": {..., "split": the CPU split}}}``. Raises OSError/KeyError when a result of
+    either setting is missing or malformed."""
+    out = {}
+    for name in names:
+        colocated, isolated = _load(name, False, results_dir), _load(name, True, results_dir)
+        out[name] = {"target": TARGET[name], "co-located": SUMMARY[name](colocated),
+                     "isolated": {**SUMMARY[name](isolated), "split": _split(isolated.get("isolation"))}}
+    return out
 
 
 def _split(isolation) -> dict | None:
