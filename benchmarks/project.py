@@ -192,9 +192,9 @@ def measured_inputs(results: str = RESULTS) -> dict[str, dict]:
 
     try:
         scale, tail, recovery = _load(results, "scale"), _load(results, "tail"), _load(results, "recovery")
-        hybrid, ettr = _load(results, "hybrid"), _load(results, "ettr")
+        hybrid, ettr, rendezvous = _load(results, "hybrid"), _load(results, "ettr"), _load(results, "rendezvous")
         smallest = min(scale["sizes"], key=lambda s: s["world"])
-        sizes = sorted(scale["sizes"], key=lambda s: s["world"])
+        sizes = sorted(rendezvous["sizes"], key=lambda s: s["world"])
         kill = recovery["faults"]["kill"]
         per_tensor = [v[k]["us_per_tensor"] for v in tail["sizes"].values() for k in ("same", "lr")]
         fsdp = hybrid["layouts"]["fsdp"]["snapshots"]
@@ -205,10 +205,11 @@ def measured_inputs(results: str = RESULTS) -> dict[str, dict]:
         raise ValueError(f"the measured inputs lack {e}") from None
     return {
         "swap_s": term(smallest["stayer_pause_s"], "s", f"scale.json: sizes[world={smallest['world']}].stayer_pause_s"),
-        "group_build_s_by_world": term({s["world"]: s["full_rebuild_s"] for s in sizes}, "s",
-                                       "scale.json: sizes[].full_rebuild_s (every group rebuilt, gloo, 2 cores)"),
-        "group_build_exponent": term(round(fit_power([s["world"] for s in sizes], [s["full_rebuild_s"] for s in sizes]),
-                                           3), "", "fitted to scale.json: sizes[].full_rebuild_s"),
+        "group_build_s_by_world": term({s["world"]: s["job_store_s"] for s in sizes}, "s",
+                                       "rendezvous.json: sizes[].job_store_s (one gloo group of every rank through "
+                                       "the job store, median of 10 rounds, 2 cores)"),
+        "group_build_exponent": term(round(fit_power([s["world"] for s in sizes], [s["job_store_s"] for s in sizes]),
+                                           3), "", "fitted to rendezvous.json: sizes[].job_store_s"),
         "tail_s_per_tensor": term(max(per_tensor) * 1e-6, "s", "tail.json: sizes.*.{same,lr}.us_per_tensor (max)"),
         "detection_exit_s": term(kill["detection_latency_s"], "s", "recovery.json: faults.kill.detection_latency_s"),
         "halt_s": term(kill["phases_s"]["halt"], "s", "recovery.json: faults.kill.phases_s.halt"),
