@@ -183,12 +183,20 @@ def slurm(
                                           "job's address at this port (0: a free port, written to tmd.json; "
                                           "-1: off). Both need the token in the keys directory's web.token."),
     quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
+    keep_standbys: int = typer.Option(0, min=0, metavar="N",
+                                      help="Keep N standbys warm or pending: tmd submits standby jobs into the "
+                                           "reservation itself (rate-limited, backing off when refused) and "
+                                           "cancels them when the job ends (0: only standby jobs submitted by "
+                                           "hand; tmd/standby_pool.py)."),
 ) -> None:
-    """Run tmd for the SLURM job this batch script belongs to (see slurm/train.sbatch). Exits with the job's code."""
+    """Run tmd for the SLURM job this batch script belongs to (see slurm/train.sbatch); a crashed tmd is restarted
+    from its journal (tmd.supervise) while the ranks train on. Exits with the job's code."""
     import socket
 
     from tmd.daemon import Daemon
     from tmd.slurm import SlurmCluster, SlurmError, SrunLauncher, hostnames
+    from tmd.standby_pool import StandbyPoolConfig
+    from tmd.supervise import supervise
 
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id or not os.environ.get("SLURM_JOB_NODELIST"):
@@ -212,26 +220,38 @@ def slurm(
     run_dir = _private(run_dir or os.path.join("tmrun", job_id), "run directory")
     _refuse_unstartable(command, run_dir)
     _private(layout.job_dir(job_id), "state directory")  # ~/.trainmover/jobs/<JOBID>: tmd.json and the keys
-    daemon = Daemon(job_id, run_dir, nodes, rpn, [],
-                    bind_host=host, store_host=host, port=port, keys_dir=os.path.join(layout.job_dir(job_id), "keys"),
-                    record_steps=record_steps, snapshot_every=snapshot_every, guards=guards,
-                    heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
-                    metrics_port=None if metrics_port < 0 else metrics_port)
-    launcher = SrunLauncher(command, daemon.run_dir, daemon.address, rpn, echo=not quiet)
-    daemon.launcher = launcher
-    cluster = SlurmCluster(daemon, launcher, job_id, nodes, os.environ.get("SLURMD_NODENAME", nodes[0]),
-                           reservation, poll_s, slurm_timeout_s, command)
-    daemon.cluster = cluster
-    for name in nodes:
-        launcher.assign(name, job_id)
-        launcher.start_node(name, standby=False)
-    cluster.start()
+    pool = StandbyPoolConfig(keep=keep_standbys)
+    if keep_standbys and not os.path.isfile(pool.script):
+        print(f"error: --keep-standbys needs the standby job's script, {pool.script}, which is missing",
+              file=sys.stderr)
+        raise typer.Exit(ExitCode.REFUSED)
+    clusters: list[SlurmCluster] = []
+
+    def build(state):  # None: the job's first tmd; a tmd.resume.JobState: a crashed tmd resumed (tmd.supervise)
+        d = Daemon(job_id, run_dir, nodes, rpn, [], bind_host=host, store_host=host,
+                   port=port if state is None else int(state.address.rpartition(":")[2]),
+                   keys_dir=os.path.join(layout.job_dir(job_id), "keys"), record_steps=record_steps,
+                   snapshot_every=snapshot_every, guards=guards, heartbeat_timeout_s=heartbeat_timeout_s,
+                   echo=not quiet, metrics_port=None if metrics_port < 0 else metrics_port, resume=state)
+        if state is None:
+            launcher = SrunLauncher(command, d.run_dir, d.address, rpn, echo=not quiet)
+            d.launcher = launcher
+            d.cluster = SlurmCluster(d, launcher, job_id, nodes, os.environ.get("SLURMD_NODENAME", nodes[0]),
+                                     reservation, poll_s, slurm_timeout_s, command, pool)
+            clusters.append(d.cluster)
+            for name in nodes:
+                launcher.assign(name, job_id)
+                launcher.start_node(name, standby=False)
+            d.cluster.start()
+        return d
+
     started = time.monotonic()
     try:
-        code = daemon.run()
+        code = supervise(build)
     finally:
-        cluster.close()
-    print(f"[tmd] job {daemon.job} ended with code {code} after {time.monotonic() - started:.1f} s", flush=True)
+        for cluster in clusters:
+            cluster.close()
+    print(f"[tmd] job {job_id} ended with code {code} after {time.monotonic() - started:.1f} s", flush=True)
     _exit(code)
 
 

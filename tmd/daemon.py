@@ -235,6 +235,8 @@ class Daemon:
         finally:
             if self.launcher and crashed is None:
                 self.launcher.terminate_all()
+            if self.cluster is not None and crashed is None:
+                self.cluster.job_ended()  # SLURM mode: cancels the standby jobs tmd submitted
             self._flush_steps()
             if crashed is None:
                 self.journal.record(Event.TMD_STOPPED, exit_code=self.exit_code)
@@ -599,7 +601,8 @@ class Daemon:
         return status_reply(self.job, self.registry, latest(self.migrations), latest(self.incidents),
                             self.evacuation.flagged, self.cluster.decorate if self.cluster else None,
                             failure=self.faults.failure, warnings=self.faults.warnings + self.incidents.unprotected,
-                            page=self.web.url if self.web else None)
+                            page=self.web.url if self.web else None,
+                            slurm=self.cluster.status() if self.cluster else None)
 
     # --- JobControl (see tmd.control for what each does) ---------------------------------------------------
     @property

@@ -40,11 +40,13 @@ def node_status(n: Node, now: float, stragglers: list[int]) -> dict:
 def status_reply(job: str, registry: Registry, migration: Optional[Episode], recovery: Optional[Episode],
                  stragglers: Callable[[Node], list[int]], decorate: Optional[Callable[[list[dict]], None]] = None,
                  now: Optional[float] = None, failure: Optional[dict] = None,
-                 warnings: Optional[list[dict]] = None, page: Optional[str] = None) -> p.StatusReply:
+                 warnings: Optional[list[dict]] = None, page: Optional[str] = None,
+                 slurm: Optional[dict] = None) -> p.StatusReply:
     """The StatusReply of job ``job``: ``migration`` and ``recovery`` are the latest of each (or None);
     ``stragglers(node)`` gives a node's straggler ranks; ``decorate`` may add fields to the node dicts (SLURM
     mode); ``now`` defaults to time.monotonic(); ``failure``: why the job failed (tmd.faults), ``warnings``: the
-    misuse ranks reported; ``page``: the status page's address (tmd.web), None when it is off."""
+    misuse ranks reported; ``page``: the status page's address (tmd.web), None when it is off; ``slurm``: the
+    SLURM side's summary (tmd.slurm.SlurmCluster.status), None in local mode."""
     now = time.monotonic() if now is None else now
     nodes = [node_status(n, now, stragglers(n)) for n in registry.nodes.values()]
     if decorate is not None:
@@ -53,4 +55,4 @@ def status_reply(job: str, registry: Registry, migration: Optional[Episode], rec
                          step=registry.current_step(), nodes=nodes,
                          migration=migration.to_dict() if migration else None,
                          recovery=recovery.to_dict() if recovery else None, failure=failure,
-                         warnings=list(warnings or []), page=page)
+                         warnings=list(warnings or []), page=page, slurm=slurm)

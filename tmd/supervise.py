@@ -70,7 +70,7 @@ def hand_over(crashed: Daemon, resumed: Daemon) -> None:
         resumed.launcher = crashed.launcher
     cluster = crashed.cluster
     if cluster is not None:
-        cluster.control, cluster.journal, cluster.registry = resumed, resumed.journal, resumed.registry
+        cluster.attach(resumed)
         for nodes in cluster.adopted.values():
             for name in nodes:
                 if name not in resumed.registry.nodes:

@@ -154,7 +154,7 @@ def test_status_json_is_the_reply(fake):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data == {"job": "local-abc", "world_size": 4, "generation": 1, "step": 42, "nodes": NODES,
-                    "migration": None, "recovery": None, "failure": None, "warnings": [], "page": None}
+                    "migration": None, "recovery": None, "failure": None, "warnings": [], "page": None, "slurm": None}
 
 
 # ------------------------------------------------------------------------------------------------------------

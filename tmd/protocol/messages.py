@@ -359,6 +359,8 @@ class StatusReply(Message, sender=Sender.COORDINATOR):
     failure: Optional[dict]  # why the job failed (rank, node, kind, error, traceback), or None
     warnings: list  # misuse the ranks reported: dicts of rank, node, code, message
     page: Optional[str] = None  # the status page and metrics address (http://host:port/), None when off
+    # SLURM mode: reservation, pool (the standby pool: keep, have, submitted, reason, retry_in_s, pending); else None
+    slurm: Optional[dict] = None
 
 
 @dataclasses.dataclass(kw_only=True)
