@@ -368,7 +368,10 @@ class SlurmCluster:
 
     def job_ended(self) -> None:
         """The training job is over (tmd's loop ends, the journal still open): stop polling and cancel the standby
-        jobs tmd submitted that SLURM still lists, pending ones included, so that none outlives the job."""
+        jobs tmd submitted that have not started (they would hold a node for nothing once they do). A running one
+        ends by itself within its poll of the training job (tmd.slurm.hold_standby, 2 s): cancelling it here
+        would run its epilog at the same moment as the training job's, which on a one-host test cluster pushes
+        both over their time budget."""
         self.close()
         if self.pool is None:
             return
@@ -377,7 +380,8 @@ class SlurmCluster:
             for r in snap.done:
                 if r["action"] == "sbatch" and r["ok"] and r["result"].split(";")[0].isdigit():
                     self._pool_live.add(r["result"].split(";")[0])
-        live = sorted(self._pool_live, key=int)
+        live = sorted((j for j in self._pool_live if j not in self.standby_jobs
+                       or self.standby_jobs[j].state in STARTING_STATES), key=int)
         if not live:
             return
         try:
