@@ -251,13 +251,21 @@ def slurm(
     standby_wait_s: float = STANDBY_WAIT_S,
     iface: Optional[str] = typer.Option(None, "--iface", envvar="TM_IFNAME", metavar="NAME", help=IFACE_HELP),
     quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
+    keep_standbys: int = typer.Option(0, min=0, metavar="N",
+                                      help="Keep N standbys warm or pending: tmd submits standby jobs into the "
+                                           "reservation itself (rate-limited, backing off when refused) and "
+                                           "cancels them when the job ends (0: only standby jobs submitted by "
+                                           "hand; tmd/standby_pool.py)."),
     **given: Any,
 ) -> None:
-    """Run tmd for the SLURM job this batch script belongs to (see slurm/train.sbatch). Exits with the job's code."""
+    """Run tmd for the SLURM job this batch script belongs to (see slurm/train.sbatch); a crashed tmd is restarted
+    from its journal (tmd.supervise) while the ranks train on. Exits with the job's code."""
     import socket
 
     from tmd.daemon import Daemon
     from tmd.slurm import SlurmCluster, SlurmError, SrunLauncher, hostnames
+    from tmd.standby_pool import StandbyPoolConfig
+    from tmd.supervise import supervise
 
     config = _config(DEFAULTS, given)
     job_id = os.environ.get("SLURM_JOB_ID")
@@ -293,23 +301,36 @@ def slurm(
     _private(layout.job_dir(job_id), "state directory")  # ~/.trainmover/jobs/<JOBID>: tmd.json and the keys
     tier = _tier(job_id, len(nodes) * rpn, checkpoint_dir, checkpoint_every, checkpoint_keep, resume_from,
                  standby_wait_s)
-    daemon = Daemon(job_id, run_dir, nodes, rpn, [], config, host=host, echo=not quiet,
-                    keys_dir=os.path.join(layout.job_dir(job_id), "keys"), tier=tier)
-    launcher = SrunLauncher(command, daemon.run_dir, daemon.address, rpn, echo=not quiet)
-    daemon.launcher = launcher
-    cluster = SlurmCluster(daemon, launcher, job_id, nodes, os.environ.get("SLURMD_NODENAME", nodes[0]),
-                           config.slurm.reservation, config.slurm.poll_s, config.slurm.slurm_timeout_s, command)
-    daemon.cluster = cluster
-    for name in nodes:
-        launcher.assign(name, job_id)
-        launcher.start_node(name, standby=False)
-    cluster.start()
+    pool = StandbyPoolConfig(keep=keep_standbys)
+    if keep_standbys and not os.path.isfile(pool.script):
+        print(f"error: --keep-standbys needs the standby job's script, {pool.script}, which is missing",
+              file=sys.stderr)
+        raise typer.Exit(ExitCode.REFUSED)
+    clusters: list[SlurmCluster] = []
+
+    def build(state):  # None: the job's first tmd; a tmd.resume.JobState: a crashed tmd resumed (tmd.supervise)
+        d = Daemon(job_id, run_dir, nodes, rpn, [], config, host=host, echo=not quiet, resume=state,
+                   keys_dir=os.path.join(layout.job_dir(job_id), "keys"), tier=tier)
+        if state is None:
+            launcher = SrunLauncher(command, d.run_dir, d.address, rpn, echo=not quiet)
+            d.launcher = launcher
+            d.cluster = SlurmCluster(d, launcher, job_id, nodes, os.environ.get("SLURMD_NODENAME", nodes[0]),
+                                     config.slurm.reservation, config.slurm.poll_s, config.slurm.slurm_timeout_s,
+                                     command, pool)
+            clusters.append(d.cluster)
+            for name in nodes:
+                launcher.assign(name, job_id)
+                launcher.start_node(name, standby=False)
+            d.cluster.start()
+        return d
+
     started = time.monotonic()
     try:
-        code = daemon.run()
+        code = supervise(build)
     finally:
-        cluster.close()
-    print(f"[tmd] job {daemon.job} ended with code {code} after {time.monotonic() - started:.1f} s", flush=True)
+        for cluster in clusters:
+            cluster.close()
+    print(f"[tmd] job {job_id} ended with code {code} after {time.monotonic() - started:.1f} s", flush=True)
     _exit(code)
 
 

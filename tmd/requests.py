@@ -53,7 +53,7 @@ class Requests:
         may be a standby job id or ``any`` (tmd.slurm.SlurmCluster.resolve_target)."""
         c, cluster = self.control, self.cluster()
         try:
-            targets = [cluster.resolve_target(t) for t in msg.targets] if cluster is not None else list(msg.targets)
+            targets = cluster.resolve_targets(list(msg.targets)) if cluster is not None else list(msg.targets)
             inc = c.current_incident
             if inc is not None:
                 raise MigrationError(ErrorCode.RECOVERING, f"recovery {inc.id} from a failure is in progress "

@@ -372,6 +372,8 @@ class StatusReply(Message, sender=Sender.COORDINATOR):
     # the checkpoint tier (tmd.tiers.Tier.status): dir, every, keep, latest (step), failed (the last failed
     # save's message or None), restarts (one dict per restart from a checkpoint); None when checkpoints are off
     checkpoints: Optional[dict] = None
+    # SLURM mode: reservation, pool (the standby pool: keep, have, submitted, reason, retry_in_s, pending); else None
+    slurm: Optional[dict] = None
 
 
 @dataclasses.dataclass(kw_only=True)
