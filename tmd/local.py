@@ -16,7 +16,6 @@ In SLURM mode srun starts the processes instead and this module is not used.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
@@ -112,23 +111,11 @@ class Forked(_ByPid):
         return self.returncode
 
 
-PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
-
-
-def become_subreaper() -> bool:
-    """Make this process a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux 3.4+): orphaned
-    descendants are re-parented to it instead of to init, so it can wait for them. False where that fails."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
 class ForkServer:
     """tmd's end of worker/fork_server.py: a process that imported torch and the worker package once and forks
     the job's ranks from that image (see that module for the protocol and what a forked rank shares).
 
-    ``python`` is the job command's interpreter as the command names it, ``env`` the environment the ranks share
+    ``python`` is the job command's interpreter as the command names it (looked up on ``env``'s PATH), ``env`` the environment the ranks share
     (:func:`worker.fork_server.common_env`). :meth:`spawn` returns None whenever the server cannot serve (it
     failed to import, died, or refused), and the launcher then starts that process itself."""
 
@@ -238,8 +225,9 @@ class LocalLauncher:
         self.fork_server: Optional[ForkServer] = None
         shared = fork_server.common_env(self._env("", 0, False))
         if (self.FORK_SERVER and command and isolation is None and not self.namespaces and new_namespace is None
-                and fork_server.eligible(command, shared) and become_subreaper()):
-            self.fork_server = ForkServer(fork_server.interpreter(command, shared) or command[0], shared,
+                and fork_server.eligible(command, shared) and fork_server.become_subreaper()):
+            # command[0] as the ranks' Popen would find it: on the environment's PATH
+            self.fork_server = ForkServer(command[0], shared,
                                           os.path.join(self._layout.logs_dir, "fork-server.log"))
 
     def start_node(self, node: str, standby: bool) -> None:

@@ -48,16 +48,28 @@ IDENTITY = ("TM_NODE", "TM_LOCAL_RANK", "TM_STANDBY", "TM_GLOO_HOST")
 DISABLE_ENV = "TM_FORK_SERVER"
 SERVER_NAME = "tm-fork-server"  # the server's process name (comm, as ps -o comm and psutil's name() show it)
 PR_SET_NAME = 15  # linux/prctl.h
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def prctl(option: int, arg) -> bool:
+    """``prctl(option, arg)`` (Linux); False where it fails or is missing."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def set_process_name(name: str) -> None:
     """Set this process's name (its ``comm``, at most 15 bytes) with ``prctl(PR_SET_NAME)``; a forked rank's
     command line stays the server's, so its name is what tells the ranks apart in ``ps`` and ``top``. Best
     effort: nothing happens where prctl is missing."""
-    try:
-        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    prctl(PR_SET_NAME, name.encode()[:15])
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux 3.4+): orphaned
+    descendants are re-parented to it instead of to init, so it can wait for them. False where that fails."""
+    return prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def interpreter(argv: Sequence[str], env: Mapping[str, str]) -> Optional[str]:

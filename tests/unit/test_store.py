@@ -28,11 +28,6 @@ _prefix = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def keys(tmp_path_factory) -> JobKeys:
-    return JobKeys.create(str(tmp_path_factory.mktemp("job") / "keys"))
-
-
-@pytest.fixture(scope="module")
 def worker_keys(keys) -> JobKeys:
     """What a rank holds (TM_KEYS): the worker key pair, tmd's public key, the job secret."""
     return JobKeys.load(keys.worker_keys(), parties=(Sender.WORKER,))

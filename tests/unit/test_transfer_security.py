@@ -28,11 +28,6 @@ _prefix = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def keys(tmp_path_factory) -> JobKeys:
-    return JobKeys.create(str(tmp_path_factory.mktemp("job") / "keys"))
-
-
-@pytest.fixture(scope="module")
 def other_keys(tmp_path_factory) -> JobKeys:
     """Another job's keys: a well-formed secret that is not this job's."""
     return JobKeys.create(str(tmp_path_factory.mktemp("other") / "keys"))
