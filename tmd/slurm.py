@@ -16,8 +16,10 @@
 - Failed nodes: a node whose processes failed (not one lost with its standby job's end) is drained
   (``scontrol update NodeName=X State=DRAIN Reason="trainmover: ..."``, which needs SLURM operator rights) and
   then handed back like a left node, so that the scheduler does not hand it out again until an admin resumes it.
-- Hooks: the prolog reports (``slurm/hooks.py``) of the job and its standby jobs are journalled; the epilog's
-  :class:`tmd.protocol.NodeNotice` marks a standby node whose job ended as lost at once.
+- Hooks: the prolog report (``slurm/hooks.py``) of each node of the job and of its standby jobs is journalled as
+  soon as it is there (SLURM may list a job as RUNNING while its prologs still run: tmd looks again with each
+  poll, for up to PROLOG_REPORT_WAIT_S); the epilog's :class:`tmd.protocol.NodeNotice` (acknowledged, journalled
+  once however often the hook resends it) marks a standby node whose job ended as lost at once.
 - ``$TM_STATE_DIR/jobs/<JOBID>/tmd.json`` (default ``~/.trainmover``) names tmd for ``tmctl --job JOBID``, the
   standby jobs and the epilog; tmd writes one for each of its standby jobs too.
 
@@ -28,7 +30,6 @@ the next poll; it never stops the job.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import queue
@@ -50,6 +51,7 @@ DEFAULT_TIMEOUT_S = 5.0  # every SLURM client call
 DEFAULT_POLL_S = 1.0  # node states and standby jobs
 RESTART_BACKOFF_S = 2.0  # a standby node's workers are started at most this often
 DRAIN_ATTEMPTS = 3  # automatic migrations tried per draining node (an aborted one is retried)
+PROLOG_REPORT_WAIT_S = 120.0  # how long tmd looks for a node's prolog report once its job runs (no hooks: none)
 ANY_STANDBY = "any"  # a migrate target meaning: any warm standby node
 
 
@@ -106,16 +108,15 @@ def write_json_atomic(path: str, obj: dict) -> None:
                  json.dumps(obj).encode())
 
 
-def hook_reports(job_id: str, hook: HookKind) -> list[dict]:
-    """The reports slurm/hooks.py wrote for SLURM job ``job_id`` (``hook``: prolog or epilog), by node."""
-    out = []
-    for path in sorted(glob.glob(os.path.join(p.layout.hook_report_dir(job_id), f"{hook}.*.json"))):
-        try:
-            with open(path) as f:
-                out.append(json.load(f))
-        except (OSError, ValueError):
-            continue
-    return out
+def hook_report(job_id: str, hook: HookKind, node: str) -> Optional[dict]:
+    """The report slurm/hooks.py wrote for ``hook`` (prolog or epilog) on ``node`` of SLURM job ``job_id``, or
+    None while there is none (or none that reads as a JSON object)."""
+    try:
+        with open(os.path.join(p.layout.hook_report_dir(job_id), f"{hook}.{node}.json")) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -350,6 +351,8 @@ class SlurmCluster:
         self._draining: set[str] = set()  # failed nodes tmd asked SLURM to drain
         self._drained: set[str] = set()  # those SLURM drains: handed back like left nodes
         self._cancelling: set[str] = set()  # drained standby jobs of the pool being cancelled
+        self._prologs_due: dict[tuple[str, str], float] = {}  # (SLURM job, node) -> until when to look for its report
+        self._notices: set[tuple[str, str, str]] = set()  # (hook, SLURM job, node) of the NodeNotices journalled
 
     def attach(self, control: JobControl) -> None:
         """Act on the job through ``control`` (the daemon, or the resumed one after a crash: tmd.supervise): its
@@ -371,9 +374,9 @@ class SlurmCluster:
         return None
 
     def start(self) -> None:
-        """Write ``jobs/<JOBID>/tmd.json``, journal the prolog reports of the job, start polling."""
+        """Write ``jobs/<JOBID>/tmd.json``, journal the prolog reports of the job's nodes, start polling."""
         self._write_link(self.job_id, standby_for=None)
-        self._journal_hooks(self.job_id)
+        self._expect_prologs(self.job_id, self.job_nodes)
         self.poller.start()
 
     def close(self) -> None:
@@ -416,10 +419,24 @@ class SlurmCluster:
         except OSError as e:
             self.journal.record(Event.SLURM_ERROR, error=f"cannot write {path}: {e}")
 
-    def _journal_hooks(self, job_id: str) -> None:
-        for r in hook_reports(job_id, HookKind.PROLOG):
-            self.journal.record(Event.SLURM_HOOK, hook=HookKind.PROLOG, node=r.get("node"), slurm_job=job_id,
-                                ok=r.get("ok"), problems=r.get("problems"), duration_s=r.get("duration_s"))
+    def _expect_prologs(self, job_id: str, nodes: Iterable[str]) -> None:
+        """SLURM job ``job_id`` runs on ``nodes``: journal each node's prolog report once it is there."""
+        until = time.monotonic() + PROLOG_REPORT_WAIT_S
+        for name in nodes:
+            self._prologs_due.setdefault((job_id, name), until)
+        self._journal_prologs()
+
+    def _journal_prologs(self) -> None:
+        """Journal each prolog report due (:meth:`_expect_prologs`) that is there now, once; stop looking for one
+        after PROLOG_REPORT_WAIT_S (a cluster without TrainMover's hooks writes none)."""
+        now = time.monotonic()
+        for (jid, name), until in list(self._prologs_due.items()):
+            r = hook_report(jid, HookKind.PROLOG, name)
+            if r is not None:
+                self.journal.record(Event.SLURM_HOOK, hook=HookKind.PROLOG, node=name, slurm_job=jid,
+                                    ok=r.get("ok"), problems=r.get("problems"), duration_s=r.get("duration_s"))
+            if r is not None or now > until:
+                del self._prologs_due[(jid, name)]
 
     def _say(self, key: str, event: Event, **fields) -> None:
         """Journal ``event`` unless the same thing was said last time under ``key``."""
@@ -455,6 +472,8 @@ class SlurmCluster:
         self._drain_failed_nodes()
         self._release_left_nodes()
         self._refill()
+        if self._prologs_due:
+            self._journal_prologs()
 
     # --- standby jobs ---------------------------------------------------------------------------------------------
     def _standby_jobs(self, jobs: dict[str, StandbyJob]) -> None:
@@ -490,7 +509,7 @@ class SlurmCluster:
         self.poller.watch(added)
         self._write_link(sj.job_id, standby_for=self.job_id)
         self.journal.record(Event.STANDBY_JOB_RUNNING, slurm_job=sj.job_id, nodes=added)
-        self._journal_hooks(sj.job_id)
+        self._expect_prologs(sj.job_id, sj.nodes)
         for name in added:
             self.launcher.start_node(name, standby=True)
 
@@ -518,7 +537,12 @@ class SlurmCluster:
             self.journal.record(Event.NODE_LOST, node=name, role=node.role, reason=why)
 
     def on_notice(self, msg: "p.NodeNotice") -> None:
-        """The epilog on ``msg.node`` ran for SLURM job ``msg.job_id``: the node left that job."""
+        """The epilog on ``msg.node`` ran for SLURM job ``msg.job_id``: the node left that job. A copy of a notice
+        already handled (the hook resends until tmd acknowledges) changes nothing."""
+        key = (str(msg.hook), msg.job_id, msg.node)
+        if key in self._notices:
+            return
+        self._notices.add(key)
         self.journal.record(Event.SLURM_HOOK, hook=msg.hook, node=msg.node, slurm_job=msg.job_id, detail=msg.detail)
         if msg.hook == HookKind.EPILOG and msg.job_id in self.adopted and msg.node in self.adopted[msg.job_id]:
             self._node_lost(msg.node, f"standby job {msg.job_id} ended (epilog on {msg.node})")

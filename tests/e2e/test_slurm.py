@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -194,18 +195,27 @@ def test_epilog_kills_leftovers_and_notifies_tmd(hooks):
         env = {**os.environ, "SLURM_JOB_ID": "77", "SLURMD_NODENAME": "nx", "TM_COORDINATOR": "tcp://x:1"}
         stray = subprocess.Popen(["sleep", "60"], env=env)
         other = subprocess.Popen(["sleep", "60"], env={**env, "SLURMD_NODENAME": "ny"})  # another node on this host
+        got = []
+
+        def acknowledge():  # as tmd does
+            if sock.poll(5000):
+                identity, frame = sock.recv_multipart(copy=False)
+                got.append((role_of_frame(frame), p.decode(frame.bytes)))
+                sock.send_multipart([identity.bytes, p.encode(p.NodeNoticeAck(node="nx", job_id="77", hook="epilog"))])
+        tmd = threading.Thread(target=acknowledge)
+        tmd.start()
         try:
             r, report = hooks("epilog")
+            tmd.join(5)
             assert r.returncode == 0 and report["ok"], (r, report)
             assert report["checks"]["killed"] == [stray.pid] and stray.wait(timeout=5) == -9
             assert other.poll() is None
             assert report["duration_s"] < 1.0, report
-            assert sock.poll(5000), "no NodeNotice"
-            _, frame = sock.recv_multipart(copy=False)
-            assert role_of_frame(frame) == p.Sender.HOOK
-            assert p.decode(frame.bytes) == p.NodeNotice(node="nx", job_id="77", hook="epilog",
-                                                         detail="node left the job")
+            assert got == [(p.Sender.HOOK, p.NodeNotice(node="nx", job_id="77", hook="epilog",
+                                                         detail="node left the job"))], "no NodeNotice"
+            assert report["notice"].startswith(f"notice acknowledged by {address} in "), report
         finally:
+            tmd.join(5)
             for proc in (stray, other):
                 proc.kill()
                 proc.wait()

@@ -365,3 +365,30 @@ def test_a_restarted_tmd_gets_the_slurm_side_with_its_standby_jobs_pool_and_drai
     make_warm(resumed.registry, "n4")
     assert resumed.registry.warm_standbys() == [], "the resumed registry skips what SLURM drains too"
     assert cluster.pool.jobs == ["100"]
+
+
+def test_a_prolog_report_written_after_its_job_runs_is_journalled_once_and_a_resent_notice_once(pool_job):
+    """SLURM lists a job as RUNNING while its prologs may still run: tmd journals each node's prolog report
+    when it appears, not only those there at adoption; an epilog notice the hook resends is journalled once."""
+    import json
+    import os
+
+    from tmd import protocol as p
+
+    cluster, fake, reg, step, events = pool_job
+    step()
+    step()  # standby job 100 runs on n4 and is adopted: no prolog report yet
+    assert reg.nodes["n4"].role == NodeRole.STANDBY and events(Event.SLURM_HOOK) == []
+    d = p.layout.hook_report_dir("100")
+    os.makedirs(d)
+    with open(os.path.join(d, "prolog.n4.json"), "w") as f:
+        json.dump({"hook": "prolog", "node": "n4", "job_id": "100", "ok": True, "problems": [], "duration_s": 0.3}, f)
+    for _ in range(3):
+        step()
+    assert [(e["hook"], e["node"], e["slurm_job"], e["ok"]) for e in events(Event.SLURM_HOOK)] == [
+        ("prolog", "n4", "100", True)]
+    notice = p.NodeNotice(node="n4", job_id="100", hook=p.HookKind.EPILOG, detail="node left the job")
+    for _ in range(2):  # the first copy, then the hook's resend
+        cluster.on_notice(notice)
+    assert [e["hook"] for e in events(Event.SLURM_HOOK)] == ["prolog", "epilog"]
+    assert reg.nodes["n4"].role == NodeRole.FAILED and len(events(Event.STANDBY_LOST)) == 1
