@@ -12,9 +12,12 @@ busy training does not stretch them.
 prolog: memory available, free disk on / and the temp dir, 1-minute load per CPU, and every GPU through NVML where
 NVML and GPUs exist (no pynvml, no driver or no GPU: the GPU check is skipped). Exit 1 when the node is unfit (SLURM
 then drains it with reason "Prolog error"), else 0.
-epilog: kills TrainMover worker processes of the job left on this node (by their environment), then tells the
-job's tmd that this node left the job (a one-way :class:`tmd.protocol.NodeNotice`, if the job has a tmd.json).
-Exit 1 only when a leftover process survives SIGKILL (the node is unfit), else 0.
+epilog: tells the job's tmd that this node left the job (a :class:`tmd.protocol.NodeNotice`, if the job has a
+tmd.json), kills TrainMover worker processes of the job left on this node (by their environment), then waits for
+tmd's acknowledgement (:class:`tmd.protocol.NodeNoticeAck`), resending the notice every RESEND_S until it comes or
+the hook's budget is spent: a notice is never lost to a slow CURVE handshake, nor to a tmd that crashed with it
+unread and is restarting in its process (tmd.supervise); tmd acts on it once. The report says whether it was
+acknowledged. Exit 1 only when a leftover process survives SIGKILL (the node is unfit), else 0.
 
 Everything in the state directory is read and written as the job's user (effective ids dropped, no root
 privilege), never as root: the epilog's read of tmd.json and of the hook key it names, and the reports.
@@ -37,6 +40,8 @@ import time
 T0 = time.monotonic()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 0.8  # the whole hook; a GPU query still running then counts as a failed GPU
+REPORT_S = 0.1  # of BUDGET_S, kept for writing the report once the epilog stops waiting for tmd's acknowledgement
+RESEND_S = 0.2  # the epilog resends its notice this often until tmd acknowledges it
 
 
 def _protocol():
@@ -190,35 +195,82 @@ def _state(pid: int) -> str:
         return "X"
 
 
-def notify_tmd(state_dir: str | None, job_id: str, node: str, detail: str) -> str:
-    """Send NodeNotice(epilog) to the tmd named by the job's tmd.json; returns what happened (for the report)."""
-    if state_dir is None:
-        return "no state dir"
-    p = _protocol()
-    try:
-        with open(p.layout.job_tmd_json(job_id, root=state_dir)) as f:
-            info = json.load(f)
-        address, keys_dir = info["address"], info.get("keys")
-    except (OSError, ValueError, KeyError, TypeError):
-        return "no tmd for this job"
-    import zmq
-    from tmd.protocol.keys import JobKeys, KeysUnavailable
+class TmdNotice:
+    """The epilog's NodeNotice to the tmd named by the job's tmd.json: :meth:`send` opens the connection (reading
+    tmd.json and the hook key: call it as the job's user) and sends; :meth:`wait_ack` resends until tmd
+    acknowledges; :meth:`close`. :attr:`outcome` says what happened, for the report."""
 
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 200)  # ms: deliver if tmd is up; never wait longer when it is gone
-    sock.setsockopt(zmq.SNDTIMEO, 200)
-    try:
-        if keys_dir:  # the job's hook key (root reads the user's 0700 key directory)
-            JobKeys.load(keys_dir, parties=(p.Sender.HOOK,)).connect_as(sock, p.Sender.HOOK)
-        sock.connect(address)
-        sock.send(p.encode(p.NodeNotice(node=node, job_id=job_id, hook=p.HookKind.EPILOG, detail=detail)))
-        return f"notice sent to {address}"
-    except (zmq.ZMQError, KeysUnavailable, OSError) as e:  # OSError: tmd.rundir.UnsafePath among others
-        return f"notice to {address} failed: {e}"
-    finally:
-        sock.close()
-        ctx.term()
+    def __init__(self, state_dir: str | None, job_id: str, node: str, detail: str) -> None:
+        p = _protocol()
+        self.notice = p.NodeNotice(node=node, job_id=job_id, hook=p.HookKind.EPILOG, detail=detail)
+        self.state_dir, self.sock, self.ctx, self.address, self.sends, self.sent_at = state_dir, None, None, "", 0, 0.0
+        self.outcome = "no state dir"
+
+    def send(self) -> None:
+        if self.state_dir is None:
+            return
+        p = _protocol()
+        try:
+            with open(p.layout.job_tmd_json(self.notice.job_id, root=self.state_dir)) as f:
+                info = json.load(f)
+            self.address, keys_dir = info["address"], info.get("keys")
+        except (OSError, ValueError, KeyError, TypeError):
+            self.outcome = "no tmd for this job"
+            return
+        import zmq
+        from tmd.protocol.keys import JobKeys, KeysUnavailable
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)  # the hook waits for the acknowledgement itself; nothing after close
+        try:
+            if keys_dir:  # the job's hook key (read as the job's user: tmd.json names it)
+                JobKeys.load(keys_dir, parties=(p.Sender.HOOK,)).connect_as(self.sock, p.Sender.HOOK)
+            self.sock.connect(self.address)
+            self.sent_at = time.monotonic()
+            self._send()
+            self.outcome = f"notice sent to {self.address}, not acknowledged"
+        except (zmq.ZMQError, KeysUnavailable, OSError) as e:  # OSError: tmd.rundir.UnsafePath among others
+            self.outcome = f"notice to {self.address} failed: {e}"
+            self.close()
+
+    def _send(self) -> None:
+        import zmq
+
+        try:
+            self.sock.send(_protocol().encode(self.notice), zmq.NOBLOCK)  # queued until connected
+            self.sends += 1
+        except zmq.Again:
+            pass  # the queue is full: the copies before this one are on their way
+
+    def wait_ack(self, deadline: float) -> None:
+        """Wait until tmd acknowledges the notice or ``deadline`` (time.monotonic()), resending every RESEND_S.
+        A frame that is not this notice's acknowledgement is ignored."""
+        if self.sock is None:
+            return
+        p = _protocol()
+        next_send = self.sent_at + RESEND_S
+        while (now := time.monotonic()) < deadline:
+            if self.sock.poll(max(1, int(1000 * (min(deadline, next_send) - now)))):
+                try:
+                    ack = p.decode(self.sock.recv())
+                except p.ProtocolError:
+                    continue
+                n = self.notice
+                if ack == p.NodeNoticeAck(node=n.node, job_id=n.job_id, hook=n.hook):
+                    self.outcome = (f"notice acknowledged by {self.address} in {time.monotonic() - self.sent_at:.3f} s "
+                                    f"({self.sends} sent)")
+                    return
+            elif time.monotonic() >= next_send:
+                self._send()
+                next_send += RESEND_S
+        self.outcome = f"notice sent to {self.address} {self.sends} times, not acknowledged within the hook's budget"
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.ctx.term()
+            self.sock = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -299,19 +351,24 @@ def main(argv: list[str] | None = None) -> int:
                 report["checks"].update(details)
                 report["problems"] += problems
         else:
-            # The notice first: it is what tmd needs soonest; then the cleanup.
-            state_dir = _user_state_dir(args, uid)
+            # The notice first: it is what tmd needs soonest; then the cleanup, then tmd's acknowledgement.
             _protocol()
             import zmq  # noqa: F401 - imported as root: the job's user may not read the interpreter's files
             import tmd.protocol.keys  # noqa: F401
-            try:  # as the job's user: tmd.json and the keys it names are the user's to choose
-                report["notice"] = _as_user(uid, gid, lambda: notify_tmd(state_dir, job_id, node, "node left the job")
-                                            ) if job_id else "no job"
-            except PermissionError as e:
-                report["notice"] = f"not sent: {e}"
-            details, problems = kill_leftovers(job_id, node, uid) if job_id else ({}, [])
-            report["checks"].update(details)
-            report["problems"] += problems
+            notice = TmdNotice(_user_state_dir(args, uid), job_id, node, "node left the job")
+            try:
+                if job_id:
+                    try:  # as the job's user: tmd.json and the keys it names are the user's to choose
+                        _as_user(uid, gid, notice.send)
+                    except PermissionError as e:
+                        notice.outcome = f"not sent: {e}"
+                details, problems = kill_leftovers(job_id, node, uid) if job_id else ({}, [])
+                report["checks"].update(details)
+                report["problems"] += problems
+                notice.wait_ack(time.monotonic() + BUDGET_S - REPORT_S - _process_age_s())
+            finally:
+                notice.close()
+                report["notice"] = notice.outcome if job_id else "no job"
         report["ok"] = not report["problems"]
         code = 0 if report["ok"] else 1
     except _Timeout:

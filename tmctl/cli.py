@@ -194,6 +194,8 @@ def status(ctx: typer.Context, json_: JsonOpt = False, coordinator: CoordinatorO
         console.print("no migration")
     if reply.recovery:
         console.print(render.recovery_line(reply.recovery))
+    for line in render.slurm_lines(reply.slurm):
+        console.print(line)
     for line in render.warning_lines(reply.warnings):
         console.print(line)
     for line in render.checkpoint_lines(reply.checkpoints):

@@ -227,6 +227,31 @@ def recovery_line(r: dict) -> str:
     return escape("  ".join(parts))
 
 
+def slurm_lines(slurm: Any) -> list[str]:
+    """SLURM mode: the reservation and its standby jobs, the standby pool (``--keep-standbys``: how many are
+    warm or on their way against how many it keeps, the jobs tmd submitted, why it is short and when it tries
+    again, each pending job and squeue's reason) and the failed nodes tmd drained. None in local mode."""
+    if not isinstance(slurm, dict):
+        return []
+    out = [f"slurm: reservation {_cell(slurm.get('reservation'))}: {_cell(slurm.get('standbys'))}"]
+    pool = slurm.get("pool")
+    if isinstance(pool, dict):
+        line = (f"standby pool: {_cell(pool.get('have'))} of {_cell(pool.get('keep'))} warm or pending; "
+                f"submitted: {', '.join(map(str, pool.get('submitted') or [])) or 'none'}")
+        for job in pool.get("pending") or []:
+            if isinstance(job, dict):
+                line += f"; job {_cell(job.get('slurm_job'))} {_cell(job.get('state'))}" + (
+                    f" ({_cell(job.get('reason'))})" if job.get("reason") else "")
+        out.append(line)
+        if pool.get("reason"):
+            retry = f" (next try in {pool['retry_in_s']:g} s)" if isinstance(pool.get("retry_in_s"), (int, float)) \
+                else ""
+            out.append(f"[yellow]standby pool short[/]: {_cell(pool.get('reason'))}{retry}")
+    if slurm.get("drained"):
+        out.append(f"drained by tmd (failed): {', '.join(map(_cell, slurm['drained']))}")
+    return out
+
+
 def warning_lines(warnings: Any) -> list[str]:
     """One line per misuse a rank reported (rank, node, code, message); none for no warnings."""
     out = []

@@ -39,8 +39,9 @@ DEFAULT_COMMAND = [sys.executable, "-m", "examples.train_gpt"]
 
 # The tmd.config fields each command takes as options (see settings()).
 RUN_SETTINGS = ("record_steps", "snapshot_every", "guards", "heartbeat_timeout_s", "suspect_after_s",
-                "blocked_after_s", "migrate_stragglers", "port", "metrics_port")  # tmd local and tmd slurm
-SLURM_SETTINGS = ("host", "reservation", "poll_s", "slurm_timeout_s")  # tmd slurm's own
+                "blocked_after_s", "migrate_stragglers", "port", "metrics_port", "iface", "checkpoint_dir",
+                "checkpoint_every", "checkpoint_keep", "standby_wait_s")  # tmd local and tmd slurm
+SLURM_SETTINGS = ("host", "reservation", "poll_s", "slurm_timeout_s", "keep_standbys")  # tmd slurm's own
 # what a restarted tmd may change: not what the ranks were assigned (record_steps, snapshot_every), nor its addresses
 RESUME_SETTINGS = ("heartbeat_timeout_s", "suspect_after_s", "blocked_after_s", "migrate_stragglers", "guards")
 
@@ -77,21 +78,9 @@ def _config(base: JobConfig, given: dict, **more: Any) -> JobConfig:
         raise typer.Exit(ExitCode.REFUSED)
 
 
-CHECKPOINT_DIR = typer.Option(None, "--checkpoint-dir", metavar="DIR",
-                              help="The ranks checkpoint every managed object, each rank's RNG and data position and "
-                                   "the step here (DCP, asynchronous); a failure in-memory recovery cannot repair "
-                                   "restarts the job from the newest valid one (local mode). Not another job's.")
-CHECKPOINT_EVERY = typer.Option(0, "--checkpoint-every", min=0, metavar="N", help="Checkpoint every N steps (0: off).")
-CHECKPOINT_KEEP = typer.Option(2, "--checkpoint-keep", min=1, metavar="K", help="Checkpoints kept (the newest K).")
 RESUME_FROM = typer.Option(None, "--resume-from", metavar="DIR",
                            help="Start from the newest valid checkpoint in DIR (a checkpoint dir of any job, or one "
                                 "of its step-* directories); it must have this job's world size and layout.")
-STANDBY_WAIT_S = typer.Option(0.0, "--standby-wait-s", min=0.0, metavar="S",
-                              help="With --checkpoint-dir: a recovery that found no standby within S seconds "
-                                   "restarts the job from its newest checkpoint instead (0: wait for one).")
-IFACE_HELP = ("The network interface the ranks' data plane binds and advertises on every node (gloo's "
-              "TM_GLOO_HOST and GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), e.g. ib0; a node without it fails its "
-              "ranks at start, naming node and interface (tmd/netif.py). Default: the interface that routes to tmd.")
 
 
 @app.command(context_settings=JOB_COMMAND)
@@ -118,13 +107,7 @@ def local(
                                             "standbys and guards on their own CPUs, active nodes on the rest "
                                             "(cgroup v2 cpusets where delegated, else sched_setaffinity; "
                                             "tmd/cpusets.py). Needs 2 CPUs."),
-    checkpoint_dir: Optional[str] = CHECKPOINT_DIR,
-    checkpoint_every: int = CHECKPOINT_EVERY,
-    checkpoint_keep: int = CHECKPOINT_KEEP,
     resume_from: Optional[str] = RESUME_FROM,
-    standby_wait_s: float = STANDBY_WAIT_S,
-    iface: Optional[str] = typer.Option(None, "--iface", envvar="TM_IFNAME", metavar="NAME",
-                                        help=IFACE_HELP + " With --netns-all every node's is tm0."),
     no_auth: bool = typer.Option(False, "--no-auth",
                                  help="Serve plain ZeroMQ, without CURVE: only to measure its cost "
                                       "(benchmarks/curve.py); anyone on this host can then command the job."),
@@ -136,13 +119,12 @@ def local(
     from tmd.local import LocalLauncher
 
     config = _config(DEFAULTS, given, auth=False if no_auth else None)
-    _use_iface(iface)
+    _use_iface(config)
+    name = job or f"local-{os.getpid()}"
+    tier = _tier(name, nodes * ranks_per_node, config, resume_from)
     run_dir = _private(run_dir, "run directory")
     command = list(ctx.args) or DEFAULT_COMMAND
     _refuse_unstartable(command, run_dir)
-    name = job or f"local-{os.getpid()}"
-    tier = _tier(name, nodes * ranks_per_node, checkpoint_dir, checkpoint_every, checkpoint_keep, resume_from,
-                 standby_wait_s)
     active = [f"n{i + 1}" for i in range(nodes)]
     spares = [f"s{i + 1}" for i in range(standbys)]
     namespaces, bridge, specs, host = _namespaces(netns_node, netns_all, active + spares)
@@ -183,17 +165,13 @@ def local(
     _exit(code)
 
 
-def _use_iface(iface: Optional[str]) -> None:
-    """Hand ``--iface`` to every process tmd starts (env TM_IFNAME; each resolves it on its node, tmd.netif), or
-    exit 2 with one line when it cannot be an interface name."""
-    if iface is None:
-        return
-    from tmd import netif
+def _use_iface(config: JobConfig) -> None:
+    """Hand the job's interface (``--iface``, checked by tmd.config) to every process tmd starts (env
+    TM_IFNAME; each resolves it on its node, tmd.netif)."""
+    if config.network.iface is not None:
+        from tmd import netif
 
-    try:
-        os.environ[netif.ENV] = netif.check_name(iface)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--iface")
+        os.environ[netif.ENV] = config.network.iface
 
 
 def _isolation(active: list[str], spares: list[str]):
@@ -244,20 +222,18 @@ def slurm(
         None, min=1, help="Rank processes per node (default: $SLURM_NTASKS_PER_NODE, else 1)."),
     run_dir: Optional[str] = typer.Option(None, envvar="TM_RUN_DIR",
                                           help="Events, logs, recordings and tmd.json (default ./tmrun/<JOBID>)."),
-    checkpoint_dir: Optional[str] = CHECKPOINT_DIR,
-    checkpoint_every: int = CHECKPOINT_EVERY,
-    checkpoint_keep: int = CHECKPOINT_KEEP,
     resume_from: Optional[str] = RESUME_FROM,
-    standby_wait_s: float = STANDBY_WAIT_S,
-    iface: Optional[str] = typer.Option(None, "--iface", envvar="TM_IFNAME", metavar="NAME", help=IFACE_HELP),
     quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
     **given: Any,
 ) -> None:
-    """Run tmd for the SLURM job this batch script belongs to (see slurm/train.sbatch). Exits with the job's code."""
+    """Run tmd for the SLURM job this batch script belongs to (see slurm/train.sbatch); a crashed tmd is restarted
+    from its journal (tmd.supervise) while the ranks train on. Exits with the job's code."""
     import socket
 
     from tmd.daemon import Daemon
     from tmd.slurm import SlurmCluster, SlurmError, SrunLauncher, hostnames
+    from tmd.standby_pool import StandbyPoolConfig
+    from tmd.supervise import supervise
 
     config = _config(DEFAULTS, given)
     job_id = os.environ.get("SLURM_JOB_ID")
@@ -270,12 +246,12 @@ def slurm(
         print("error: give the training command after --, e.g. tmd slurm -- python -m examples.train_gpt",
               file=sys.stderr)
         raise typer.Exit(ExitCode.REFUSED)
-    _use_iface(iface)
+    _use_iface(config)
     host = config.slurm.host
-    if not host and iface:  # tmd binds the job's network too: the ranks reach it and its store there
+    if not host and config.network.iface:  # tmd binds the job's network too: the ranks reach it and its store there
         from tmd.netif import InterfaceError, resolve
         try:
-            host = resolve(iface, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+            host = resolve(config.network.iface, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
         except InterfaceError as e:
             print(f"error: {e}", file=sys.stderr)
             raise typer.Exit(ExitCode.REFUSED)
@@ -291,25 +267,37 @@ def slurm(
     run_dir = _private(run_dir or os.path.join("tmrun", job_id), "run directory")
     _refuse_unstartable(command, run_dir)
     _private(layout.job_dir(job_id), "state directory")  # ~/.trainmover/jobs/<JOBID>: tmd.json and the keys
-    tier = _tier(job_id, len(nodes) * rpn, checkpoint_dir, checkpoint_every, checkpoint_keep, resume_from,
-                 standby_wait_s)
-    daemon = Daemon(job_id, run_dir, nodes, rpn, [], config, host=host, echo=not quiet,
-                    keys_dir=os.path.join(layout.job_dir(job_id), "keys"), tier=tier)
-    launcher = SrunLauncher(command, daemon.run_dir, daemon.address, rpn, echo=not quiet)
-    daemon.launcher = launcher
-    cluster = SlurmCluster(daemon, launcher, job_id, nodes, os.environ.get("SLURMD_NODENAME", nodes[0]),
-                           config.slurm.reservation, config.slurm.poll_s, config.slurm.slurm_timeout_s, command)
-    daemon.cluster = cluster
-    for name in nodes:
-        launcher.assign(name, job_id)
-        launcher.start_node(name, standby=False)
-    cluster.start()
+    tier = _tier(job_id, len(nodes) * rpn, config, resume_from)
+    pool = StandbyPoolConfig(keep=config.slurm.keep_standbys)
+    if pool.keep and not os.path.isfile(pool.script):
+        print(f"error: --keep-standbys needs the standby job's script, {pool.script}, which is missing",
+              file=sys.stderr)
+        raise typer.Exit(ExitCode.REFUSED)
+    clusters: list[SlurmCluster] = []
+
+    def build(state):  # None: the job's first tmd; a tmd.resume.JobState: a crashed tmd resumed (tmd.supervise)
+        d = Daemon(job_id, run_dir, nodes, rpn, [], config, host=host, echo=not quiet, resume=state,
+                   keys_dir=os.path.join(layout.job_dir(job_id), "keys"), tier=tier)
+        if state is None:
+            launcher = SrunLauncher(command, d.run_dir, d.address, rpn, echo=not quiet)
+            d.launcher = launcher
+            d.cluster = SlurmCluster(d, launcher, job_id, nodes, os.environ.get("SLURMD_NODENAME", nodes[0]),
+                                     config.slurm.reservation, config.slurm.poll_s, config.slurm.slurm_timeout_s,
+                                     command, pool)
+            clusters.append(d.cluster)
+            for name in nodes:
+                launcher.assign(name, job_id)
+                launcher.start_node(name, standby=False)
+            d.cluster.start()
+        return d
+
     started = time.monotonic()
     try:
-        code = daemon.run()
+        code = supervise(build)
     finally:
-        cluster.close()
-    print(f"[tmd] job {daemon.job} ended with code {code} after {time.monotonic() - started:.1f} s", flush=True)
+        for cluster in clusters:
+            cluster.close()
+    print(f"[tmd] job {job_id} ended with code {code} after {time.monotonic() - started:.1f} s", flush=True)
     _exit(code)
 
 
@@ -349,6 +337,7 @@ def resume(
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(ExitCode.REFUSED)
     config = _config(state.config, given)
+    _use_iface(config)  # the standbys this tmd starts use the job's interface too
     if state.cwd and os.path.isdir(state.cwd):
         os.chdir(state.cwd)  # where the job's command (relative paths, python -m) runs: standbys start there
     started = time.monotonic()
@@ -376,19 +365,20 @@ def version() -> None:
     print(f"trainmover tmd, protocol v{PROTOCOL_VERSION}")
 
 
-def _tier(job: str, world_size: int, checkpoint_dir: Optional[str], every: int, keep: int,
-          resume_from: Optional[str], standby_wait_s: float) -> Optional["Tier"]:
-    """The job's checkpoint tier (tmd.tiers), its settings exported to the processes tmd starts, or None without
-    ``--checkpoint-dir`` and ``--resume-from``; exit 2 with one line when the options cannot be used."""
-    if checkpoint_dir is None and resume_from is None:
-        if every or standby_wait_s:
+def _tier(job: str, world_size: int, config: JobConfig, resume_from: Optional[str]) -> Optional["Tier"]:
+    """The job's checkpoint tier (tmd.tiers) from the config's ``checkpoint`` section and ``--resume-from``, its
+    settings exported to the processes tmd starts, or None without ``--checkpoint-dir`` and ``--resume-from``;
+    exit 2 with one line when the options cannot be used."""
+    c = config.checkpoint
+    if c.checkpoint_dir is None and resume_from is None:
+        if c.checkpoint_every or c.standby_wait_s:
             print("error: --checkpoint-every and --standby-wait-s need --checkpoint-dir", file=sys.stderr)
             raise typer.Exit(ExitCode.REFUSED)
         return None
     from tmd.tiers import CheckpointConfig, Tier
 
-    tier = Tier(CheckpointConfig(dir=checkpoint_dir, every=every, keep=keep, resume_from=resume_from,
-                                 standby_wait_s=standby_wait_s), job, world_size)
+    tier = Tier(CheckpointConfig(dir=c.checkpoint_dir, every=c.checkpoint_every, keep=c.checkpoint_keep,
+                                 resume_from=resume_from, standby_wait_s=c.standby_wait_s), job, world_size)
     why = tier.refusal()
     if why is not None:
         print(f"error: {why}", file=sys.stderr)

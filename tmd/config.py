@@ -7,7 +7,10 @@
 - ``snapshot`` (:class:`SnapshotConfig`): buddy snapshots where a rank's state has no replica on another node;
 - ``standby`` (:class:`StandbyConfig`): what standbys do besides replacing failed nodes (guards, evacuation);
 - ``serve`` (:class:`ServeConfig`): tmd's own ports and authentication;
-- ``slurm`` (:class:`SlurmConfig`): ``tmd slurm``'s address, reservation and SLURM client calls.
+- ``network`` (:class:`NetworkConfig`): the interface the ranks' data plane uses (tmd.netif);
+- ``checkpoint`` (:class:`CheckpointTierConfig`): the checkpoint tier's directory, interval, retention and how long
+  a recovery waits for a standby before it restarts the job from a checkpoint instead (tmd.tiers);
+- ``slurm`` (:class:`SlurmConfig`): ``tmd slurm``'s address, reservation, SLURM client calls and standby pool.
 
 Each field's default is written here and nowhere else; its help (the ``tmd`` option's) says its unit and meaning.
 A field's name is its command-line option's (``heartbeat_timeout_s`` is ``--heartbeat-timeout-s``), unique across
@@ -27,7 +30,8 @@ Its life:
 
 Not in it: the job's identity and layout (its name, run directory, command, nodes, ranks per node and standbys: the
 journal's ``tmd_started`` and ``tmd.json``, which ``tmd resume`` re-learns), how this tmd process prints
-(``--quiet``), and where ``tmd local`` puts its processes (``--netns-*``, ``--isolate-nodes``).
+(``--quiet``), where ``tmd local`` puts its processes (``--netns-*``, ``--isolate-nodes``), and the checkpoint a
+job starts from (``--resume-from``: once, at its start).
 
 **Adding an option** takes two edits:
 
@@ -198,8 +202,48 @@ class ServeConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class NetworkConfig(_Section):
+    """The ranks' data plane (tmd.netif): each rank resolves the interface on its own node."""
+
+    iface: Optional[str] = setting(
+        None, "The network interface the ranks' data plane binds and advertises on every node (gloo's "
+              "TM_GLOO_HOST and GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), e.g. ib0; a node without it fails its "
+              "ranks at start, naming node and interface (tmd/netif.py). With tmd local --netns-all every node's "
+              "is tm0. Default: the interface that routes to tmd.", envvar="TM_IFNAME")
+
+    def check(self) -> None:
+        if self.iface is not None:
+            from tmd.netif import check_name
+
+            try:
+                check_name(self.iface)
+            except ValueError as e:
+                raise ConfigError(f"{flag('iface')}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointTierConfig(_Section):
+    """The checkpoint tier (tmd.tiers; the ranks write the checkpoints, worker.checkpointing)."""
+
+    checkpoint_dir: Optional[str] = setting(
+        None, "The ranks checkpoint every managed object, each rank's RNG and data position and the step here "
+              "(DCP, asynchronous); a failure in-memory recovery cannot repair restarts the job from the newest "
+              "valid one (local mode). Not another job's.")
+    checkpoint_every: int = setting(0, "Checkpoint every this many steps (0: off).")
+    checkpoint_keep: int = setting(2, "Checkpoints kept (the newest this many).")
+    standby_wait_s: float = setting(
+        0.0, "With --checkpoint-dir: a recovery that found no standby within this many seconds restarts the job "
+             "from its newest checkpoint instead (0: wait for one).")
+
+    def check(self) -> None:
+        self._at_least("checkpoint_every", 0)
+        self._at_least("checkpoint_keep", 1)
+        self._at_least("standby_wait_s", 0, " s")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SlurmConfig(_Section):
-    """``tmd slurm`` (tmd.slurm)."""
+    """``tmd slurm`` (tmd.slurm; the standby pool: tmd.standby_pool)."""
 
     host: Optional[str] = setting(
         None, "Address tmd binds and the ranks reach it and its store at (default: the address this host's name "
@@ -207,10 +251,15 @@ class SlurmConfig(_Section):
     reservation: str = setting("standby", "Reservation holding the standby jobs.", envvar="TM_RESERVATION")
     poll_s: float = setting(1.0, "Seconds between polls of node states and standby jobs.")
     slurm_timeout_s: float = setting(5.0, "Timeout of every SLURM client call (seconds).")
+    keep_standbys: int = setting(
+        0, "Keep this many standbys warm or pending: tmd submits standby jobs into the reservation itself "
+           "(rate-limited, backing off when refused) and cancels them when the job ends (0: only standby jobs "
+           "submitted by hand; tmd/standby_pool.py).")
 
     def check(self) -> None:
         self._at_least("poll_s", 0.1, " s")
         self._at_least("slurm_timeout_s", 0.1, " s")
+        self._at_least("keep_standbys", 0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -223,6 +272,8 @@ class JobConfig:
     snapshot: SnapshotConfig = dataclasses.field(default_factory=SnapshotConfig)
     standby: StandbyConfig = dataclasses.field(default_factory=StandbyConfig)
     serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
+    network: NetworkConfig = dataclasses.field(default_factory=NetworkConfig)
+    checkpoint: CheckpointTierConfig = dataclasses.field(default_factory=CheckpointTierConfig)
     slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
 
     def __post_init__(self) -> None:

@@ -248,6 +248,8 @@ class Daemon:
         finally:
             if self.launcher and crashed is None:
                 self.launcher.terminate_all(close=self.restart is None)  # a relaunch keeps namespaces, CPU sets
+            if self.cluster is not None and crashed is None:
+                self.cluster.job_ended()  # SLURM mode: cancels the standby jobs tmd submitted
             self._flush_steps()
             if crashed is None:
                 self.journal.record(Event.TMD_STOPPED, exit_code=self.exit_code)
@@ -648,7 +650,8 @@ class Daemon:
                             page=self.web.url if self.web else None,
                             # the detection thresholds as the detector holds them: what it judges with
                             config=dataclasses.replace(self.config, detection=self.detector.config).to_dict(),
-                            checkpoints=self.tier.status() if self.tier is not None else None)
+                            checkpoints=self.tier.status() if self.tier is not None else None,
+                            slurm=self.cluster.status() if self.cluster else None)
 
     # --- JobControl (see tmd.control for what each does) ---------------------------------------------------
     @property

@@ -87,7 +87,7 @@ class Evacuation:
         c = self.control
         guard = guard_of(c.registry, node)  # warm for this node already (tmd.guards)
         standby = guard if guard is not None and warm_guard(guard) else \
-            next((n for n in c.registry.nodes_in(NodeRole.STANDBY) if n.warm), None)
+            next(iter(c.registry.warm_standbys()), None)
         if standby is None or c.current_migration is not None or c.current_incident is not None:
             c.journal.record(Event.EVACUATION_SKIPPED, node=node.name, reason=reason,
                              why="no warm standby" if standby is None else "a migration or recovery is running")

@@ -101,7 +101,7 @@ class Guards:
         if busy or not reg.all_ranks_assigned() or reg.current_step() <= self.record_steps:
             return
         while len(self.guarding()) < self.count:
-            standby = next((n for n in reg.nodes_in(NodeRole.STANDBY) if n.warm), None)
+            standby = next(iter(reg.warm_standbys()), None)
             node = self._pick(standby) if standby is not None else None
             if node is None:
                 break

@@ -342,7 +342,7 @@ class Incidents(Episodes[Incident]):
         """Give every failed node without a replacement a warm standby, or wait for one."""
         reg = self.registry
         for failed_node in sorted(set(inc.lost.values()) - set(inc.standbys)):
-            standby = next((n for n in reg.nodes_in(NodeRole.STANDBY) if n.warm), None)
+            standby = next(iter(reg.warm_standbys(exclude=inc.standbys.values())), None)
             if standby is None:
                 if not inc.waiting_standby:
                     self.free_standby(f"no general standby is warm for {failed_node}'s ranks")

@@ -20,7 +20,7 @@ import collections
 import dataclasses
 import statistics
 import time
-from typing import Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 from tmd.protocol.vocab import Health, NodeRole
 
@@ -103,6 +103,8 @@ class Registry:
         self.step_times: dict[int, collections.OrderedDict[int, float]] = collections.defaultdict(
             collections.OrderedDict
         )
+        # Why a standby node must not be picked now, or None (SLURM mode: the scheduler drains it, tmd.slurm).
+        self.unusable: Callable[[str], Optional[str]] = lambda name: None
 
     # ---------------------------------------------------------------------------------------------------------
     def add_node(self, name: str) -> Node:
@@ -160,6 +162,14 @@ class Registry:
     def nodes_in(self, *roles: NodeRole) -> list[Node]:
         """The nodes whose role is one of ``roles``, in registration order."""
         return [n for n in self.nodes.values() if n.role in roles]
+
+    def warm_standbys(self, exclude: Iterable[str] = ()) -> list[Node]:
+        """The warm standby nodes that may take ranks now, in registration order: not in ``exclude`` (those
+        already chosen for the same migration or incident), not :attr:`unusable`. Every choice of a standby
+        (migrate ``any``, drains, evacuations, recoveries, guards) picks from this list, so none picks one twice."""
+        skip = set(exclude)
+        return [n for n in self.nodes.values()
+                if n.role == NodeRole.STANDBY and n.warm and n.name not in skip and self.unusable(n.name) is None]
 
     # --- role transitions: the only places a node's role changes ------------------------------------------------
     def promote(self, node: Node) -> None:

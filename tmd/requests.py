@@ -2,8 +2,8 @@
 
 :class:`Requests` serves the messages whose ``SENDER`` is ``CLIENT`` (StatusRequest, MigrateRequest,
 MigrationRequest, AddStandbyRequest, EventsRequest; each answered with one reply) and ``HOOK`` (NodeNotice,
-answered with nothing). The daemon routes them here only from identities that are not workers. A request tmd
-refuses raises tmd.migration.MigrationError; the daemon answers it with an ErrorReply carrying its code.
+answered with a NodeNoticeAck). The daemon routes them here only from identities that are not workers. A request
+tmd refuses raises tmd.migration.MigrationError; the daemon answers it with an ErrorReply carrying its code.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class Requests:
         may be a standby job id or ``any`` (tmd.slurm.SlurmCluster.resolve_target)."""
         c, cluster = self.control, self.cluster()
         try:
-            targets = [cluster.resolve_target(t) for t in msg.targets] if cluster is not None else list(msg.targets)
+            targets = cluster.resolve_targets(list(msg.targets)) if cluster is not None else list(msg.targets)
             inc = c.current_incident
             if inc is not None:
                 raise MigrationError(ErrorCode.RECOVERING, f"recovery {inc.id} from a failure is in progress "
@@ -116,10 +116,12 @@ class Requests:
         self.control.reply(identity, p.EventsReply(events=self.control.journal.since(msg.after, msg.limit)))
 
     def node_notice(self, identity: bytes, msg: p.NodeNotice) -> None:
-        """A SLURM hook's notice: the SLURM side acts on it; without one it is only journalled."""
+        """A SLURM hook's notice, acknowledged (the hook resends until it is): the SLURM side acts on it (once
+        per hook, node and job, however often it comes); without one it is only journalled."""
         cluster = self.cluster()
         if cluster is not None:
             cluster.on_notice(msg)
         else:
             self.control.journal.record(Event.NODE_NOTICE, node=msg.node, slurm_job=msg.job_id, hook=msg.hook,
                                         detail=msg.detail)
+        self.control.reply(identity, p.NodeNoticeAck(node=msg.node, job_id=msg.job_id, hook=msg.hook))

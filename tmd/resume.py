@@ -31,8 +31,9 @@ Cases at the restart:
 - a standby node with no process left is started again;
 - a standby the journal replay does not know (added at run time) is added when its processes re-register.
 
-Not resumed: a failure recovery (incident) that was in progress when tmd died; SLURM mode (its standby jobs
-and srun steps are not re-learned). Incident ids start again at 1 after a restart; migration ids go on.
+Not resumed: a failure recovery (incident) that was in progress when tmd died. ``tmd resume`` by hand does not
+take SLURM mode (its standby jobs and srun steps are not re-learned from disk); a tmd that crashed in SLURM mode
+is restarted in its process by tmd.supervise, which hands the SLURM side (poller, standby jobs, srun steps) over. Incident ids start again at 1 after a restart; migration ids go on.
 """
 from __future__ import annotations
 

@@ -6,13 +6,20 @@
 - Standbys: jobs in the standby reservation (``sbatch --reservation=standby slurm/standby.sbatch JOBID``) whose
   first script argument is this job's id. Once such a job runs, its nodes join the registry as standby nodes
   and tmd starts the standby workers into it (``srun --jobid=STANDBY_JOB --overlap``); they register and warm up.
+  With ``--keep-standbys N`` tmd submits such jobs itself (tmd.standby_pool) and cancels them when the job ends.
+  Every pick of a standby skips nodes that SLURM drains, and never picks one twice (Registry.warm_standbys).
 - Drains: a node of the job that an admin drains (``scontrol update NodeName=X State=DRAIN Reason=...``) is
   migrated to a warm standby automatically; the event records the admin's reason. After any committed migration
   the left node goes back to SLURM: the job holding it shrinks (``scontrol update JobId=J NodeList=...``), or a
   standby job with no node left in use is cancelled; a batch host (tmd's, or a standby job's still in use) stays
   until its job ends. So a draining node becomes DRAINED without waiting for the training job to end.
-- Hooks: the prolog reports (``slurm/hooks.py``) of the job and its standby jobs are journalled; the epilog's
-  :class:`tmd.protocol.NodeNotice` marks a standby node whose job ended as lost at once.
+- Failed nodes: a node whose processes failed (not one lost with its standby job's end) is drained
+  (``scontrol update NodeName=X State=DRAIN Reason="trainmover: ..."``, which needs SLURM operator rights) and
+  then handed back like a left node, so that the scheduler does not hand it out again until an admin resumes it.
+- Hooks: the prolog report (``slurm/hooks.py``) of each node of the job and of its standby jobs is journalled as
+  soon as it is there (SLURM may list a job as RUNNING while its prologs still run: tmd looks again with each
+  poll, for up to PROLOG_REPORT_WAIT_S); the epilog's :class:`tmd.protocol.NodeNotice` (acknowledged, journalled
+  once however often the hook resends it) marks a standby node whose job ended as lost at once.
 - ``$TM_STATE_DIR/jobs/<JOBID>/tmd.json`` (default ``~/.trainmover``) names tmd for ``tmctl --job JOBID``, the
   standby jobs and the epilog; tmd writes one for each of its standby jobs too.
 
@@ -23,14 +30,14 @@ the next poll; it never stops the job.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import queue
 import subprocess
+import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from tmd import protocol as p
 from tmd.control import JobControl
@@ -38,11 +45,13 @@ from tmd.local import LocalLauncher, Proc
 from tmd.migration import MigrationError
 from tmd.protocol.vocab import ErrorCode, Event, ExitCode, HookKind, NodeRole, StrEnum
 from tmd.rundir import private_dir, write_atomic
+from tmd.standby_pool import PoolPolicy, StandbyPoolConfig, parse_job_id, sbatch_argv
 
 DEFAULT_TIMEOUT_S = 5.0  # every SLURM client call
 DEFAULT_POLL_S = 1.0  # node states and standby jobs
 RESTART_BACKOFF_S = 2.0  # a standby node's workers are started at most this often
 DRAIN_ATTEMPTS = 3  # automatic migrations tried per draining node (an aborted one is retried)
+PROLOG_REPORT_WAIT_S = 120.0  # how long tmd looks for a node's prolog report once its job runs (no hooks: none)
 ANY_STANDBY = "any"  # a migrate target meaning: any warm standby node
 
 
@@ -69,12 +78,14 @@ class SlurmError(RuntimeError):
     """A SLURM client failed, timed out or is missing; the message is one line."""
 
 
-def run_slurm(argv: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, cwd: Optional[str] = None) -> str:
-    """Run a SLURM client (``squeue``, ``sinfo``, ``scontrol``...) in ``cwd`` and return its stdout. Raises
-    :class:`SlurmError` when it is not installed, runs longer than ``timeout_s`` seconds, or exits non-zero."""
+def run_slurm(argv: list[str], timeout_s: float = DEFAULT_TIMEOUT_S, cwd: Optional[str] = None,
+              env: Optional[dict[str, str]] = None) -> str:
+    """Run a SLURM client (``squeue``, ``sinfo``, ``scontrol``, ``sbatch``...) in ``cwd`` with ``env`` (None:
+    tmd's) and return its stdout. Raises :class:`SlurmError` when it is not installed, runs longer than
+    ``timeout_s`` seconds, or exits non-zero."""
     try:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
-                           cwd=cwd)
+                           cwd=cwd, env=env)
     except FileNotFoundError:
         raise SlurmError(f"{argv[0]} not found: is this a SLURM node (slurm-client installed, on PATH)?") from None
     except subprocess.TimeoutExpired:
@@ -97,16 +108,15 @@ def write_json_atomic(path: str, obj: dict) -> None:
                  json.dumps(obj).encode())
 
 
-def hook_reports(job_id: str, hook: HookKind) -> list[dict]:
-    """The reports slurm/hooks.py wrote for SLURM job ``job_id`` (``hook``: prolog or epilog), by node."""
-    out = []
-    for path in sorted(glob.glob(os.path.join(p.layout.hook_report_dir(job_id), f"{hook}.*.json"))):
-        try:
-            with open(path) as f:
-                out.append(json.load(f))
-        except (OSError, ValueError):
-            continue
-    return out
+def hook_report(job_id: str, hook: HookKind, node: str) -> Optional[dict]:
+    """The report slurm/hooks.py wrote for ``hook`` (prolog or epilog) on ``node`` of SLURM job ``job_id``, or
+    None while there is none (or none that reads as a JSON object)."""
+    try:
+        with open(os.path.join(p.layout.hook_report_dir(job_id), f"{hook}.{node}.json")) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -310,10 +320,11 @@ class SlurmCluster:
 
     def __init__(self, control: JobControl, launcher: SrunLauncher, job_id: str, nodes: list[str], batch_host: str,
                  reservation: str = "standby", poll_s: float = DEFAULT_POLL_S,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, command: Optional[list[str]] = None) -> None:
-        self.control = control
-        self.journal = control.journal
-        self.registry = control.registry
+                 timeout_s: float = DEFAULT_TIMEOUT_S, command: Optional[list[str]] = None,
+                 pool: Optional[StandbyPoolConfig] = None) -> None:
+        """``pool``: the standby pool's options (tmd.standby_pool; None or ``keep`` 0: standbys come only from
+        jobs submitted by hand)."""
+        self.attach(control)
         self.launcher = launcher
         self.job_id = job_id
         self.job_nodes = list(nodes)  # the training job's allocation, as SLURM has it now
@@ -333,6 +344,21 @@ class SlurmCluster:
         self._released: set[str] = set()
         self._releasing: dict[str, tuple[str, list[str], str]] = {}  # node -> (job, nodes it keeps, how)
         self._reservation_ok: Optional[bool] = None
+        self.pool_config = pool or StandbyPoolConfig()
+        self.pool = PoolPolicy(self.pool_config) if self.pool_config.keep > 0 else None
+        self._pool_live: set[str] = set()  # standby jobs tmd submitted that squeue still lists
+        self._lost_with_job: set[str] = set()  # nodes lost because their standby job ended: not drained
+        self._draining: set[str] = set()  # failed nodes tmd asked SLURM to drain
+        self._drained: set[str] = set()  # those SLURM drains: handed back like left nodes
+        self._cancelling: set[str] = set()  # drained standby jobs of the pool being cancelled
+        self._prologs_due: dict[tuple[str, str], float] = {}  # (SLURM job, node) -> until when to look for its report
+        self._notices: set[tuple[str, str, str]] = set()  # (hook, SLURM job, node) of the NodeNotices journalled
+
+    def attach(self, control: JobControl) -> None:
+        """Act on the job through ``control`` (the daemon, or the resumed one after a crash: tmd.supervise): its
+        journal and registry, whose standby picks then skip the nodes SLURM drains."""
+        self.control, self.journal, self.registry = control, control.journal, control.registry
+        self.registry.unusable = self._unusable
 
     # --- lifecycle ------------------------------------------------------------------------------------------------
     def requeue(self) -> Optional[str]:
@@ -348,13 +374,38 @@ class SlurmCluster:
         return None
 
     def start(self) -> None:
-        """Write ``jobs/<JOBID>/tmd.json``, journal the prolog reports of the job, start polling."""
+        """Write ``jobs/<JOBID>/tmd.json``, journal the prolog reports of the job's nodes, start polling."""
         self._write_link(self.job_id, standby_for=None)
-        self._journal_hooks(self.job_id)
+        self._expect_prologs(self.job_id, self.job_nodes)
         self.poller.start()
 
     def close(self) -> None:
+        """Stop polling (idempotent)."""
         self.poller.stop()
+
+    def job_ended(self) -> None:
+        """The training job is over (tmd's loop ends, the journal still open): stop polling and cancel the standby
+        jobs tmd submitted that have not started (they would hold a node for nothing once they do). A running one
+        ends by itself within its poll of the training job (tmd.slurm.hold_standby, 2 s): cancelling it here
+        would run its epilog at the same moment as the training job's, which on a one-host test cluster pushes
+        both over their time budget."""
+        self.close()
+        if self.pool is None:
+            return
+        snap = self.poller.latest  # a submission the loop has not seen yet
+        if snap is not None and snap.seq != self._seq:
+            for r in snap.done:
+                if r["action"] == "sbatch" and r["ok"] and r["result"].split(";")[0].isdigit():
+                    self._pool_live.add(r["result"].split(";")[0])
+        live = sorted((j for j in self._pool_live if j not in self.standby_jobs
+                       or self.standby_jobs[j].state in STARTING_STATES), key=int)
+        if not live:
+            return
+        try:
+            run_slurm(["scancel", *live], self.poller.timeout_s)
+            self.journal.record(Event.STANDBY_JOBS_CANCELLED, slurm_jobs=live, reason=f"job {self.job_id} ended")
+        except SlurmError as e:
+            self.journal.record(Event.SLURM_ERROR, error=f"could not cancel standby jobs {','.join(live)}: {e}")
 
     def _write_link(self, job_id: str, standby_for: Optional[str]) -> None:
         c = self.control
@@ -368,10 +419,24 @@ class SlurmCluster:
         except OSError as e:
             self.journal.record(Event.SLURM_ERROR, error=f"cannot write {path}: {e}")
 
-    def _journal_hooks(self, job_id: str) -> None:
-        for r in hook_reports(job_id, HookKind.PROLOG):
-            self.journal.record(Event.SLURM_HOOK, hook=HookKind.PROLOG, node=r.get("node"), slurm_job=job_id,
-                                ok=r.get("ok"), problems=r.get("problems"), duration_s=r.get("duration_s"))
+    def _expect_prologs(self, job_id: str, nodes: Iterable[str]) -> None:
+        """SLURM job ``job_id`` runs on ``nodes``: journal each node's prolog report once it is there."""
+        until = time.monotonic() + PROLOG_REPORT_WAIT_S
+        for name in nodes:
+            self._prologs_due.setdefault((job_id, name), until)
+        self._journal_prologs()
+
+    def _journal_prologs(self) -> None:
+        """Journal each prolog report due (:meth:`_expect_prologs`) that is there now, once; stop looking for one
+        after PROLOG_REPORT_WAIT_S (a cluster without TrainMover's hooks writes none)."""
+        now = time.monotonic()
+        for (jid, name), until in list(self._prologs_due.items()):
+            r = hook_report(jid, HookKind.PROLOG, name)
+            if r is not None:
+                self.journal.record(Event.SLURM_HOOK, hook=HookKind.PROLOG, node=name, slurm_job=jid,
+                                    ok=r.get("ok"), problems=r.get("problems"), duration_s=r.get("duration_s"))
+            if r is not None or now > until:
+                del self._prologs_due[(jid, name)]
 
     def _say(self, key: str, event: Event, **fields) -> None:
         """Journal ``event`` unless the same thing was said last time under ``key``."""
@@ -404,7 +469,11 @@ class SlurmCluster:
                 self.journal.record(Event.SLURM_NODE_STATE, node=name, state=st[0], reason=st[1],
                                     role=node.role if node else None)
         self._drains()
+        self._drain_failed_nodes()
         self._release_left_nodes()
+        self._refill()
+        if self._prologs_due:
+            self._journal_prologs()
 
     # --- standby jobs ---------------------------------------------------------------------------------------------
     def _standby_jobs(self, jobs: dict[str, StandbyJob]) -> None:
@@ -418,6 +487,11 @@ class SlurmCluster:
             sj = jobs.get(jid)
             if sj is None or sj.state != SlurmJobState.RUNNING:
                 self._standby_job_gone(jid, f"standby job {jid} {'ended' if sj is None else 'is ' + sj.state}")
+        for jid in sorted(self._pool_live - jobs.keys()):
+            self._pool_live.discard(jid)
+            wait = self.pool.job_ended(jid, self.ended.get(jid, "it left the queue")) if self.pool else None
+            if wait is not None:
+                self.journal.record(Event.STANDBY_POOL_REFUSED, reason=self.pool.reason, retry_in_s=wait)
         self.standby_jobs = jobs
 
     def _adopt(self, sj: StandbyJob) -> None:
@@ -435,7 +509,7 @@ class SlurmCluster:
         self.poller.watch(added)
         self._write_link(sj.job_id, standby_for=self.job_id)
         self.journal.record(Event.STANDBY_JOB_RUNNING, slurm_job=sj.job_id, nodes=added)
-        self._journal_hooks(sj.job_id)
+        self._expect_prologs(sj.job_id, sj.nodes)
         for name in added:
             self.launcher.start_node(name, standby=True)
 
@@ -449,6 +523,7 @@ class SlurmCluster:
         node = self.registry.nodes.get(name)
         if node is None or node.role in (NodeRole.FAILED, NodeRole.LEFT):
             return
+        self._lost_with_job.add(name)  # its job ended: nothing says the node is unfit
         m = self.control.current_migration
         if m is not None and name in m.targets:
             self.control.abort_migration(m, f"{why} during {m.state}")
@@ -462,7 +537,12 @@ class SlurmCluster:
             self.journal.record(Event.NODE_LOST, node=name, role=node.role, reason=why)
 
     def on_notice(self, msg: "p.NodeNotice") -> None:
-        """The epilog on ``msg.node`` ran for SLURM job ``msg.job_id``: the node left that job."""
+        """The epilog on ``msg.node`` ran for SLURM job ``msg.job_id``: the node left that job. A copy of a notice
+        already handled (the hook resends until tmd acknowledges) changes nothing."""
+        key = (str(msg.hook), msg.job_id, msg.node)
+        if key in self._notices:
+            return
+        self._notices.add(key)
         self.journal.record(Event.SLURM_HOOK, hook=msg.hook, node=msg.node, slurm_job=msg.job_id, detail=msg.detail)
         if msg.hook == HookKind.EPILOG and msg.job_id in self.adopted and msg.node in self.adopted[msg.job_id]:
             self._node_lost(msg.node, f"standby job {msg.job_id} ended (epilog on {msg.node})")
@@ -498,13 +578,14 @@ class SlurmCluster:
                                 slurm_reason=reason)
 
     def _release_left_nodes(self) -> None:
-        """Give a node whose ranks left back to SLURM, so that an admin's drain of it completes: shrink the job that
-        holds it (the training job, or a standby job the ranks had moved into), or cancel a standby job left with
-        no node in use. Never the batch host (tmd runs there). One release at a time."""
+        """Give a node whose ranks left, or a failed node tmd drained, back to SLURM, so that the drain completes:
+        shrink the job that holds it (the training job, or a standby job the ranks had moved into), or cancel a
+        standby job left with no node in use. Never the batch host (tmd runs there). One release at a time."""
         if self._releasing:
             return
         for name, node in self.registry.nodes.items():
-            if node.role != NodeRole.LEFT or name in self._released or self.launcher.running(name):
+            if not (node.role == NodeRole.LEFT or name in self._drained) or name in self._released or \
+                    self.launcher.running(name):
                 continue  # (a leaver's processes may still be exiting)
             owner = self.launcher.node_job.get(name)
             if name == self.batch_host or owner is None:
@@ -532,7 +613,113 @@ class SlurmCluster:
             return
 
     def _on_action_done(self, r: dict) -> None:
-        name = r["action"].split(" ", 1)[1]
+        kind, _, arg = r["action"].partition(" ")
+        if kind == "sbatch":
+            self._submitted(r)
+        elif kind == "drain":
+            if r["ok"]:
+                self._drained.add(arg)
+                self.journal.record(Event.SLURM_NODE_DRAINED, node=arg, reason=self._drain_reason(arg))
+            else:  # not handed back either: SLURM gets it with the job's end, and its prolog checks it then
+                self.journal.record(Event.SLURM_ERROR, error=f"could not drain failed node {arg}: {r['error']}")
+        elif kind == "cancel":
+            self.journal.record(Event.STANDBY_JOBS_CANCELLED, slurm_jobs=[arg], reason="its nodes are drained")
+            if not r["ok"]:
+                self.journal.record(Event.SLURM_ERROR, error=f"could not cancel standby job {arg}: {r['error']}")
+        else:
+            self._release_done(arg, r)
+
+    # --- failed nodes ---------------------------------------------------------------------------------------------
+    def _drain_reason(self, name: str) -> str:
+        why = " ".join(self.registry.nodes[name].reason.split())[:160] or "its processes failed"
+        return f"trainmover: job {self.job_id}: {why}"
+
+    def _drain_failed_nodes(self) -> None:
+        """Ask SLURM to drain each node of the job that failed (its processes died, hung or were cut off; not one
+        lost with its standby job's end), with the reason, then hand it back (:meth:`_release_left_nodes`), so
+        that it becomes DRAINED and the scheduler gives it to nobody until an admin resumes it."""
+        for name, node in self.registry.nodes.items():
+            if node.role != NodeRole.FAILED or name in self._draining or name in self._lost_with_job or \
+                    name not in self.launcher.node_job:
+                continue
+            self._draining.add(name)
+            argv = ["scontrol", "update", f"NodeName={name}", "State=DRAIN", f"Reason={self._drain_reason(name)}"]
+            timeout_s = self.poller.timeout_s
+            self.poller.submit(f"drain {name}", lambda argv=argv: run_slurm(argv, timeout_s).strip())
+
+    # --- the standby pool (tmd.standby_pool) ----------------------------------------------------------------------
+    def standbys_on_the_way(self) -> int:
+        """Standby nodes warm or on their way: the job's standbys (warm or warming) that SLURM does not drain,
+        plus one per standby job of this job that has not started."""
+        nodes = sum(1 for names in self.adopted.values() for n in names
+                    if self.registry.nodes[n].role == NodeRole.STANDBY and self._unusable(n) is None)
+        return nodes + sum(1 for sj in self.standby_jobs.values() if sj.state in STARTING_STATES)
+
+    def _refill(self) -> None:
+        """Submit one standby job when the pool is short and its policy allows (one at a time)."""
+        pool = self.pool
+        if pool is None:
+            return
+        for jid, names in self.adopted.items():
+            if jid not in pool.useful and any(self.registry.nodes[n].warm for n in names):
+                pool.warm(jid)
+        self._cancel_drained_standbys()
+        have = self.standbys_on_the_way()
+        if not pool.due(have, self._reservation_ok, self.reservation):
+            if pool.reason and have < pool.config.keep:
+                self._say("pool", Event.STANDBY_POOL_WAITING, reason=pool.reason, have=have, keep=pool.config.keep)
+            return
+        pool.submitting()
+        argv = sbatch_argv(self.pool_config, self.reservation, self.job_id, self.control.run_dir)
+        # the standby job holds its node with tmd's interpreter; SLURM_* of tmd's own job would confuse sbatch
+        env = {**self.launcher.base_env(), "TM_PYTHON": sys.executable}
+        timeout_s, cwd = self.poller.timeout_s, os.getcwd()
+        self.poller.submit("sbatch", lambda: run_slurm(argv, timeout_s, cwd, env).strip())
+
+    def _submitted(self, r: dict) -> None:
+        pool = self.pool
+        try:
+            jid = parse_job_id(r["result"]) if r["ok"] else None
+        except ValueError as e:
+            r, jid = {"error": str(e)}, None
+        if jid is None:
+            wait = pool.refused(r["error"])
+            self.journal.record(Event.STANDBY_POOL_REFUSED, reason=pool.reason, retry_in_s=wait)
+            return
+        pool.submitted(jid)
+        self._pool_live.add(jid)
+        self._said.pop("pool", None)
+        self.journal.record(Event.STANDBY_JOB_SUBMITTED, slurm_job=jid, reservation=self.reservation,
+                            keep=pool.config.keep, have=self.standbys_on_the_way())
+
+    def _cancel_drained_standbys(self) -> None:
+        """A standby job tmd submitted whose every node SLURM drains and none is in use is cancelled, so that the
+        drain completes (the pool submits another)."""
+        for jid, names in self.adopted.items():
+            if jid in self._cancelling or jid not in self.pool.jobs or not names:
+                continue
+            if all(self.registry.nodes[n].role == NodeRole.STANDBY and DRAIN in self.node_state.get(n, ("", ""))[0]
+                   for n in names):
+                self._cancelling.add(jid)
+                timeout_s = self.poller.timeout_s
+                self.poller.submit(f"cancel {jid}", lambda jid=jid: run_slurm(["scancel", jid], timeout_s).strip())
+
+    def status(self) -> dict:
+        """StatusReply's ``slurm``: ``job``, ``reservation``, ``reservation_ok`` (None: not known yet),
+        ``standbys`` (:meth:`describe_standbys`), ``drained`` (failed nodes tmd drained) and ``pool``: None
+        without ``--keep-standbys``, else the policy's state (tmd.standby_pool.PoolPolicy.to_dict) with
+        ``pending``, each standby job of this job that has not started and squeue's reason."""
+        pool = None
+        if self.pool is not None:
+            pool = self.pool.to_dict(self.standbys_on_the_way())
+            pool["pending"] = [{"slurm_job": jid, "state": sj.state, "reason": sj.reason or None}
+                               for jid, sj in sorted(self.standby_jobs.items()) if sj.state in STARTING_STATES]
+            if self._reservation_ok is False:
+                pool["reason"] = f"reservation '{self.reservation}' does not exist"
+        return {"job": self.job_id, "reservation": self.reservation, "reservation_ok": self._reservation_ok,
+                "standbys": self.describe_standbys(), "drained": sorted(self._drained), "pool": pool}
+
+    def _release_done(self, name: str, r: dict) -> None:
         owner, keep, how = self._releasing.pop(name)
         self._released.add(name)  # on failure too: do not retry; the node comes back to SLURM with its job's end
         if not r["ok"]:
@@ -547,18 +734,36 @@ class SlurmCluster:
                             how=how)
 
     # --- targets --------------------------------------------------------------------------------------------------
-    def _usable(self, name: str) -> bool:
+    def _unusable(self, name: str) -> Optional[str]:
+        """Why SLURM says standby ``name`` must not take ranks (draining, down, ...), or None."""
         state = self.node_state.get(name, ("", ""))[0]
-        return not any(bad in state for bad in UNUSABLE)
+        return f"SLURM has {name} {state}" if any(bad in state for bad in UNUSABLE) else None
 
-    def pick_standby(self, job_id: Optional[str] = None) -> Optional[str]:
-        """A warm standby node (of standby job ``job_id`` if given) that SLURM does not drain, or None."""
-        names = self.adopted.get(job_id, []) if job_id else [n for ns in self.adopted.values() for n in ns]
-        for name in sorted(names):
-            node = self.registry.nodes.get(name)
-            if node is not None and node.warm and self._usable(name):
-                return name
+    def pick_standby(self, job_id: Optional[str] = None, exclude: Iterable[str] = ()) -> Optional[str]:
+        """A warm standby node (of standby job ``job_id`` if given) that SLURM does not drain and that is not in
+        ``exclude`` (those already chosen), or None."""
+        names = set(self.adopted.get(job_id, [])) if job_id else None
+        for node in sorted(self.registry.warm_standbys(exclude), key=lambda n: n.name):
+            if names is None or node.name in names:
+                return node.name
         return None
+
+    def resolve_targets(self, targets: list[str]) -> list[str]:
+        """The standby nodes a migrate request's targets mean (:meth:`resolve_target` for each), never one node
+        twice: ``any``, ``job:J`` and job ids pick among the warm standbys not named or picked before. Raises
+        MigrationError ``busy_standby`` when it holds more ``any`` than there are warm standbys besides those it
+        names, naming how many are warm, and as :meth:`resolve_target` does."""
+        named = [t for t in targets if t in self.registry.nodes]
+        wanted = targets.count(ANY_STANDBY)
+        free = [n.name for n in self.registry.warm_standbys(named)]
+        if wanted > len(free):
+            raise MigrationError(ErrorCode.BUSY_STANDBY, f"the request needs {wanted} warm standbys ('{ANY_STANDBY}')"
+                                 f" besides those it names, and {len(free)} {'is' if len(free) == 1 else 'are'} warm"
+                                 f"{': ' + ', '.join(free) if free else ''} ({self.describe_standbys()})")
+        chosen: list[str] = []
+        for t in targets:
+            chosen.append(self.resolve_target(t, exclude=named + chosen))
+        return chosen
 
     def describe_standbys(self) -> str:
         """One line: each standby job of this job and its state."""
@@ -574,14 +779,15 @@ class SlurmCluster:
             parts.append(f"reservation '{self.reservation}' does not exist")
         return "; ".join(parts) or f"no standby job in reservation '{self.reservation}'"
 
-    def resolve_target(self, target: str) -> str:
+    def resolve_target(self, target: str, exclude: Iterable[str] = ()) -> str:
         """The standby node a migrate request means: a node name as is; ``any`` -> a warm standby node; a standby
-        job id -> a warm node of that job. Raises MigrationError ``busy_standby`` when that job has not started or
-        has no warm node yet, ``unknown_standby`` for a job id that is not a standby job of this job."""
+        job id -> a warm node of that job; never one in ``exclude``. Raises MigrationError ``busy_standby`` when
+        that job has not started or has no warm node left, ``unknown_standby`` for a job id that is not a standby
+        job of this job."""
         if target in self.registry.nodes:
             return target
         if target == ANY_STANDBY:
-            name = self.pick_standby()
+            name = self.pick_standby(exclude=exclude)
             if name is None:
                 raise MigrationError(ErrorCode.BUSY_STANDBY, f"no warm standby yet: {self.describe_standbys()}")
             return name
@@ -596,9 +802,10 @@ class SlurmCluster:
             if sj.state != SlurmJobState.RUNNING:
                 raise MigrationError(ErrorCode.BUSY_STANDBY, f"standby job {jid} has not started: {sj.state}"
                                      + (f" ({sj.reason})" if sj.reason else ""))
-            name = self.pick_standby(jid)
+            name = self.pick_standby(jid, exclude)
             if name is None:
-                raise MigrationError(ErrorCode.BUSY_STANDBY, f"standby job {jid} is running but has no warm node yet")
+                raise MigrationError(ErrorCode.BUSY_STANDBY, f"standby job {jid} is running but has no warm node "
+                                     f"{'left' if exclude else 'yet'}")
             return name
         return target
 

@@ -46,13 +46,15 @@ def status_reply(job: str, registry: Registry, migration: Optional[Episode], rec
                  stragglers: Callable[[Node], list[int]], decorate: Optional[Callable[[list[dict]], None]] = None,
                  now: Optional[float] = None, failure: Optional[dict] = None,
                  warnings: Optional[list[dict]] = None, page: Optional[str] = None,
-                 config: Optional[dict] = None, checkpoints: Optional[dict] = None) -> p.StatusReply:
+                 config: Optional[dict] = None, checkpoints: Optional[dict] = None,
+                 slurm: Optional[dict] = None) -> p.StatusReply:
     """The StatusReply of job ``job``: ``migration`` and ``recovery`` are the latest of each (or None);
     ``stragglers(node)`` gives a node's straggler ranks; ``decorate`` may add fields to the node dicts (SLURM
     mode); ``now`` defaults to time.monotonic(); ``failure``: why the job failed (tmd.faults), ``warnings``: the
     misuse ranks reported; ``page``: the status page's address (tmd.web), None when it is off; ``config``: the
     job's settings (tmd.config.JobConfig.to_dict()); ``checkpoints``: the checkpoint tier's state
-    (tmd.tiers.Tier.status), None when it is off."""
+    (tmd.tiers.Tier.status), None when it is off; ``slurm``: the SLURM side's summary
+    (tmd.slurm.SlurmCluster.status), None in local mode."""
     now = time.monotonic() if now is None else now
     nodes = [node_status(n, now, stragglers(n)) for n in registry.nodes.values()]
     if decorate is not None:
@@ -61,4 +63,5 @@ def status_reply(job: str, registry: Registry, migration: Optional[Episode], rec
                          step=registry.current_step(), nodes=nodes,
                          migration=migration.to_dict() if migration else None,
                          recovery=recovery.to_dict() if recovery else None, failure=failure,
-                         warnings=list(warnings or []), page=page, config=config, checkpoints=checkpoints)
+                         warnings=list(warnings or []), page=page, config=config, checkpoints=checkpoints,
+                         slurm=slurm)

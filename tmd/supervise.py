@@ -4,10 +4,11 @@ tmd's loop survives bad input and a failing handler (tmd.daemon); what is left, 
 ends :meth:`tmd.daemon.Daemon.run` with :class:`tmd.daemon.TmdCrashed` (journalled as ``tmd_crashed``) and leaves
 the ranks training. :func:`supervise` then builds a resumed daemon from the run directory's journal
 (tmd.resume.load: the same address, a new store, the workers re-register), hands it the crashed one's process
-launcher (local mode: the handles of the processes it started, so their exits are still seen with their codes)
-and SLURM cluster, and runs it; the resumed daemon journals ``tmd_restarted``. After ``max_crashes`` crashes
-within ``window_s`` seconds it gives up and returns, leaving the ranks running: ``tmd resume --run-dir DIR``
-restarts tmd by hand then. A job that ended, or a tmd the user stopped (SIGTERM/SIGINT), is never restarted.
+launcher (the handles of the processes it started, so their exits are still seen with their codes: local
+processes, or srun steps) and SLURM cluster (its poller, standby jobs and standby pool), and runs it; the resumed
+daemon journals ``tmd_restarted``. ``tmd local`` and ``tmd slurm`` both run under it. After ``max_crashes``
+crashes within ``window_s`` seconds it gives up and returns, leaving the ranks running: ``tmd resume --run-dir
+DIR`` restarts a local job's tmd by hand then. A job that ended, or a tmd the user stopped (SIGTERM/SIGINT), is never restarted.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def hand_over(crashed: Daemon, resumed: Daemon) -> None:
         resumed.launcher = crashed.launcher
     cluster = crashed.cluster
     if cluster is not None:
-        cluster.control, cluster.journal, cluster.registry = resumed, resumed.journal, resumed.registry
+        cluster.attach(resumed)
         for nodes in cluster.adopted.values():
             for name in nodes:
                 if name not in resumed.registry.nodes:

@@ -80,6 +80,12 @@ def test_the_detector_and_the_daemon_take_their_thresholds_from_the_config(tmp_p
     ({"port": 70000}, "--port must be at most 65535, not 70000"),
     ({"poll_s": 0.01}, "--poll-s must be at least 0.1 s, not 0.01"),
     ({"migrate_stragglers": 1}, "--migrate-stragglers must be of type bool, not 1"),
+    ({"iface": "eth0/x"}, "--iface: 'eth0/x' is not a network interface name (1 to 15 characters"),
+    ({"iface": "a" * 16}, "--iface: 'aaaaaaaaaaaaaaaa' is not a network interface name"),
+    ({"checkpoint_every": -1}, "--checkpoint-every must be at least 0, not -1"),
+    ({"checkpoint_keep": 0}, "--checkpoint-keep must be at least 1, not 0"),
+    ({"standby_wait_s": -1.0}, "--standby-wait-s must be at least 0 s, not -1"),
+    ({"keep_standbys": -1}, "--keep-standbys must be at least 0, not -1"),
 ])
 def test_a_bad_setting_is_refused_at_construction_in_one_line(options, message):
     with pytest.raises(ConfigError) as e:
@@ -177,6 +183,58 @@ def test_resume_option_out_of_range_exits_2_in_one_line(tmp_path, capsys):
         "error: the detection thresholds must rise, --blocked-after-s < --suspect-after-s < --heartbeat-timeout-s: "
         "not 0.5, 1.5, 1 (seconds)"]
     assert len(configs(run_dir)) == 1  # nothing restarted
+
+
+# --- the interface, the checkpoint tier and the standby pool: sections like the others -------------------------
+OPERATIONS = DEFAULTS.with_options(iface="tm0", checkpoint_dir="/ckpt/job", checkpoint_every=50, checkpoint_keep=3,
+                                   standby_wait_s=30.0, keep_standbys=2)
+
+
+def test_the_interface_checkpoint_and_pool_settings_are_journalled_restored_by_resume_and_shown(tmp_path):
+    from tmctl.render import config_line
+
+    assert (DEFAULTS.network.iface, DEFAULTS.slurm.keep_standbys) == (None, 0)
+    assert (DEFAULTS.checkpoint.checkpoint_dir, DEFAULTS.checkpoint.checkpoint_every,
+            DEFAULTS.checkpoint.checkpoint_keep, DEFAULTS.checkpoint.standby_wait_s) == (None, 0, 2, 0.0)
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir, mode=0o700)
+    Daemon("t", run_dir, ["n1"], 1, [], OPERATIONS, echo=False).close()
+    assert configs(run_dir)[0]["config"]["network"] == {"iface": "tm0"}
+    assert configs(run_dir)[0]["config"]["checkpoint"] == {"checkpoint_dir": "/ckpt/job", "checkpoint_every": 50,
+                                                           "checkpoint_keep": 3, "standby_wait_s": 30.0}
+    assert configs(run_dir)[0]["config"]["slurm"]["keep_standbys"] == 2
+    assert load(run_dir).config == OPERATIONS  # tmd resume restores them (none is a resume option)
+    assert config_line(OPERATIONS.to_dict()) == ("config: iface=tm0 checkpoint_dir=/ckpt/job checkpoint_every=50 "
+                                                 "checkpoint_keep=3 standby_wait_s=30.0 keep_standbys=2")
+
+
+def test_a_command_line_sets_them_through_the_config_and_tm_ifname_is_the_interface_option(monkeypatch):
+    seen, config = {}, cli._config
+
+    def build(base, given, **more):  # the config the command would run with, and stop there
+        seen["config"] = config(base, given, **more)
+        raise typer.Exit(0)
+    monkeypatch.setattr(cli, "_config", build)
+    monkeypatch.setenv("TM_IFNAME", "ib0")
+    with pytest.raises(SystemExit):
+        cli.main(["slurm", "--keep-standbys", "2", "--checkpoint-dir", "/ckpt/job", "--checkpoint-every", "50",
+                  "--checkpoint-keep", "3", "--standby-wait-s", "30", "--", "true"])
+    assert seen["config"] == OPERATIONS.with_options(iface="ib0")  # from TM_IFNAME
+    monkeypatch.delenv("TM_IFNAME")
+    with pytest.raises(SystemExit):
+        cli.main(["local", "--iface", "tm0", "--", "true"])
+    assert seen["config"] == DEFAULTS.with_options(iface="tm0")
+
+
+def test_checkpoint_settings_without_a_checkpoint_dir_exit_2_in_one_line(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    for argv, line in ((["--checkpoint-every", "5"], "error: --checkpoint-every and --standby-wait-s need "
+                                                     "--checkpoint-dir"),
+                       (["--checkpoint-keep", "0"], "error: --checkpoint-keep must be at least 1, not 0")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["local", *argv, "--run-dir", str(run_dir), "--", "true"])
+        assert e.value.code == ExitCode.REFUSED and capsys.readouterr().err.splitlines() == [line]
+    assert not run_dir.exists()
 
 
 def test_click_sees_a_bool_setting_as_a_switch_pair():

@@ -77,6 +77,7 @@ def test_each_role_is_served_from_its_own_senders(daemon):
     assert daemon.sent[-1] == (b"tmctl-1", p.ErrorReply(code=p.ErrorCode.UNKNOWN_NODE, message=(
         "unknown node 'n9': it is not part of this job (active nodes: n1, n2)")))
     daemon.on_frames([b"epilog", p.encode(p.NodeNotice(node="s1", job_id="7", hook=p.HookKind.EPILOG, detail="x"))])
+    assert daemon.sent[-1] == (b"epilog", p.NodeNoticeAck(node="s1", job_id="7", hook=p.HookKind.EPILOG))
     events = [e["event"] for e in daemon.journal.since(0, 1000)]
     assert Event.NODE_NOTICE in events and Event.MIGRATE_REFUSED in events and refusals(daemon) == []
 

@@ -156,8 +156,8 @@ def test_tmd_local_refuses_a_name_that_is_no_interface_name_in_one_line(tmp_path
                         "eth0/x", "--", sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60)
     assert r.returncode == p.ExitCode.REFUSED, r
     assert r.stderr.strip().splitlines() == [
-        "error: Invalid value for --iface: 'eth0/x' is not a network interface name (1 to 15 characters of letters, "
-        "digits and _.:@-)"], r.stderr
+        "error: --iface: 'eth0/x' is not a network interface name (1 to 15 characters of letters, digits and "
+        "_.:@-)"], r.stderr
     assert not (tmp_path / "run").exists()
 
 

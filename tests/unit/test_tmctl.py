@@ -160,7 +160,7 @@ def test_status_json_is_the_reply(fake):
     data = json.loads(r.stdout)
     assert data == {"job": "local-abc", "world_size": 4, "generation": 1, "step": 42, "nodes": NODES,
                     "migration": None, "recovery": None, "failure": None, "warnings": [], "page": None,
-                    "config": CONFIG, "checkpoints": None}
+                    "config": CONFIG, "checkpoints": None, "slurm": None}
     assert data["config"]["detection"]["heartbeat_timeout_s"] == 12.0
 
 

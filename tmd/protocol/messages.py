@@ -372,6 +372,8 @@ class StatusReply(Message, sender=Sender.COORDINATOR):
     # the checkpoint tier (tmd.tiers.Tier.status): dir, every, keep, latest (step), failed (the last failed
     # save's message or None), restarts (one dict per restart from a checkpoint); None when checkpoints are off
     checkpoints: Optional[dict] = None
+    # SLURM mode: reservation, pool (the standby pool: keep, have, submitted, reason, retry_in_s, pending); else None
+    slurm: Optional[dict] = None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -433,18 +435,28 @@ class ErrorReply(Message, sender=Sender.COORDINATOR):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# SLURM hooks -> tmd (one way: tmd answers nothing)
+# SLURM hooks -> tmd, acknowledged
 # --------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(kw_only=True)
 class NodeNotice(Message, sender=Sender.HOOK):
     """A SLURM hook on ``node`` reports on SLURM job ``job_id`` (the job's own id, or that of one of its standby
     jobs). ``hook`` is ``epilog`` (the node left that job: the job ended, or the node was released from it).
-    ``detail`` is free text for the journal, e.g. what the epilog cleaned up."""
+    ``detail`` is free text for the journal, e.g. what the epilog cleaned up. tmd answers each copy with a
+    :class:`NodeNoticeAck` and acts on the first (the hook resends until acknowledged, within its time budget)."""
 
     node: str
     job_id: str
     hook: HookKind
     detail: str
+
+
+@dataclasses.dataclass(kw_only=True)
+class NodeNoticeAck(Message, sender=Sender.COORDINATOR):
+    """tmd has the :class:`NodeNotice` of ``hook`` on ``node`` for SLURM job ``job_id`` (journalled once)."""
+
+    node: str
+    job_id: str
+    hook: HookKind
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -361,6 +361,11 @@ class Event(StrEnum):
     DRAIN_MIGRATION = "drain_migration"
     DRAIN_MIGRATION_WAITING = "drain_migration_waiting"
     DRAIN_MIGRATION_GAVE_UP = "drain_migration_gave_up"
+    SLURM_NODE_DRAINED = "slurm_node_drained"  # tmd drained a failed node (reason "trainmover: ...")
+    STANDBY_JOB_SUBMITTED = "standby_job_submitted"  # the standby pool (tmd.standby_pool) submitted a standby job
+    STANDBY_POOL_WAITING = "standby_pool_waiting"  # the pool is short and cannot submit now (with why)
+    STANDBY_POOL_REFUSED = "standby_pool_refused"  # sbatch refused, or a standby job ended unused: backing off
+    STANDBY_JOBS_CANCELLED = "standby_jobs_cancelled"  # standby jobs tmd submitted, cancelled (the job ended)
 
 
 MIGRATION_EVENTS: dict[MigrationState, Event] = {
