@@ -76,14 +76,14 @@ def test_raw_state_reads_and_writes_the_parameters_themselves():
     model = torch.nn.Sequential(Fused())
     raw = RawState(model)
     state = raw.state_dict()
-    assert sorted(state) == ["0.count", "0.wqkv"]  # no hook, no non-persistent buffer
-    assert state["0.wqkv"].untyped_storage().data_ptr() == model[0].wqkv.untyped_storage().data_ptr()
-    raw.load_state_dict({"0.wqkv": torch.full((6,), 7.0), "0.count": torch.ones(())})
+    assert sorted(state) == ["model.0.count", "model.0.wqkv"]  # no hook, no non-persistent buffer
+    assert state["model.0.wqkv"].untyped_storage().data_ptr() == model[0].wqkv.untyped_storage().data_ptr()
+    raw.load_state_dict({"model.0.wqkv": torch.full((6,), 7.0), "model.0.count": torch.ones(())})
     assert model[0].wqkv.tolist() == [7.0] * 6 and model[0].count.item() == 1.0
     with pytest.raises(KeyError, match="missing keys"):
-        raw.load_state_dict({"0.wqkv": torch.zeros(6)})
+        raw.load_state_dict({"model.0.wqkv": torch.zeros(6)})
     with pytest.raises(KeyError, match="unknown keys"):
-        raw.load_state_dict({"0.wq": torch.zeros(3)}, strict=False)
+        raw.load_state_dict({"model.0.wq": torch.zeros(3)}, strict=False)
     assert model[0].wqkv.tolist() == [7.0] * 6  # nothing copied after a refusal
     assert [n for n, _ in raw.named_parameters()] == ["model.0.wqkv"]  # the runtime finds the trained parameters
 

@@ -43,10 +43,14 @@ from worker.integrations import torchtitan_cpu
 
 __all__ = ["mover_trainer", "mover_trainer_class", "main", "RawState"]
 
+#: the flags torchtitan's ConfigManager needs (the config registry's module and function); every other flag is
+#: torchtitan's own (tyro, from the config's fields)
+REQUIRED_FLAGS = ("--module", "--config")
+
 
 class RawState(torch.nn.Module):
-    """A model part's state as the runtime manages it: every parameter and persistent buffer by name, as the
-    module holds it (FSDP2 / TP: this rank's DTensor shard), bypassing the modules' state_dict hooks.
+    """A model part's state as the runtime manages it: every parameter and persistent buffer by name (``model.``
+    and the name in the model, as ``named_parameters()`` gives it), as the module holds it (FSDP2 / TP: this rank's DTensor shard), bypassing the modules' state_dict hooks.
 
     torchtitan's own ``state_dict`` runs hooks that issue collectives (``FusedQKVLinear`` gathers ``wqkv`` to
     Replicate and splits it into ``wq``/``wk``/``wv``, for checkpoint interoperability); the runtime reads a
@@ -60,8 +64,8 @@ class RawState(torch.nn.Module):
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        for prefix, module in self.model.named_modules():
-            dot = prefix + "." if prefix else ""
+        for prefix, module in self.model.named_modules(prefix="model"):  # the names named_parameters() gives
+            dot = prefix + "."
             for name, param in module._parameters.items():
                 if param is not None:
                     out.setdefault(dot + name, param)
@@ -200,14 +204,19 @@ def main(argv: Optional[list[str]] = None, on_finish: Optional[Callable[[Any], O
          extend: Optional[Callable[[type], type]] = None) -> None:
     """torchtitan's ``torchtitan.train.main`` under the runtime: parse ``argv`` (torchtitan's flags, default
     ``sys.argv[1:]``) with torchtitan's ``ConfigManager``, build the trainer with :func:`mover_trainer`, train,
-    close. ``extend`` as for :func:`mover_trainer`. ``on_finish(trainer)``, on active ranks after the last step, may return a note (a final state hash) for
+    close. ``extend`` as for :func:`mover_trainer`. Exits (SystemExit, a one-line message) when ``--module`` or
+    ``--config`` is missing, before anything starts. ``on_finish(trainer)``, on active ranks after the last step, may return a note (a final state hash) for
     ``session.finish``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if missing := [f for f in REQUIRED_FLAGS if not any(a == f or a.startswith(f + "=") for a in argv)]:
+        raise SystemExit(f"worker.integrations.torchtitan: missing {' and '.join(missing)} (torchtitan's config "
+                         "registry, e.g. --module torchtitan.models.llama3 --config llama3_debugmodel)")
     torchtitan_cpu.apply()
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
 
     init_logger()
-    config = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
+    config = ConfigManager().parse_args(argv)
     trainer = mover_trainer(config, extend)
     try:
         trainer.train()
