@@ -1,12 +1,13 @@
 """torchtitan configs of the runtime's torchtitan example and tests, for ``--module examples.torchtitan.config``.
 
 ``llama3_tiny``: torchtitan's own ``llama3_debugmodel`` (6 layers, dim 256, vocab 2048, flex attention) with a step
-small enough for a CPU: sequence 64, batch 2 per data-parallel rank, 32 steps, warm-up 2, seed 0 and deterministic
-algorithms. The dataset is ``c4_test``'s format (``{"text": ...}`` JSON lines) read from ``--dataloader.dataset-path``
-(``python -m examples.torchtitan.make_data DIR`` writes one; the hub is never asked), the tokenizer
-torchtitan's test tokenizer shipped beside this file. The SPMD backend is ``partial_dtensor``, activation checkpointing off
-(docs/limits.md: ``spmd_types`` under FSDP). torchtitan's checkpoints (``--checkpoint.enable``), validation and
-per-step metrics are off unless asked for on the command line.
+small enough for a CPU: sequence 64, batch 2 per data-parallel rank, 32 steps, warm-up 2, seed 0 and
+deterministic algorithms, activation checkpointing off. The dataset is ``c4_test``'s format (``{"text": ...}``
+JSON lines) read from ``--dataloader.dataset-path`` (``python -m examples.torchtitan.make_data DIR`` writes one;
+the hub is never asked), the tokenizer torchtitan's test tokenizer shipped beside this file. The SPMD backend is
+``partial_dtensor`` (docs/limits.md: ``spmd_types`` under FSDP). torchtitan's checkpoints
+(``--checkpoint.enable``) and validation are off, metrics logged every 8 steps, unless the command line says
+otherwise.
 """
 from __future__ import annotations
 

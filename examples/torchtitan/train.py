@@ -33,6 +33,11 @@ from examples.train_gpt import FaultPhase, kill_node, parse_faults, write_final 
 from worker.integrations import torchtitan_cpu  # noqa: E402
 
 
+# the dataset is a local folder (examples.torchtitan.make_data): never ask the Hugging Face hub
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     """This driver's flags, and the rest (torchtitan's)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -47,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     if args.steps is not None:
         rest += ["--training.steps", str(args.steps)]
     args.fault = parse_faults(p, args.fault)
+    if FaultPhase.BACKWARD in args.fault.values():
+        p.error("--fault: the backward phase is not supported here (forward, optimizer or between)")
     if not args.run_dir:
         p.error("--run-dir (or TM_RUN_DIR) is needed")
     return args, rest
@@ -101,10 +108,13 @@ def mover(args: argparse.Namespace, rest: list[str]) -> None:
                     if args.fault.get((node, self.step - 1)) == phase and not self.session.is_shadow:
                         kill_node()
 
-                for model in self.model_parts:
-                    model.register_forward_hook(lambda *_: fault(FaultPhase.FORWARD))
-                for opt in getattr(self.optimizers, "optimizers", [self.optimizers]):
-                    opt.register_step_pre_hook(lambda *_: fault(FaultPhase.OPTIMIZER))
+                phases = set(args.fault.values())  # hooks only where a fault is due (a step hook changes the path)
+                if FaultPhase.FORWARD in phases:
+                    for model in self.model_parts:
+                        model.register_forward_hook(lambda *_: fault(FaultPhase.FORWARD))
+                if FaultPhase.OPTIMIZER in phases:
+                    for opt in getattr(self.optimizers, "optimizers", [self.optimizers]):
+                        opt.register_step_pre_hook(lambda *_: fault(FaultPhase.OPTIMIZER))
                 self._fault = fault
                 return out
 

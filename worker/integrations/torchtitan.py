@@ -18,11 +18,12 @@ What the integration does, on a subclass of the config's own trainer class (``Tr
   the steps, each one ``train_step`` (torchtitan's, unchanged) and ``checkpointer.save``. A joiner's shadow
   iterations save nothing. After a failure the interrupted step is redone from the same data.
 * the state that moves with a rank is what torchtitan's ``CheckpointManager`` lists in its ``states``: the model
-  parts (their parameters and buffers as held, :class:`RawState`: without the state_dict hooks), each optimizer of the ``OptimizersContainer`` and the ``LRSchedulersContainer`` (replicated state); the
-  dataloader's position and ``train_state`` (``ntokens_seen``, the first step) as rank-local state.
-  The dataloader's position is its ``StatefulDataLoader`` state as plain data (torchtitan's own ``state_dict``
-  pickles it, and nothing received from a peer is unpickled here); after it is loaded the data iterator is made
-  anew, so the next batch is the one that state points to.
+  parts (their parameters and buffers as held, :class:`RawState`: without the state_dict hooks), each optimizer
+  of the ``OptimizersContainer`` and the ``LRSchedulersContainer`` (replicated state); the dataloader's position
+  and ``train_state`` (``ntokens_seen``, the first step) as rank-local state. The dataloader's position is its
+  ``StatefulDataLoader`` state as plain data (torchtitan's own ``state_dict`` pickles it, and nothing received
+  from a peer is unpickled here); after it is loaded the data iterator is made anew, so the next batch is the one
+  that state points to.
 * on a host without an accelerator, the CPU shims of :mod:`worker.integrations.torchtitan_cpu` (gloo-compatible
   FSDP reductions, dense flex attention...), installed before torchtitan is imported.
 
@@ -50,7 +51,8 @@ REQUIRED_FLAGS = ("--module", "--config")
 
 class RawState(torch.nn.Module):
     """A model part's state as the runtime manages it: every parameter and persistent buffer by name (``model.``
-    and the name in the model, as ``named_parameters()`` gives it), as the module holds it (FSDP2 / TP: this rank's DTensor shard), bypassing the modules' state_dict hooks.
+    and the name in the model, as ``named_parameters()`` gives it), as the module holds it (FSDP2 / TP: this rank's
+    DTensor shard), bypassing the modules' state_dict hooks.
 
     torchtitan's own ``state_dict`` runs hooks that issue collectives (``FusedQKVLinear`` gathers ``wqkv`` to
     Replicate and splits it into ``wq``/``wk``/``wv``, for checkpoint interoperability); the runtime reads a
@@ -161,7 +163,8 @@ def mover_trainer_class(base: type) -> type:
             """Hand the runtime what torchtitan's checkpointer lists in its ``states``."""
             session = self.session
             parts = self.model_parts
-            session.manage(**{("model" if len(parts) == 1 else f"model{i}"): RawState(m) for i, m in enumerate(parts)})
+            session.manage(**{("model" if len(parts) == 1 else f"model{i}"): RawState(m)
+                              for i, m in enumerate(parts)})
             inner = _inner_optimizers(self.optimizers)
             session.manage(**{("optimizer" if len(inner) == 1 else f"optimizer{i}"): o for i, o in enumerate(inner)})
             session.manage(lr_schedulers=self.lr_schedulers)
@@ -190,8 +193,9 @@ def mover_trainer_class(base: type) -> type:
 
 def mover_trainer(config: Any, extend: Optional[Callable[[type], type]] = None) -> Any:
     """``config.build()`` under the runtime: the trainer of ``config``'s own class (``config._owner``), made a
-    :func:`mover_trainer_class` (then passed through ``extend``, which may subclass it further). Sets ``LOCAL_RANK`` from ``TM_LOCAL_RANK`` when unset (torchtitan picks its
-    device before the process group exists). Raises TypeError when the config's owner is not a trainer class."""
+    :func:`mover_trainer_class` (then passed through ``extend``, which may subclass it further). Sets
+    ``LOCAL_RANK`` from ``TM_LOCAL_RANK`` when unset (torchtitan picks its device before the process group exists).
+    Raises TypeError when the config's owner is not a trainer class."""
     owner = getattr(type(config), "_owner", None)
     if not isinstance(owner, type) or not hasattr(owner, "init_distributed"):
         raise TypeError(f"{type(config).__name__} does not build a torchtitan Trainer (owner {owner!r})")
@@ -205,8 +209,8 @@ def main(argv: Optional[list[str]] = None, on_finish: Optional[Callable[[Any], O
     """torchtitan's ``torchtitan.train.main`` under the runtime: parse ``argv`` (torchtitan's flags, default
     ``sys.argv[1:]``) with torchtitan's ``ConfigManager``, build the trainer with :func:`mover_trainer`, train,
     close. ``extend`` as for :func:`mover_trainer`. Exits (SystemExit, a one-line message) when ``--module`` or
-    ``--config`` is missing, before anything starts. ``on_finish(trainer)``, on active ranks after the last step, may return a note (a final state hash) for
-    ``session.finish``."""
+    ``--config`` is missing, before anything starts. ``on_finish(trainer)``, on active ranks after the last step,
+    may return a note (a final state hash) for ``session.finish``."""
     argv = sys.argv[1:] if argv is None else argv
     if missing := [f for f in REQUIRED_FLAGS if not any(a == f or a.startswith(f + "=") for a in argv)]:
         raise SystemExit(f"worker.integrations.torchtitan: missing {' and '.join(missing)} (torchtitan's config "
