@@ -12,6 +12,8 @@ group from torchrun's environment), with the same CPU shims. Either way each act
 ``<run_dir>/final/rank<r>.json`` (examples.train_gpt.write_final) with the sha256 of its local shards of model part 0
 and of the (first) torch optimizer of torchtitan's ``OptimizersContainer`` (examples.state_hash).
 
+torchtitan's ``--dump-folder`` (its checkpoints, traces and metrics) defaults to ``<run_dir>/titan``.
+
 ``--fault NODE:STEP:PHASE`` (runtime only, repeatable): at torchtitan step STEP + 1 (the runtime's step STEP), the
 processes of node NODE kill -9 their node during PHASE: ``forward`` (after the model's forward), ``optimizer`` (as
 the update starts) or ``between`` (after the step). ``--min-step-time-s`` pads each step (numerics unchanged) so
@@ -56,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         p.error("--fault: the backward phase is not supported here (forward, optimizer or between)")
     if not args.run_dir:
         p.error("--run-dir (or TM_RUN_DIR) is needed")
+    if not any(a == "--dump-folder" or a.startswith("--dump-folder=") for a in rest):
+        rest += ["--dump-folder", os.path.join(args.run_dir, "titan")]  # torchtitan's outputs: not the cwd
     return args, rest
 
 

@@ -9,6 +9,10 @@ One job per layout, against an uninterrupted runtime run of the same config:
    the last buddy snapshot (``--snapshot-every 4``) and redoes the steps since;
 3. every rank's final model and optimizer hash (its local shards) equals the uninterrupted run's.
 
+In the FSDP job torchtitan's own checkpoints are on too (``--checkpoint.enable``, every 8 steps): they are written
+through the migration and the recovery, and a third job resumes from the one of step 8 (torchtitan's
+``--checkpoint.load-step``) and ends with the same hashes again.
+
 Layouts: ``fsdp`` (FSDP2 over the 4 ranks) and ``tp_fsdp`` (tensor parallel 2 in node x FSDP2 2 across nodes).
 Skipped where torchtitan is not installed (``pip install -e .[torchtitan]``, scripts/setup.sh).
 """
@@ -26,6 +30,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
 STEPS = 24
 KILL_AT = 20  # after the migration's switch step and the joiner's first buddy snapshot (SNAPSHOT_EVERY)
 SNAPSHOT_EVERY = 4
+CHECKPOINT_EVERY = 8  # torchtitan's own checkpoints (fsdp only)
 LAYOUTS = {
     "fsdp": (),
     "tp_fsdp": ("--parallelism.tensor-parallel-degree", "2"),
@@ -56,7 +61,9 @@ def test_migration_then_kill_is_bit_identical(tmp_path, layout, data_dir):
     expected = final_hashes(reference.run_dir)
     assert len(expected) == 4, expected
 
-    with job(str(tmp_path / "job"), layout, data_dir, 2, ("--fault", f"s1:{KILL_AT}:forward")) as moved:
+    checkpoints = ("--checkpoint.enable", "--checkpoint.interval", str(CHECKPOINT_EVERY), "--dump-folder",
+                   str(tmp_path / "titan")) if layout == "fsdp" else ()
+    with job(str(tmp_path / "job"), layout, data_dir, 2, ("--fault", f"s1:{KILL_AT}:forward") + checkpoints) as moved:
         def ready() -> bool:
             st = moved.status()
             warm = {n["name"] for n in st.nodes if n["warm"] and n["role"] == "standby"}
@@ -81,4 +88,10 @@ def test_migration_then_kill_is_bit_identical(tmp_path, layout, data_dir):
     assert 0 <= plan["rollback_step"] < KILL_AT and plan["resume_step"] == plan["rollback_step"] + 1, plan
     done, = of(p.Event.RECOVERY_DONE)
     assert done["standbys"] == {"s1": "s2"}, done
-    assert os.path.isdir(os.path.join(moved.run_dir, "final"))
+    if not checkpoints:
+        return
+    saved = sorted(os.listdir(tmp_path / "titan" / "checkpoint"))
+    assert saved == [f"step-{s}" for s in sorted(range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY), key=str)], saved
+    with job(str(tmp_path / "resumed"), layout, data_dir, 0, checkpoints + ("--checkpoint.load-step", "8")) as resumed:
+        assert resumed.finish(timeout_s=400) == 0
+    assert final_hashes(resumed.run_dir) == expected
