@@ -14,14 +14,14 @@ What the integration does, on a subclass of the config's own trainer class (``Tr
 * ``init_distributed``: ``worker.init()`` (a standby blocks there until it is given a rank), so the default process
   group is the mover's world; torchtitan's ``dist_utils.init_distributed`` would return early on it anyway.
   The ``ParallelDims`` are torchtitan's, from ``--parallelism.*``; every mesh is built from mover groups.
-* ``train``: torchtitan's loop with the runtime's step boundary: ``checkpointer.load``, then ``session.run`` over
+* ``train``: torchtitan's loop with the runtime's step boundary: ``checkpointer.load`` (not on a joiner), then ``session.run`` over
   the steps, each one ``train_step`` (torchtitan's, unchanged) and ``checkpointer.save``. A joiner's shadow
   iterations save nothing. After a failure the interrupted step is redone from the same data.
 * the state that moves with a rank is what torchtitan's ``CheckpointManager`` lists in its ``states``: the model
   parts (their parameters and buffers as held, :class:`RawState`: without the state_dict hooks), each optimizer
   of the ``OptimizersContainer`` and the ``LRSchedulersContainer`` (replicated state); the dataloader's position
   and ``train_state`` (``ntokens_seen``, the first step) as rank-local state. The dataloader's position is its
-  ``StatefulDataLoader`` state as plain data (torchtitan's own ``state_dict`` pickles it, and nothing received
+  ``StatefulDataLoader`` state as JSON text (torchtitan's own ``state_dict`` pickles it, and nothing received
   from a peer is unpickled here); after it is loaded the data iterator is made anew, so the next batch is the one
   that state points to.
 * on a host without an accelerator, the CPU shims of :mod:`worker.integrations.torchtitan_cpu` (gloo-compatible
@@ -33,6 +33,7 @@ Sources: torchtitan 0.3.0 ``torchtitan/trainer.py`` (``Trainer.init_distributed`
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any, Callable, Optional
@@ -95,23 +96,29 @@ class RawState(torch.nn.Module):
 
 
 class DataPosition:
-    """The dataloader's position as rank-local managed state: ``state_dict()`` is the ``StatefulDataLoader`` state
-    as plain data (dicts, lists, ints, strings); ``load_state_dict`` rewinds the loader to it and drops the data
-    iterator, which :meth:`iterator` then makes anew from the loaded position."""
+    """The dataloader's position as rank-local managed state: ``state_dict()`` is ``{"json": text}``, the
+    ``StatefulDataLoader`` state (plain data: dicts, lists, ints, strings) as JSON text. One string, not the nested
+    lists themselves: their lengths (the token buffers) change from step to step, and a planned migration's tail
+    needs a state whose structure stays put (worker.precopy). JSON, not torchtitan's own pickled ``state_dict``:
+    nothing received from a peer is unpickled. ``load_state_dict`` rewinds the loader to it and drops the data
+    iterator, which :meth:`iterator` then makes anew from the loaded position. Raises ValueError on a state that is
+    not such JSON."""
 
     def __init__(self, trainer: Any) -> None:
         self._trainer = trainer
         self._iterator: Optional[Any] = None
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, str]:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        return StatefulDataLoader.state_dict(self._trainer.dataloader)
+        return {"json": json.dumps(StatefulDataLoader.state_dict(self._trainer.dataloader))}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, str]) -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        StatefulDataLoader.load_state_dict(self._trainer.dataloader, state)
+        if not isinstance(state, dict) or not isinstance(state.get("json"), str):
+            raise ValueError("dataloader position: expected {'json': text}")
+        StatefulDataLoader.load_state_dict(self._trainer.dataloader, json.loads(state["json"]))
         self._iterator = None
 
     def iterator(self) -> Any:
@@ -174,7 +181,8 @@ def mover_trainer_class(base: type) -> type:
 
         def train(self) -> None:
             config, session = self.config, self.session
-            self.checkpointer.load(step=config.checkpoint.load_step)
+            if not session.is_shadow:  # a joiner gets its state from its leaver (or a replica), not from disk
+                self.checkpointer.load(step=config.checkpoint.load_step)
             data, state = self.manage_state(self.step)
             total = config.training.steps
 
