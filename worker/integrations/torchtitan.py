@@ -181,7 +181,11 @@ def mover_trainer_class(base: type) -> type:
 
         def train(self) -> None:
             config, session = self.config, self.session
-            if not session.is_shadow:  # a joiner gets its state from its leaver (or a replica), not from disk
+            from tmd.protocol import WorkerRole
+
+            # a joiner (a migration's, or a failure's replacement) gets its state from its leaver or a replica, not
+            # from disk: loading there would issue collectives its recording does not have
+            if session.role != WorkerRole.JOINER:
                 self.checkpointer.load(step=config.checkpoint.load_step)
             data, state = self.manage_state(self.step)
             total = config.training.steps
