@@ -138,8 +138,9 @@ def _verdicts(value: Any, prefix: str = "") -> Iterator[tuple[str, bool]]:
 
 
 def _docstring(name: str) -> str:
-    """The module docstring of ``benchmarks/<name>.py``, read without importing it ('' when there is none)."""
-    path = os.path.join(BENCHMARKS_DIR, f"{name}.py")
+    """The module docstring of ``benchmarks/<name>.py`` (of ``<name>`` less ``-isolated`` for an isolated result),
+    read without importing it ('' when there is none)."""
+    path = os.path.join(BENCHMARKS_DIR, f"{name.removesuffix('-isolated')}.py")
     if not os.path.exists(path):
         return ""
     with open(path, encoding="utf-8") as f:

@@ -74,8 +74,15 @@ def setting(isolated: bool) -> str:
     return "isolated" if isolated else "co-located"
 
 
+def result_name(name: str, isolated: bool) -> str:
+    """The name a benchmark's result is saved under: ``<name>`` co-located, ``<name>-isolated`` isolated, so that
+    both settings are kept side by side in ``benchmarks/results/``."""
+    return f"{name}-isolated" if isolated else name
+
+
 def save(name: str, result: dict, run_dirs: Sequence[str] = (), results_dir: str = RESULTS_DIR) -> list[str]:
-    """Write ``<results_dir>/<name>.json`` (``result`` plus ``machine``: :func:`machine`) and, for each of
+    """Write ``<results_dir>/<name>.json`` (``result`` plus ``machine``: :func:`machine`; ``<name>-isolated.json``
+    when ``result["setting"]`` is ``isolated``: :func:`result_name`) and, for each of
     ``run_dirs`` whose ``events.jsonl`` exists, its timeline picture ``<name>.png`` (one run dir) or
     ``<name>-<k>.png`` (k = 1, 2, ... over the run dirs given). Returns the paths written. A picture that cannot be
     drawn is reported on stderr and skipped: the JSON is what matters. Saving into ``benchmarks/results/`` of a
@@ -85,6 +92,7 @@ def save(name: str, result: dict, run_dirs: Sequence[str] = (), results_dir: str
     from tmd.journal import read_events
     from tmd.protocol import layout
 
+    name = result_name(name, result.get("setting") == setting(True))
     os.makedirs(results_dir, exist_ok=True)
     written = []
     path = os.path.join(results_dir, f"{name}.json")

@@ -13,7 +13,8 @@ steps this process should run (a joiner starts at the step where the leaver
 stopped; after a peer failure the interrupted step is redone).
 
 At the end each rank writes ``<run_dir>/final/rank<r>.json`` with
-``{"rank", "steps", "state_sha256", "loss"}`` and reports the state hash via
+``{"rank", "steps", "state_sha256", "loss", "rng_sha256"}`` (``rng_sha256``: the CPU RNG state's) and reports the
+state hash via
 ``session.finish``. The hash is identical with and without migrations.
 """
 
@@ -135,14 +136,21 @@ def rank_device(kind: str) -> torch.device:
     return device
 
 
-def write_final(run_dir: str, rank: int, steps: int, state_sha256: str, loss: float | None) -> str:
-    """Atomically write ``<run_dir>/final/rank<rank>.json``; returns its path."""
+def rng_sha256() -> str:
+    """sha256 of this process's CPU RNG state (what the next dropout mask is drawn from)."""
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+
+
+def write_final(run_dir: str, rank: int, steps: int, state_sha256: str, loss: float | None,
+                rng: str | None = None) -> str:
+    """Atomically write ``<run_dir>/final/rank<rank>.json`` (``rng``: :func:`rng_sha256`, or None); returns its
+    path."""
     final_dir = os.path.join(run_dir, "final")
     os.makedirs(final_dir, exist_ok=True)
     path = os.path.join(final_dir, f"rank{rank}.json")
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump({"rank": rank, "steps": steps, "state_sha256": state_sha256, "loss": loss}, f)
+        json.dump({"rank": rank, "steps": steps, "state_sha256": state_sha256, "loss": loss, "rng_sha256": rng}, f)
     os.replace(tmp, path)
     return path
 
@@ -254,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     digest = final_state_hash(model, opt)
     if not session.is_shadow:
         # data.next_step counts the job's completed steps, including those a leaver ran before handing over.
-        write_final(session.run_dir, session.rank, max(data.next_step, last_step + 1), digest, last_loss)
+        write_final(session.run_dir, session.rank, max(data.next_step, last_step + 1), digest, last_loss,
+                    rng_sha256())
     session.finish(digest)
 
 

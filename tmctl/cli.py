@@ -24,6 +24,7 @@ from tmctl.client import (
     Client, CoordinatorUnreachable, TmctlError, find_coordinator, find_keys, web_token_file,
 )
 from tmd import timeline as timelines
+from tmd.protocol.usage import run_app
 from tmd.protocol import (
     AddStandbyRequest,
     ErrorReply,
@@ -161,7 +162,8 @@ def _console() -> Console:
 @_guarded
 def status(ctx: typer.Context, json_: JsonOpt = False, coordinator: CoordinatorOpt = None,
            run_dir: RunDirOpt = None, job: JobOpt = None, timeout: TimeoutOpt = None) -> int:
-    """Show the job's nodes, standbys and the current (or last) migration.
+    """Show the job's nodes, standbys and the current (or last) migration, and the job's settings that differ from
+    the defaults (with --json: every setting, under ``config``).
 
     When tmd does not answer but the run directory's journal exists (the job ended, or tmd died), shows the
     last known state from the journal instead, marked as such (with --json: ``{"ended": ..., ...}``).
@@ -194,8 +196,12 @@ def status(ctx: typer.Context, json_: JsonOpt = False, coordinator: CoordinatorO
         console.print(render.recovery_line(reply.recovery))
     for line in render.warning_lines(reply.warnings):
         console.print(line)
+    for line in render.checkpoint_lines(reply.checkpoints):
+        console.print(line)
     if reply.failure:
         console.print(render.failure_text(reply.failure))
+    if reply.config is not None:
+        console.print(render.config_line(reply.config))
     if reply.page:
         console.print(f"page: {escape(reply.page)}  (tmctl page: with its token; Prometheus: {escape(reply.page)}metrics)")
     return 0
@@ -524,9 +530,10 @@ def timeline(
     return 0
 
 
-def main() -> None:
-    """Console-script entry point (``tmctl``)."""
-    app()
+def main(argv: Optional[list[str]] = None) -> None:
+    """Console-script entry point (``tmctl``). A usage error is one line on stderr, ``error: ...``, with exit 2,
+    as for ``tmd`` (tmd.protocol.usage)."""
+    run_app(app, argv)
 
 
 if __name__ == "__main__":

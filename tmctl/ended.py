@@ -51,10 +51,12 @@ def last_known(run_dir: str, events: Optional[list[dict]] = None) -> dict:
     """The job's last known state from its journal: ``ended`` (tmd journalled its stop), ``job``, ``run_dir``,
     ``exit_code`` (None if tmd did not stop cleanly), ``reason`` (why it failed, or None), ``failure`` (the rank's
     report: rank_failed or startup_failed fields, or None), ``warnings`` (job_warning fields), ``step`` (the last
-    step seen), ``last_event`` (seq, ts (epoch seconds), event)."""
+    step seen), ``config`` (the job's settings: the last job_config's, or None), ``last_event`` (seq, ts (epoch
+    seconds), event)."""
     events = read_journal(run_dir) if events is None else events
     out: dict = {"ended": False, "job": None, "run_dir": os.path.abspath(run_dir), "exit_code": None,
-                 "reason": None, "failure": None, "warnings": [], "step": None, "last_event": None}
+                 "reason": None, "failure": None, "warnings": [], "step": None, "config": None,
+                 "last_event": None}
     for ev in events:
         name = ev.get("event")
         if name == Event.TMD_STARTED:
@@ -65,6 +67,8 @@ def last_known(run_dir: str, events: Optional[list[dict]] = None) -> dict:
             out["reason"] = ev.get("reason")
         elif name in (Event.RANK_FAILED, Event.STARTUP_FAILED):
             out["failure"] = {k: v for k, v in ev.items() if k not in ("seq", "ts")}
+        elif name == Event.JOB_CONFIG:
+            out["config"] = ev.get("config")
         elif name == Event.JOB_WARNING:
             out["warnings"].append({k: ev.get(k) for k in ("rank", "node", "code", "message")})
         if isinstance(ev.get("step"), int):

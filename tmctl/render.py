@@ -1,5 +1,6 @@
-"""Rich renderings of what tmd reports: the nodes table, a migration (panel or one line), events, a job's
-timeline (sparkline, marker line, legend) and a migration's phases as they happen (``tmctl migrate`` in a terminal).
+"""Rich renderings of what tmd reports: the nodes table, a migration (panel or one line), the job's settings that
+are not the defaults, events, a job's timeline (sparkline, marker line, legend) and a migration's phases as they
+happen (``tmctl migrate`` in a terminal).
 
 Inputs are the plain dicts of :mod:`tmd.protocol` replies; any field may be missing or None (shown as ``-``).
 Durations are seconds, wall-clock times are epoch seconds, sizes are bytes.
@@ -15,6 +16,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
+from tmd.config import changed
 from tmd.protocol.vocab import REFUSING_WARNINGS, Health, MigrationState, NodeRole
 from tmd.timeline import MarkKind, SpanKind
 
@@ -78,12 +80,16 @@ def _cell(value: Any) -> str:
 
 def nodes_table(nodes: list[dict]) -> Table:
     """One row per node; a standby's role reads ``standby (warm)`` or ``standby (cold)``, a guard's
-    ``guarding 0-1 (warm)`` or ``guarding 0-1 (warming)`` (the ranks it is warm for)."""
+    ``guarding 0-1 (warm)`` or ``guarding 0-1 (warming)`` (the ranks it is warm for). ``network``: the interface
+    and the address its data plane uses (``tm0 10.214.0.3``), once a process of it registered."""
     table = Table(title="nodes", title_justify="left")
     for name in ("node", "role", "ranks", "health"):
         table.add_column(name, no_wrap=name in ("role", "health"))
     for name in ("hb age (s)", "step", "step time (s)"):  # hb age: seconds since the node's last heartbeat
         table.add_column(name, justify="right")
+    network = any(n.get("address") for n in nodes)  # the interface and address its data plane uses (tmd.netif)
+    if network:
+        table.add_column("network", no_wrap=True)
     slurm = any("slurm_state" in n for n in nodes)  # SLURM mode: the node's SLURM state and the job holding it
     if slurm:
         table.add_column("slurm", no_wrap=True)
@@ -100,6 +106,8 @@ def nodes_table(nodes: list[dict]) -> Table:
             health_cell += f", [yellow]straggler {ranks(n['stragglers'])}[/]"
         cells = [_cell(n.get("name")), escape(role), ranks(n.get("ranks")), health_cell,
                  seconds(n.get("heartbeat_age_s"), 1), _dash(n.get("step")), seconds(n.get("step_time_s"), 3)]
+        if network:
+            cells.append(escape(" ".join(x for x in (n.get("iface"), n.get("address")) if x) or "-"))
         if slurm:
             state = _dash(n.get("slurm_state")) + (f" ({n['slurm_reason']})" if n.get("slurm_reason") else "")
             cells.append(escape(state + (f", job {n['slurm_job']}" if n.get("slurm_job") else "")))
@@ -230,6 +238,31 @@ def warning_lines(warnings: Any) -> list[str]:
     return out
 
 
+def config_line(config: Any) -> str:
+    """The job's settings that differ from the defaults (tmd.config.changed), as ``name=value`` pairs:
+    ``config: heartbeat_timeout_s=12.0 suspect_after_s=1.5``, or ``config: defaults``."""
+    different = changed(config)
+    if not different:
+        return "config: defaults"
+    return "config: " + " ".join(f"{escape(str(k))}={_cell(v)}" for k, v in different.items())
+def checkpoint_lines(c: Any) -> list[str]:
+    """The checkpoint tier (StatusReply.checkpoints): where and how often, the newest committed step, a failed
+    save's warning, one line per restart from a checkpoint; none when checkpoints are off."""
+    if not isinstance(c, dict):
+        return []
+    latest = "none yet" if c.get("latest") is None else f"step {_cell(c.get('latest'))}"
+    out = [escape(f"checkpoints: {c.get('dir')} every {c.get('every')} steps, keep {c.get('keep')}; newest: ")
+           + escape(latest)]
+    if c.get("failed"):
+        out.append(f"[yellow]warning[/]: checkpoint_failed: {_cell(c.get('failed'))} (training goes on; earlier "
+                   f"checkpoints are kept)")
+    for r in c.get("restarts") or []:
+        if isinstance(r, dict):
+            out.append(f"[yellow]restarted[/] from the {_cell(r.get('tier'))} tier at step {_cell(r.get('step'))} "
+                       f"({_cell(r.get('work_lost_s'))} s of work lost): {_cell(r.get('reason'))}")
+    return out
+
+
 def failure_text(f: dict) -> str:
     """Why the job failed: rank, node, kind and error on one line, then the traceback (or log tail) if any."""
     head = (f"[red]job failed[/]: rank {_cell(f.get('rank'))} on {_cell(f.get('node'))} ({_cell(f.get('kind'))}): "
@@ -252,6 +285,8 @@ def last_known(state: dict) -> str:
     lines = [head, f"from the journal of {_cell(state.get('run_dir'))}; last step seen {_cell(state.get('step'))}"]
     if state.get("reason"):
         lines.append(f"failed: {_cell(state['reason'])}")
+    if state.get("config") is not None:
+        lines.append(config_line(state["config"]))
     lines += warning_lines(state.get("warnings"))
     if state.get("failure"):
         lines.append(failure_text(state["failure"]))

@@ -10,20 +10,24 @@ started by srun on the job's nodes and standbys taken from standby jobs in a res
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import inspect
 import logging
 import os
 import shutil
 import sys
 import time
-from typing import TYPE_CHECKING, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 
 import typer
 
-from tmd.protocol.messages import MIN_RECORD_STEPS
+from tmd.config import DEFAULTS, ConfigError, JobConfig, envvar, field_help, flag, option_type
+from tmd.protocol.usage import run_app
 from tmd.protocol.vocab import Event, ExitCode
 
 if TYPE_CHECKING:
     from tmd.netns import Bridge
+    from tmd.tiers import Tier
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="TrainMover coordinator daemon (one per job).")
 # tmd's own options are parsed strictly (an unknown one is refused, naming the closest known option); everything
@@ -31,25 +35,73 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="TrainMover c
 JOB_COMMAND = {"allow_extra_args": True}
 
 DEFAULT_COMMAND = [sys.executable, "-m", "examples.train_gpt"]
-RECORD_STEPS_HELP = (f"Steps recorded at job start (at least {MIN_RECORD_STEPS}: DDP regroups its buckets in the "
-                     "second); joiners replay them as shadow iterations.")
-GUARDS_HELP = ("Standby nodes kept warm as particular active nodes' ranks (guards, tmd.guards): a failure of a "
-               "guarded node skips the replacement's warm-up, and a migration of it to its guard skips the "
-               "joiners'. A guard is no migration target for another node (0: off).")
+
+
+# The tmd.config fields each command takes as options (see settings()).
+RUN_SETTINGS = ("record_steps", "snapshot_every", "guards", "heartbeat_timeout_s", "suspect_after_s",
+                "blocked_after_s", "migrate_stragglers", "port", "metrics_port")  # tmd local and tmd slurm
+SLURM_SETTINGS = ("host", "reservation", "poll_s", "slurm_timeout_s")  # tmd slurm's own
+# what a restarted tmd may change: not what the ranks were assigned (record_steps, snapshot_every), nor its addresses
+RESUME_SETTINGS = ("heartbeat_timeout_s", "suspect_after_s", "blocked_after_s", "migrate_stragglers", "guards")
+
+
+def option(name: str, resumed: bool = False) -> Any:
+    """The option of tmd.config field ``name``: ``--heartbeat-timeout-s`` for ``heartbeat_timeout_s`` (a bool's
+    ``--no-...`` too), with the field's help, default and environment variable. Its value is None when not given,
+    so the config keeps its default (``tmd local``, ``tmd slurm``) or the journal's value (``tmd resume``:
+    ``resumed``, whose help says so)."""
+    decl = f"{flag(name)}/--no-{flag(name)[2:]}" if option_type(name) == Optional[bool] else flag(name)
+    return typer.Option(None, decl, help=field_help(name, resumed), envvar=envvar(name), show_default=False)
+
+
+def settings(*names: str, resumed: bool = False) -> Callable[[Callable], Callable]:
+    """Give the decorated command one option per tmd.config field of ``names`` (:func:`option`), after its own
+    options; their values reach its ``**given`` by field name (None: not given), for :func:`_config`."""
+    def decorate(command: Callable) -> Callable:
+        signature = inspect.signature(command)
+        own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option(name, resumed),
+                                   annotation=option_type(name)) for name in names]
+        command.__signature__ = signature.replace(parameters=own + added)  # what typer reads
+        return command
+    return decorate
+
+
+def _config(base: JobConfig, given: dict, **more: Any) -> JobConfig:
+    """``base`` with the settings given to a command (``given``: its ``**given``; ``more``: fields set by other
+    options), or exit 2 with one ``error:`` line when a value is out of range (tmd.config.ConfigError)."""
+    try:
+        return base.with_options(given, **more)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(ExitCode.REFUSED)
+
+
+CHECKPOINT_DIR = typer.Option(None, "--checkpoint-dir", metavar="DIR",
+                              help="The ranks checkpoint every managed object, each rank's RNG and data position and "
+                                   "the step here (DCP, asynchronous); a failure in-memory recovery cannot repair "
+                                   "restarts the job from the newest valid one (local mode). Not another job's.")
+CHECKPOINT_EVERY = typer.Option(0, "--checkpoint-every", min=0, metavar="N", help="Checkpoint every N steps (0: off).")
+CHECKPOINT_KEEP = typer.Option(2, "--checkpoint-keep", min=1, metavar="K", help="Checkpoints kept (the newest K).")
+RESUME_FROM = typer.Option(None, "--resume-from", metavar="DIR",
+                           help="Start from the newest valid checkpoint in DIR (a checkpoint dir of any job, or one "
+                                "of its step-* directories); it must have this job's world size and layout.")
+STANDBY_WAIT_S = typer.Option(0.0, "--standby-wait-s", min=0.0, metavar="S",
+                              help="With --checkpoint-dir: a recovery that found no standby within S seconds "
+                                   "restarts the job from its newest checkpoint instead (0: wait for one).")
+IFACE_HELP = ("The network interface the ranks' data plane binds and advertises on every node (gloo's "
+              "TM_GLOO_HOST and GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), e.g. ib0; a node without it fails its "
+              "ranks at start, naming node and interface (tmd/netif.py). Default: the interface that routes to tmd.")
 
 
 @app.command(context_settings=JOB_COMMAND)
+@settings(*RUN_SETTINGS)
 def local(
     ctx: typer.Context,
     nodes: int = typer.Option(2, min=1, help="Active nodes (n1, n2, ...)."),
     ranks_per_node: int = typer.Option(2, min=1, help="Rank processes per node."),
     standbys: int = typer.Option(1, min=0, help="Standby nodes (s1, s2, ...), each with ranks-per-node processes."),
     run_dir: str = typer.Option("tmrun", envvar="TM_RUN_DIR", help="Events, logs, recordings and tmd.json."),
-    record_steps: int = typer.Option(3, min=MIN_RECORD_STEPS, help=RECORD_STEPS_HELP),
-    snapshot_every: int = typer.Option(10, min=0, help="Buddy snapshots every this many steps where a rank's state has no replica on another node (0: off)."),
-    guards: int = typer.Option(0, min=0, help=GUARDS_HELP),
-    heartbeat_timeout_s: float = typer.Option(5.0, help="Seconds of silence before a node is marked unhealthy."),
-    port: int = typer.Option(0, help="ZeroMQ port (0: any free port)."),
     job: Optional[str] = typer.Option(None, help="Job name (default: local-<pid>)."),
     quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
     netns_node: list[str] = typer.Option([], "--netns-node", metavar="NODE",
@@ -61,44 +113,51 @@ def local(
                                         "Linux bridge (tmbr<k>, 10.214.<k>.0/24; this host gets .1): as on "
                                         "separate hosts, nothing can pass over 127.0.0.1. tmctl reaches tmd "
                                         "through the bridge. Each node can still be cut off. Needs root."),
-    migrate_stragglers: bool = typer.Option(False, help="Move a node with a straggler rank to a warm standby."),
-    metrics_port: int = typer.Option(0, "--metrics-port", min=-1, metavar="PORT",
-                                     help="Serve Prometheus metrics (/metrics) and a live status page (/) on the "
-                                          "job's address at this port (0: a free port, written to tmd.json; "
-                                          "-1: off). Both need the token in the keys directory's web.token."),
     isolate_nodes: bool = typer.Option(False, "--isolate-nodes",
                                        help="Pin each node's processes to CPUs of its own, as on separate machines: "
                                             "standbys and guards on their own CPUs, active nodes on the rest "
                                             "(cgroup v2 cpusets where delegated, else sched_setaffinity; "
                                             "tmd/cpusets.py). Needs 2 CPUs."),
+    checkpoint_dir: Optional[str] = CHECKPOINT_DIR,
+    checkpoint_every: int = CHECKPOINT_EVERY,
+    checkpoint_keep: int = CHECKPOINT_KEEP,
+    resume_from: Optional[str] = RESUME_FROM,
+    standby_wait_s: float = STANDBY_WAIT_S,
+    iface: Optional[str] = typer.Option(None, "--iface", envvar="TM_IFNAME", metavar="NAME",
+                                        help=IFACE_HELP + " With --netns-all every node's is tm0."),
     no_auth: bool = typer.Option(False, "--no-auth",
                                  help="Serve plain ZeroMQ, without CURVE: only to measure its cost "
                                       "(benchmarks/curve.py); anyone on this host can then command the job."),
+    **given: Any,
 ) -> None:
     """Run a job locally: start tmd, the ranks and the standbys on this host; a crashed tmd is restarted from its
     journal (tmd.supervise) while the ranks train on. Exits with the job's code."""
     from tmd.daemon import Daemon
     from tmd.local import LocalLauncher
 
+    config = _config(DEFAULTS, given, auth=False if no_auth else None)
+    _use_iface(iface)
     run_dir = _private(run_dir, "run directory")
     command = list(ctx.args) or DEFAULT_COMMAND
     _refuse_unstartable(command, run_dir)
+    name = job or f"local-{os.getpid()}"
+    tier = _tier(name, nodes * ranks_per_node, checkpoint_dir, checkpoint_every, checkpoint_keep, resume_from,
+                 standby_wait_s)
     active = [f"n{i + 1}" for i in range(nodes)]
     spares = [f"s{i + 1}" for i in range(standbys)]
     namespaces, bridge, specs, host = _namespaces(netns_node, netns_all, active + spares)
     isolation = _isolation(active, spares) if isolate_nodes else None
     from tmd.supervise import supervise
 
-    name = job or f"local-{os.getpid()}"
+    daemons = []  # every daemon of the job: the last one's restart (tmd.tiers) relaunches the job on its port
 
     def build(state):  # None: the job's first tmd; a tmd.resume.JobState: a crashed tmd resumed (tmd.supervise)
-        d = Daemon(name, run_dir, active, ranks_per_node, spares,
-                   port=port if state is None else int(state.address.rpartition(":")[2]),
-                   record_steps=record_steps, snapshot_every=snapshot_every, guards=guards,
-                   heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
-                   bind_host=host or "127.0.0.1", store_host=host or "127.0.0.1", advertise_host=host,
-                   migrate_stragglers=migrate_stragglers, netns=specs, command=command, resume=state,
-                   auth=not no_auth, metrics_port=None if metrics_port < 0 else metrics_port)
+        prev = state or (daemons[-1] if daemons else None)  # a resumed tmd, or a relaunch: the same port
+        serve = config.serve if prev is None else dataclasses.replace(
+            config.serve, port=int(prev.address.rpartition(":")[2]))
+        d = Daemon(name, run_dir, active, ranks_per_node, spares, dataclasses.replace(config, serve=serve),
+                   host=host or "127.0.0.1", echo=not quiet, netns=specs, command=command, resume=state, tier=tier)
+        daemons.append(d)
         if state is None:
             d.launcher = LocalLauncher(command, d.run_dir, d.address, ranks_per_node, echo=not quiet,
                                        namespaces=namespaces, host_ip=host,
@@ -114,10 +173,27 @@ def local(
 
     started = time.monotonic()
     code = supervise(build)
+    while daemons[-1].restart is not None:  # in-memory recovery was impossible: relaunch from the checkpoint
+        tier.last_seq = daemons[-1].journal.seq  # the relaunched daemon's journal goes on after it
+        tier.export()
+        code = supervise(build)
     print(f"[tmd] job {name} ended with code {code} after {time.monotonic() - started:.1f} s", flush=True)
     if bridge is not None:
         bridge.close()  # the namespaces of tmd and of every node, and the bridge (also at exit, stale at next start)
     _exit(code)
+
+
+def _use_iface(iface: Optional[str]) -> None:
+    """Hand ``--iface`` to every process tmd starts (env TM_IFNAME; each resolves it on its node, tmd.netif), or
+    exit 2 with one line when it cannot be an interface name."""
+    if iface is None:
+        return
+    from tmd import netif
+
+    try:
+        os.environ[netif.ENV] = netif.check_name(iface)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--iface")
 
 
 def _isolation(active: list[str], spares: list[str]):
@@ -161,28 +237,21 @@ def _namespaces(netns_node: list[str], netns_all: bool,
 
 
 @app.command(context_settings=JOB_COMMAND)
+@settings(*RUN_SETTINGS, *SLURM_SETTINGS)
 def slurm(
     ctx: typer.Context,
     ranks_per_node: Optional[int] = typer.Option(
         None, min=1, help="Rank processes per node (default: $SLURM_NTASKS_PER_NODE, else 1)."),
-    reservation: str = typer.Option("standby", envvar="TM_RESERVATION", help="Reservation holding the standby jobs."),
     run_dir: Optional[str] = typer.Option(None, envvar="TM_RUN_DIR",
                                           help="Events, logs, recordings and tmd.json (default ./tmrun/<JOBID>)."),
-    record_steps: int = typer.Option(3, min=MIN_RECORD_STEPS, help=RECORD_STEPS_HELP),
-    snapshot_every: int = typer.Option(10, min=0, help="Buddy snapshots every this many steps where a rank's state has no replica on another node (0: off)."),
-    guards: int = typer.Option(0, min=0, help=GUARDS_HELP),
-    heartbeat_timeout_s: float = typer.Option(5.0, help="Seconds of silence before a node is marked unhealthy."),
-    poll_s: float = typer.Option(1.0, min=0.1, help="Seconds between polls of node states and standby jobs."),
-    slurm_timeout_s: float = typer.Option(5.0, min=0.1, help="Timeout of every SLURM client call (seconds)."),
-    host: Optional[str] = typer.Option(None, envvar="TM_HOST",
-                                       help="Address tmd binds and the ranks reach it and its store at (default: "
-                                            "the address this host's name resolves to; never all interfaces)."),
-    port: int = typer.Option(0, help="ZeroMQ port (0: any free port)."),
-    metrics_port: int = typer.Option(0, "--metrics-port", min=-1, metavar="PORT",
-                                     help="Serve Prometheus metrics (/metrics) and a live status page (/) on the "
-                                          "job's address at this port (0: a free port, written to tmd.json; "
-                                          "-1: off). Both need the token in the keys directory's web.token."),
+    checkpoint_dir: Optional[str] = CHECKPOINT_DIR,
+    checkpoint_every: int = CHECKPOINT_EVERY,
+    checkpoint_keep: int = CHECKPOINT_KEEP,
+    resume_from: Optional[str] = RESUME_FROM,
+    standby_wait_s: float = STANDBY_WAIT_S,
+    iface: Optional[str] = typer.Option(None, "--iface", envvar="TM_IFNAME", metavar="NAME", help=IFACE_HELP),
     quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
+    **given: Any,
 ) -> None:
     """Run tmd for the SLURM job this batch script belongs to (see slurm/train.sbatch). Exits with the job's code."""
     import socket
@@ -190,6 +259,7 @@ def slurm(
     from tmd.daemon import Daemon
     from tmd.slurm import SlurmCluster, SlurmError, SrunLauncher, hostnames
 
+    config = _config(DEFAULTS, given)
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id or not os.environ.get("SLURM_JOB_NODELIST"):
         print("error: tmd slurm runs inside a SLURM batch job (sbatch slurm/train.sbatch ...): SLURM_JOB_ID and "
@@ -200,27 +270,35 @@ def slurm(
         print("error: give the training command after --, e.g. tmd slurm -- python -m examples.train_gpt",
               file=sys.stderr)
         raise typer.Exit(ExitCode.REFUSED)
+    _use_iface(iface)
+    host = config.slurm.host
+    if not host and iface:  # tmd binds the job's network too: the ranks reach it and its store there
+        from tmd.netif import InterfaceError, resolve
+        try:
+            host = resolve(iface, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        except InterfaceError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise typer.Exit(ExitCode.REFUSED)
     try:
-        nodes = hostnames(os.environ["SLURM_JOB_NODELIST"], slurm_timeout_s)
+        nodes = hostnames(os.environ["SLURM_JOB_NODELIST"], config.slurm.slurm_timeout_s)
     except SlurmError as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(ExitCode.REFUSED)
     rpn = ranks_per_node or int((os.environ.get("SLURM_NTASKS_PER_NODE") or "1").split("(")[0].split(",")[0])
     from tmd.protocol import layout
 
-    host = host or socket.gethostbyname(socket.gethostname())  # this host's own address, never all interfaces
+    host = host or socket.gethostbyname(socket.gethostname())  # this host's address, never all interfaces
     run_dir = _private(run_dir or os.path.join("tmrun", job_id), "run directory")
     _refuse_unstartable(command, run_dir)
     _private(layout.job_dir(job_id), "state directory")  # ~/.trainmover/jobs/<JOBID>: tmd.json and the keys
-    daemon = Daemon(job_id, run_dir, nodes, rpn, [],
-                    bind_host=host, store_host=host, port=port, keys_dir=os.path.join(layout.job_dir(job_id), "keys"),
-                    record_steps=record_steps, snapshot_every=snapshot_every, guards=guards,
-                    heartbeat_timeout_s=heartbeat_timeout_s, echo=not quiet,
-                    metrics_port=None if metrics_port < 0 else metrics_port)
+    tier = _tier(job_id, len(nodes) * rpn, checkpoint_dir, checkpoint_every, checkpoint_keep, resume_from,
+                 standby_wait_s)
+    daemon = Daemon(job_id, run_dir, nodes, rpn, [], config, host=host, echo=not quiet,
+                    keys_dir=os.path.join(layout.job_dir(job_id), "keys"), tier=tier)
     launcher = SrunLauncher(command, daemon.run_dir, daemon.address, rpn, echo=not quiet)
     daemon.launcher = launcher
     cluster = SlurmCluster(daemon, launcher, job_id, nodes, os.environ.get("SLURMD_NODENAME", nodes[0]),
-                           reservation, poll_s, slurm_timeout_s, command)
+                           config.slurm.reservation, config.slurm.poll_s, config.slurm.slurm_timeout_s, command)
     daemon.cluster = cluster
     for name in nodes:
         launcher.assign(name, job_id)
@@ -248,35 +326,35 @@ def standby(
 
 
 @app.command()
+@settings(*RESUME_SETTINGS, resumed=True)
 def resume(
     run_dir: str = typer.Option("tmrun", envvar="TM_RUN_DIR", help="The run directory of the job (tmd.json, events)."),
-    record_steps: int = typer.Option(3, min=MIN_RECORD_STEPS, help="Used only when the journal does not say (older tmd)."),
-    heartbeat_timeout_s: float = typer.Option(5.0, help="Seconds of silence before a node is marked unhealthy."),
+    record_steps: Optional[int] = typer.Option(None, hidden=True, help="Ignored: the journal says (kept so that "
+                                                                        "older command lines still parse)."),
     quiet: bool = typer.Option(False, help="Do not echo the ranks' output."),
+    **given: Any,
 ) -> None:
     """Restart tmd for a local job whose tmd died while its ranks train on: bind the same address, host a new
     store, re-learn the job from the journal and the workers' re-registration, and serve it until it ends
-    (see tmd/resume.py). Exits with the job's code; 2 when there is no job to resume."""
+    (see tmd/resume.py). The job keeps the settings it was started with (its journal's ``job_config``); an
+    option given here overrides one, and the restarted tmd journals the override. Exits with the job's code; 2
+    when there is no job to resume or an option is out of range."""
     from tmd.daemon import Daemon
     from tmd.local import LocalLauncher
-    from tmd.resume import ResumeError, load, split_address
+    from tmd.resume import ResumeError, load
 
     try:
         state = load(run_dir)
     except ResumeError as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(ExitCode.REFUSED)
-    host, port = split_address(state.address)
+    config = _config(state.config, given)
     if state.cwd and os.path.isdir(state.cwd):
         os.chdir(state.cwd)  # where the job's command (relative paths, python -m) runs: standbys start there
     started = time.monotonic()
     try:
-        daemon = Daemon(state.job, state.run_dir, state.nodes, state.ranks_per_node, state.standbys,
-                        bind_host=host, store_host=host, port=port,
-                        record_steps=state.record_steps or record_steps, heartbeat_timeout_s=heartbeat_timeout_s,
-                        snapshot_every=state.snapshot_every if state.snapshot_every is not None else 10,
-                        guards=state.guards, echo=not quiet, command=state.command, netns=state.netns, resume=state,
-                        metrics_port=state.web_port)
+        daemon = Daemon(state.job, state.run_dir, state.nodes, state.ranks_per_node, state.standbys, config,
+                        echo=not quiet, command=state.command, netns=state.netns, resume=state)
     except Exception as e:  # noqa: BLE001 - e.g. the address is taken: one line, not a traceback
         print(f"error: cannot restart tmd of job {state.job} at {state.address}: {e}", file=sys.stderr)
         raise typer.Exit(ExitCode.REFUSED)
@@ -296,6 +374,27 @@ def version() -> None:
     from tmd.protocol import PROTOCOL_VERSION
 
     print(f"trainmover tmd, protocol v{PROTOCOL_VERSION}")
+
+
+def _tier(job: str, world_size: int, checkpoint_dir: Optional[str], every: int, keep: int,
+          resume_from: Optional[str], standby_wait_s: float) -> Optional["Tier"]:
+    """The job's checkpoint tier (tmd.tiers), its settings exported to the processes tmd starts, or None without
+    ``--checkpoint-dir`` and ``--resume-from``; exit 2 with one line when the options cannot be used."""
+    if checkpoint_dir is None and resume_from is None:
+        if every or standby_wait_s:
+            print("error: --checkpoint-every and --standby-wait-s need --checkpoint-dir", file=sys.stderr)
+            raise typer.Exit(ExitCode.REFUSED)
+        return None
+    from tmd.tiers import CheckpointConfig, Tier
+
+    tier = Tier(CheckpointConfig(dir=checkpoint_dir, every=every, keep=keep, resume_from=resume_from,
+                                 standby_wait_s=standby_wait_s), job, world_size)
+    why = tier.refusal()
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr)
+        raise typer.Exit(ExitCode.REFUSED)
+    tier.export()
+    return tier
 
 
 def _private(path: str, what: str) -> str:
@@ -354,17 +453,8 @@ def _exit(code: int) -> NoReturn:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Console-script entry point (``tmd``). A usage error (an unknown option, a bad value) is one line on stderr,
-    ``error: ...``, with exit 2 (:attr:`ExitCode.REFUSED`), not a rich panel."""
-    try:
-        code = app(args=argv, standalone_mode=False)
-    except typer.Abort:
-        code = ExitCode.INTERRUPTED
-    except typer.TyperException as e:  # click's UsageError (exit code 2) and its other ClickExceptions
-        message = " ".join((e.format_message() if hasattr(e, "format_message") else str(e)).split())
-        if message:  # empty after the help that no_args_is_help printed
-            print(f"error: {message}", file=sys.stderr)
-        code = getattr(e, "exit_code", ExitCode.REFUSED)
-    sys.exit(code or 0)
+    ``error: ...``, with exit 2 (:attr:`ExitCode.REFUSED`), not a rich panel (tmd.protocol.usage)."""
+    run_app(app, argv)
 
 
 if __name__ == "__main__":

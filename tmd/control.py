@@ -34,7 +34,7 @@ class JobControl(Protocol):
     address: str  # tmd's ZeroMQ address (``tcp://HOST:PORT``)
     keys: Optional["JobKeys"]  # the job's CURVE keys and secret (tmd.protocol.keys); None without authentication
     hostname: str  # this host's name: workers registered with it run here (psutil can see them)
-    store_host: str  # the job's TCPStore, hosted by tmd
+    store_host: str  # the job's rendezvous store, hosted by tmd (tmd.store)
     launcher: Optional["LocalLauncher"]  # starts and watches the job's processes (None: they start themselves)
     guards: "Guards"  # standbys warm as active nodes' ranks (tmd.guards): release one through it
 

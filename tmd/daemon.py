@@ -1,7 +1,8 @@
 """tmd: the per-job coordinator. One ZeroMQ ROUTER serves the worker agents, tmctl and the SLURM hooks.
 
 Single-threaded by design: one loop receives messages and, between them, runs the ticks. All state lives in this
-thread, so nothing is locked. tmd hosts the job's TCPStore, so the store outlives any rank, leavers included.
+thread, so nothing is locked. tmd hosts the job's rendezvous store (tmd.store, on a thread of its own), so the store
+outlives any rank, leavers included.
 
 The daemon is the loop, the socket, a handler table per sender role (``Message.SENDER``: worker messages only
 from registered workers, Register and Rejoin being how a process becomes one; client requests (tmd.requests) and
@@ -33,6 +34,7 @@ import zmq
 
 from tmd import protocol as p
 from tmd.bad_input import BadInput
+from tmd.config import DEFAULTS, JobConfig
 from tmd.detection import Detector, Failure, Healthy, HostProcesses, ProcessExited, Slow, Unhealthy, Verdict
 from tmd.ending import JobEnd
 from tmd.evacuation import Evacuation
@@ -51,13 +53,15 @@ from tmd.protocol.vocab import (
 from tmd.recovery import Incident, Incidents, RecoveryError
 from tmd.registry import Node, Registry, Worker
 from tmd.requests import Requests
-from tmd.resume import JobState, Resumed
+from tmd.resume import JobState, Resumed, split_address
 from tmd.status import status_reply
 from tmd.steplog import StepLog
+from tmd.store import StoreServer
 
 if TYPE_CHECKING:
     from tmd.metrics import Metrics
     from tmd.slurm import SlurmCluster
+    from tmd.tiers import Restart, Tier
     from tmd.web import WebServer
 
 TICK_S = 0.05
@@ -77,59 +81,61 @@ class Daemon:
     :class:`tmd.channel.WorkerChannel`."""
 
     def __init__(self, job: str, run_dir: str, nodes: list[str], ranks_per_node: int, standbys: list[str],
-                 bind_host: str = "127.0.0.1", store_host: str = "127.0.0.1", port: int = 0, record_steps: int = 3,
-                 heartbeat_timeout_s: float = 5.0, echo: bool = True, suspect_after_s: float = 0.8,
-                 blocked_after_s: float = 0.3, migrate_stragglers: bool = False, advertise_host: Optional[str] = None,
-                 netns: Optional[dict] = None, command: Optional[list[str]] = None,
-                 resume: Optional[JobState] = None, keys_dir: Optional[str] = None, auth: bool = True,
-                 snapshot_every: int = 10, metrics_port: Optional[int] = None, guards: int = 0) -> None:
-        """``record_steps``: steps whose collective outputs the active ranks record for joiners' replay (and
-        the joiners' number of shadow iterations); ValueError below ``p.MIN_RECORD_STEPS`` (a resumed job keeps
-        its own). ``heartbeat_timeout_s``: silence after which a node is
-        failed whatever its peers do (seconds). ``suspect_after_s``: silence after which a node is failed if a
-        peer has been blocked in a collective for ``blocked_after_s`` (seconds; see tmd.detection).
-        ``migrate_stragglers``: move a node with a straggler rank to a warm standby (a planned migration).
-        ``command``: the workers' command line in local mode (kept in tmd.json for ``tmd resume``).
-        ``resume``: take over this running job (its journal goes on; the workers re-register) instead of
-        starting one. ``keys_dir``: where the job's CURVE keys and secret live (tmd.protocol.keys; default
-        ``<run_dir>/keys``): created at start, reused by a resumed tmd (the workers pinned its public key).
-        ``auth`` false serves plain ZeroMQ with no authentication (only to measure CURVE's cost: anyone on the
-        host can then command the job). ``snapshot_every``: the ranks keep buddy snapshots every that many steps
-        when some rank's state has no replica on another node (0: off; worker.snapshot).
-        ``metrics_port``: serve Prometheus metrics and the status page (tmd.web) on ``bind_host`` at this port (0: a
-        free port; None: off); the address and the token's file go into tmd.json. ``guards``: how many standby
-        nodes tmd keeps warm as particular active nodes' ranks (tmd.guards; 0: none). Raises zmq.ZMQError when the address is taken, KeysUnavailable when a
-        resumed job's keys cannot be read."""
-        from tmd.store import host_store  # only tmd pays for torch: it hosts the job's store
-
-        if resume is None and record_steps < p.MIN_RECORD_STEPS:  # a resumed job keeps what its ranks recorded
-            raise ValueError(f"record_steps must be at least {p.MIN_RECORD_STEPS}, not {record_steps}: "
-                             "see tmd.protocol.messages.MIN_RECORD_STEPS")
-
+                 config: JobConfig = DEFAULTS, *, host: str = "127.0.0.1", echo: bool = True,
+                 resume: Optional[JobState] = None, command: Optional[list[str]] = None,
+                 netns: Optional[dict] = None, keys_dir: Optional[str] = None,
+                 tier: Optional["Tier"] = None) -> None:
+        """Coordinate job ``job`` (its journal, logs and recordings in ``run_dir``): ``nodes`` active nodes of
+        ``ranks_per_node`` ranks each, in rank order, and ``standbys``, with the settings of ``config``
+        (tmd.config.JobConfig: detection, recording, snapshots, guards, ports...), journalled whole as
+        ``job_config``. ``host``: the address tmd binds, hosts the job's store at and advertises (never all
+        interfaces). ``echo``: print each journal event. ``resume``: take over this running job (its journal goes
+        on; the workers re-register) instead of starting one: bind the address it had (``resume.address``), and
+        journal where ``config`` differs from the journal's (the options given to ``tmd resume``).
+        ``command``: the workers' command line in local mode (kept in tmd.json for ``tmd resume``). ``netns``:
+        tmd.json's network namespaces (tmd.netns). ``keys_dir``: where the job's CURVE keys and secret live
+        (tmd.protocol.keys; default ``<run_dir>/keys``): created at start, reused by a resumed tmd (the workers
+        pinned its public key). ``tier``: the job's checkpoint tier (tmd.tiers; None: no checkpoints): when in-memory
+        recovery is impossible, a local job is restarted from its newest checkpoint (:attr:`restart` set, the loop
+        ends, and tmd.cli relaunches the job with a new daemon and the same tier, whose keys and journal it goes on
+        with). Raises zmq.ZMQError when the address is taken, KeysUnavailable when a resumed job's keys cannot be
+        read."""
+        port = config.serve.port
+        if resume is not None:
+            host, port = split_address(resume.address)
         os.umask(0o077)  # the run dir's files (journal, recordings, logs; the workers inherit it) are the user's only
         self.job = job
         self.layout = RunDir(run_dir)
         self.run_dir = self.layout.path
         os.makedirs(self.layout.record_dir, exist_ok=True)
-        self.record_steps = record_steps
-        self.snapshot_every = snapshot_every
+        self.config = config
+        record_steps = config.replay.record_steps
         self.hostname = socket.gethostname()
-        self.journal = Journal(self.layout.events, echo=echo, seq=resume.last_seq if resume else 0)
+        self.tier = tier
+        self.restart: Optional["Restart"] = None  # set when this daemon ends for a restart from a checkpoint
+        restarted = resume is None and tier is not None and bool(tier.restarts)  # a relaunch after a restart
+        self.journal = Journal(self.layout.events, echo=echo,
+                               seq=resume.last_seq if resume else tier.last_seq if restarted else 0)
+        if tier is not None:
+            tier.attach(self.journal)
+            if not restarted and resume is None:
+                tier.started()
         self.registry = Registry(nodes, ranks_per_node, standbys)
         self.steplog = StepLog(self.registry.world_size)
         self._steps_flushed_at = self._status_published_at = 0.0
         self.migrations = Migrations(self.registry, self.journal, self, record_steps=record_steps)
         if resume is not None:
             self.migrations.first_id = resume.last_migration_id + 1  # migration ids go on after a restart
-        self.incidents = Incidents(self.registry, self.journal, self, self.layout, snapshot_every=snapshot_every)
+        self.incidents = Incidents(self.registry, self.journal, self, self.layout,
+                                   snapshot_every=config.snapshot.snapshot_every)
         if resume is not None:
             self.incidents.restore(resume.replicas, resume.keepers, resume.unprotected)
         self.faults = Faults(self.registry, self.journal, self.layout, self.incidents)
-        self.guards = Guards(self.registry, self.journal, self, self.layout, guards, record_steps,
+        self.guards = Guards(self.registry, self.journal, self, self.layout, config.standby.guards, record_steps,
                              suspects=self._suspects)
         self.incidents.free_standby = self.guards.free_one
-        self.store = host_store(store_host)  # on the job's address only, never all interfaces
-        self.store_host = store_host
+        if tier is not None:
+            self.incidents.standby_wait_s = tier.config.standby_wait_s
         self.keys: Optional[JobKeys] = None
         self._auth: Optional[Authenticator] = None
         self._ctx = zmq.Context()  # its own context: ZAP (the authenticator) is per context
@@ -137,9 +143,10 @@ class Daemon:
         self.sock.setsockopt(zmq.LINGER, 0)
         # No ROUTER_HANDOVER: an identity in use cannot be taken over by another connection (worker identities
         # carry a random part, so a restarted process never collides with its predecessor).
-        if auth:
+        if config.serve.auth:
             keys_dir = keys_dir or os.path.join(self.layout.path, "keys")
-            self.keys = JobKeys.load(keys_dir) if resume is not None else JobKeys.create(keys_dir)
+            reuse = resume is not None or restarted  # the ranks of a relaunched job get the same keys
+            self.keys = JobKeys.load(keys_dir) if reuse else JobKeys.create(keys_dir)
             os.environ[KEYS_ENV] = self.keys.worker_keys()  # the processes tmd starts get a worker's keys only
             self._auth = Authenticator(self._ctx, self.keys)
             self._auth.start()
@@ -147,17 +154,19 @@ class Daemon:
         else:
             os.environ.pop(KEYS_ENV, None)
             limit(self.sock)
-        self.sock.bind(f"tcp://{bind_host}:{port or '*'}")
-        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT).replace(
-            "0.0.0.0", advertise_host or socket.gethostname())
+        self.sock.bind(f"tcp://{host}:{port or '*'}")
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # the job's rendezvous store: on the job's address only, never all interfaces; only the worker key admitted
+        self.store = StoreServer(host, self.keys)
+        self.store_host = host
         self.launcher: Optional[LocalLauncher] = None  # starts the processes (local mode, srun): set by tmd.cli
         self.cluster: Optional["SlurmCluster"] = None  # SLURM mode: ticked; resolves targets; gets NodeNotices
         self.processes = HostProcesses(self.hostname)
-        self.evacuation = Evacuation(self, migrate_stragglers)
+        self.evacuation = Evacuation(self, config.standby.migrate_stragglers)
         self.detector = Detector(
             self.registry, exits=lambda: self.launcher.poll() if self.launcher else (), processes=self.processes,
             replacing=self._replacing, held_unhealthy=self.evacuation.gpu_unhealthy,
-            heartbeat_timeout_s=heartbeat_timeout_s, suspect_after_s=suspect_after_s, blocked_after_s=blocked_after_s)
+            config=config.detection)
         self.ending = JobEnd(self)
         self.requests = Requests(self, self.status, lambda: self.cluster)
         self.exit_code: Optional[int] = None
@@ -165,8 +174,9 @@ class Daemon:
         self.metrics: Optional["Metrics"] = None
         self.web: Optional["WebServer"] = None
         self.web_token_file: Optional[str] = None
-        if metrics_port is not None:
-            self._serve_web(bind_host, metrics_port, keys_dir or os.path.join(self.layout.path, "keys"), resume)
+        if config.serve.metrics_port >= 0:
+            self._serve_web(host, config.serve.metrics_port, keys_dir or os.path.join(self.layout.path, "keys"), resume,
+                            replay=resume is not None or restarted)
         self.internal_errors = 0  # handler and tick errors (bugs of tmd's own) survived
         self._failing_ticks = 0
         info = {"address": self.address, "pid": os.getpid(), "job": job, "run_dir": self.run_dir, "netns": netns or {},
@@ -191,12 +201,15 @@ class Daemon:
         self._snapshots_journalled: set[tuple[str, int]] = set()
         self.resumed: Optional[Resumed] = None
         if resume is not None:
-            self.resumed = Resumed(self, resume, rejoin_grace_s=max(10.0, 2 * heartbeat_timeout_s))
+            self.resumed = Resumed(self, resume, rejoin_grace_s=max(10.0, 2 * config.detection.heartbeat_timeout_s))
             self.resumed.start()
+            self.journal.record(Event.JOB_CONFIG, config=config.to_dict(), overrides=config.overrides(resume.config))
         else:
             self.journal.record(Event.TMD_STARTED, job=job, address=self.address, world_size=self.registry.world_size,
                                 nodes=nodes, standbys=standbys, store_port=self.store.port, record_steps=record_steps,
-                                snapshot_every=snapshot_every, guards=guards, page=self.web.url if self.web else None)
+                                snapshot_every=config.snapshot.snapshot_every, guards=config.standby.guards,
+                                page=self.web.url if self.web else None)
+            self.journal.record(Event.JOB_CONFIG, config=config.to_dict())
 
     # --- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -225,7 +238,7 @@ class Daemon:
                     if self.exit_code is None:
                         self._contained_tick()
                 except RecoveryError as e:
-                    self.fail_job(JobFailed(str(e)))
+                    self._recovery_impossible(str(e))
                 except JobFailed as e:
                     self.fail_job(e)
         except Exception as e:  # a bug of tmd's own that containment could not absorb: the ranks train on
@@ -234,7 +247,7 @@ class Daemon:
             raise TmdCrashed(f"tmd crashed: {type(e).__name__}: {e}") from e
         finally:
             if self.launcher and crashed is None:
-                self.launcher.terminate_all()
+                self.launcher.terminate_all(close=self.restart is None)  # a relaunch keeps namespaces, CPU sets
             self._flush_steps()
             if crashed is None:
                 self.journal.record(Event.TMD_STOPPED, exit_code=self.exit_code)
@@ -248,24 +261,27 @@ class Daemon:
         self.journal.close()
         if self.web is not None:
             self.web.stop()
+        self.store.stop()
         self.sock.close()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
         self._ctx.term()
 
-    def _serve_web(self, host: str, port: int, keys_dir: str, resume: Optional[JobState]) -> None:
+    def _serve_web(self, host: str, port: int, keys_dir: str, resume: Optional[JobState], replay: bool) -> None:
         """Start the metrics endpoint and status page (tmd.metrics, tmd.web) on ``host``:``port``, fed by the
-        journal. A resumed tmd replays the journal first (counters go on) and takes its old port back when free."""
+        journal. A resumed tmd (and one relaunched from a checkpoint: ``replay``) replays the journal first
+        (counters go on); a resumed one takes its old port back when free."""
         from tmd.journal import read_events
         from tmd.metrics import Metrics
         from tmd.web import WebServer, WebState, load_or_create_token
 
         self.metrics, self.web_state = Metrics(self.job), WebState()
-        if resume is not None:
+        if replay:
             for entry in read_events(self.layout.events):
                 self.metrics.observe(entry)
                 self.web_state.add_event(entry)
+        if resume is not None:
             port = resume.web_port or port
         self.web_token_file = p.layout.web_token(keys_dir)
         token = load_or_create_token(self.web_token_file)
@@ -302,6 +318,30 @@ class Daemon:
                 self.journal.record(Event.INTERNAL_ERROR, where="tick", error=f"{type(e).__name__}: {e}",
                                     traceback=traceback.format_exc())
 
+    def _recovery_impossible(self, reason: str) -> None:
+        """In-memory recovery cannot repair the job (tmd.recovery.RecoveryError's ``reason``): in local mode with a
+        checkpoint tier, end this daemon for a restart of every process from the newest valid checkpoint
+        (:attr:`restart`; tmd.cli relaunches); else fail the job."""
+        why = "no --checkpoint-dir"
+        if self.tier is not None and not self.ending.released:
+            local = self.cluster is None and isinstance(self.launcher, LocalLauncher) and bool(self.launcher.command)
+            restart, why = self.tier.plan_restart(reason) if local or self.cluster is not None else \
+                (None, "tmd starts no processes")
+            if restart is not None and self.cluster is not None:  # SLURM: the next run of the job resumes
+                error = self.cluster.requeue()
+                self.journal.record(Event.JOB_REQUEUED, step=restart.step, error=error)
+                if error is not None:
+                    why = f"scontrol requeue failed: {error}"
+                    restart = None
+            if restart is not None:
+                how = "the job is requeued" if self.cluster is not None else "every process restarts"
+                print(f"[tmd] in-memory recovery impossible ({reason}): {how} from checkpoint {restart.path} (step "
+                      f"{restart.step}; {restart.work_lost_s:.1f} s of work lost)", flush=True)
+                self.restart = restart
+                self.exit_code = ExitCode.FAILED  # unless tmd.cli relaunches the job (local mode)
+                return
+        self.fail_job(JobFailed(reason if self.tier is None else f"{reason} (no restart from a checkpoint: {why})"))
+
     def fail_job(self, failure: JobFailed) -> None:
         """End the job now with exit code 1: journal ``job_failed`` and print the reason and its details (a
         traceback, a log tail) on stderr, even with --quiet. The loop's end terminates every process."""
@@ -321,6 +361,8 @@ class Daemon:
         self.migrations.tick(now)
         self.incidents.tick(now)
         self.evacuation.tick(now)
+        if self.tier is not None:
+            self.tier.tick(now)
         busy = self.migrations.current is not None or self.incidents.current is not None or self.ending.released
         self.guards.tick(busy, time.time())
         if self.resumed is not None:
@@ -433,8 +475,9 @@ class Daemon:
     def _assignment(self, role: WorkerRole, rank: int, generation: int, migration_id: int = 0,
                     incident_id: int = 0, guard: bool = False) -> p.Assign:
         return p.Assign(role=role, rank=rank, world_size=self.registry.world_size, store_host=self.store_host,
-                        store_port=self.store.port, generation=generation, record_steps=self.record_steps,
-                        snapshot_every=self.snapshot_every, record_dir=self.layout.record_dir,
+                        store_port=self.store.port, generation=generation,
+                        record_steps=self.config.replay.record_steps,
+                        snapshot_every=self.config.snapshot.snapshot_every, record_dir=self.layout.record_dir,
                         migration_id=migration_id, incident_id=incident_id, guard=guard)
 
     # --- worker messages --------------------------------------------------------------------------------------
@@ -442,7 +485,7 @@ class Daemon:
         if not identity.startswith(f"{msg.node}/{msg.local_rank}/".encode()):  # see worker.agent: node/local/nonce
             self._refuse(identity, f"Register of {msg.node}/{msg.local_rank} from another identity")
             return
-        w = Worker(identity, msg.node, msg.local_rank, msg.pid, msg.host)
+        w = Worker(identity, msg.node, msg.local_rank, msg.pid, msg.host, iface=msg.iface, data_host=msg.data_host)
         try:
             node = self.registry.add_worker(w)
         except (KeyError, ValueError) as e:
@@ -451,7 +494,7 @@ class Daemon:
             self.reply(identity, p.Release(reason=reason, exit_code=ExitCode.REFUSED))
             return
         self.journal.record(Event.WORKER_REGISTERED, node=msg.node, local_rank=msg.local_rank, pid=msg.pid,
-                            rank=w.rank, role=node.role)
+                            rank=w.rank, role=node.role, iface=msg.iface or None, address=msg.data_host or None)
         self.faults.registered(w)
         if w.rank is not None:  # an active rank at job start: the first generation of groups
             self.send(w, self._assignment(WorkerRole.ACTIVE, w.rank, 0))
@@ -539,6 +582,9 @@ class Daemon:
                             bytes_per_copy=msg.bytes_per_copy, copy_s=round(msg.copy_s, 6))
 
     def _rank_warning(self, w: Worker, msg: p.RankWarning) -> None:
+        if msg.code == p.WarningCode.CHECKPOINT_FAILED and self.tier is not None:
+            self.tier.save_failed(msg.rank, w.node, msg.message)  # every failed save, not the first one only
+            return
         self.faults.warned(w, msg)
 
     # --- verdicts of failure detection --------------------------------------------------------------------------
@@ -599,7 +645,10 @@ class Daemon:
         return status_reply(self.job, self.registry, latest(self.migrations), latest(self.incidents),
                             self.evacuation.flagged, self.cluster.decorate if self.cluster else None,
                             failure=self.faults.failure, warnings=self.faults.warnings + self.incidents.unprotected,
-                            page=self.web.url if self.web else None)
+                            page=self.web.url if self.web else None,
+                            # the detection thresholds as the detector holds them: what it judges with
+                            config=dataclasses.replace(self.config, detection=self.detector.config).to_dict(),
+                            checkpoints=self.tier.status() if self.tier is not None else None)
 
     # --- JobControl (see tmd.control for what each does) ---------------------------------------------------
     @property

@@ -6,16 +6,17 @@ verdicts (:class:`Failure`, :class:`ProcessExited`, :class:`Unhealthy`, :class:`
 the daemon applies (fail the node, journal, abort the migration...). The clocks and the process inspection are
 injected, so the rules can be tried on synthetic heartbeats without processes.
 
-Failure detection (defaults), cheapest signal first:
+Failure detection, cheapest signal first (the three thresholds are the job's :class:`tmd.config.DetectionConfig`,
+where their defaults are defined):
 
 - a rank process exits (local mode: the launcher's Popen poll each tick, ~50 ms), begins to exit (the kernel's
   ``PF_EXITING`` flag: a killed process is seen before the kernel has freed its memory, :func:`exiting`) or turns
   zombie/stopped (psutil, for processes on tmd's host: a SIGSTOPped node is seen within a tick);
-- a node is silent for ``suspect_after_s`` (0.8 s; heartbeats every 0.1 s) while a peer is blocked in a
-  collective (its counters show a pending op older than ``blocked_after_s``, 0.3 s): hung or cut off. Unless
+- a node is silent for ``suspect_after_s`` (heartbeats come every 0.1 s) while a peer is blocked in a
+  collective (its counters show a pending op older than ``blocked_after_s``): hung or cut off. Unless
   its processes run on tmd's host and use CPU (more than 0.05 s of CPU time since it was first seen silent):
   it is then only slow to heartbeat (:class:`Slow`), not failed;
-- a node is silent for ``heartbeat_timeout_s`` (5 s) whatever its peers do.
+- a node is silent for ``heartbeat_timeout_s`` whatever its peers do.
 
 A process that exits with a positive code (not killed by a signal) may be a training script that raised: its
 rank sent a ``RankFailed`` just before, which fails the job instead (tmd.faults). Its node's failure is therefore
@@ -37,14 +38,12 @@ from typing import Callable, Iterable, Optional, Protocol, Union
 
 import psutil
 
+from tmd.config import DetectionConfig
 from tmd.health import finite
 from tmd.protocol.vocab import FailureSignal, Health, NodeRole
 from tmd.registry import Node, Registry, Worker
 
-HEARTBEAT_TIMEOUT_S = 5.0
-SUSPECT_AFTER_S = 0.8
 EXIT_REPORT_GRACE_S = 0.5  # a positive exit code's node failure waits this long for the rank's RankFailed
-BLOCKED_AFTER_S = 0.3
 BUSY_CPU_S = 0.05  # CPU seconds a silent node must use (since first seen silent) to count as computing
 BUSY_GRACE_S = 0.1  # a silent node not yet seen using CPU is given this long (seconds) before it counts as idle
 
@@ -243,7 +242,8 @@ class Detector:
     ``processes``: inspects processes on this host (default: none visible); ``replacing(node_name)``: whether
     that joining node takes over a failed node's ranks (its loss is then a failure of the job);
     ``held_unhealthy(node)``: something other than heartbeats (a bad GPU) keeps the node unhealthy;
-    ``wall_clock``: epoch seconds (peers' counters carry epoch times). Times in seconds."""
+    ``config``: the thresholds (:class:`tmd.config.DetectionConfig`, the job's); ``wall_clock``: epoch seconds
+    (peers' counters carry epoch times). Times in seconds."""
 
     def __init__(
         self,
@@ -253,9 +253,7 @@ class Detector:
         processes: Optional[ProcessInspector] = None,
         replacing: Callable[[str], bool] = lambda node_name: False,
         held_unhealthy: Callable[[Node], bool] = lambda node: False,
-        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
-        suspect_after_s: float = SUSPECT_AFTER_S,
-        blocked_after_s: float = BLOCKED_AFTER_S,
+        config: DetectionConfig = DetectionConfig(),
         wall_clock: Callable[[], float] = time.time,
         exit_report_grace_s: float = EXIT_REPORT_GRACE_S,
     ) -> None:
@@ -264,9 +262,7 @@ class Detector:
         self.processes: ProcessInspector = processes or _NoProcesses()
         self.replacing = replacing
         self.held_unhealthy = held_unhealthy
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.suspect_after_s = suspect_after_s
-        self.blocked_after_s = blocked_after_s
+        self.config = config
         self.wall_clock = wall_clock
         self.exit_report_grace_s = exit_report_grace_s
         self._suspect_cpu: dict[str, tuple[float, float]] = {}  # node -> (monotonic s, CPU s) when first silent
@@ -358,23 +354,24 @@ class Detector:
             live = [w for w in n.workers.values() if not t.gone(w) and not w.done]
             silence = max((now - w.last_heartbeat for w in live), default=0.0)
             started = all(w.step_time_s is not None for w in live)
-            limit_s = self.suspect_after_s if started else self.heartbeat_timeout_s
+            limit_s = self.config.suspect_after_s if started else self.config.heartbeat_timeout_s
             if self._in_job(t, n) and live and silence > limit_s:
                 blocked = self._peer_blocked_s(n)
                 busy = False
-                if blocked > self.blocked_after_s:
+                if blocked > self.config.blocked_after_s:
                     busy, slow = self._busy(n, live, now)
                     if slow is not None:
                         t.verdicts.append(slow)
-                if (blocked > self.blocked_after_s and not busy) or silence > self.heartbeat_timeout_s:
+                hung = blocked > self.config.blocked_after_s and not busy
+                if hung or silence > self.config.heartbeat_timeout_s:
                     t.fail(n, f"no heartbeat for {silence:.2f} s (peers blocked for {blocked:.2f} s)",
                            FailureSignal.SILENT)
                     continue
             else:
                 self._suspect_cpu.pop(n.name, None)
-            silent = tuple(w for w in live if now - w.last_heartbeat > self.heartbeat_timeout_s)
+            silent = tuple(w for w in live if now - w.last_heartbeat > self.config.heartbeat_timeout_s)
             if silent and n.health != Health.UNHEALTHY:
-                t.verdicts.append(Unhealthy(n, f"no heartbeat for {self.heartbeat_timeout_s:.1f} s", silent))
+                t.verdicts.append(Unhealthy(n, f"no heartbeat for {self.config.heartbeat_timeout_s:.1f} s", silent))
             elif not silent and n.health == Health.UNHEALTHY and live and len(n.workers) == n.expected_workers \
                     and not any(t.gone(w) for w in n.workers.values()) and not self.held_unhealthy(n):
                 t.verdicts.append(Healthy(n))

@@ -1,9 +1,11 @@
 """The user's errors and misuse: when a rank's own mistake must fail the job at once, and when tmd must refuse to
 move or recover it. Decides and journals; the daemon applies (:class:`JobFailed` ends the job with exit code 1).
 
-- **A script error** (:class:`~tmd.protocol.RankFailed`, ``script_error``; or ``state_mismatch``: replicas
-  diverged after a migration or recovery): ``rank_failed`` is journalled (rank, node, kind, error, traceback)
-  and the job fails. No standby is spent: the failing process's exit that follows is not a node failure.
+- **A script error** (:class:`~tmd.protocol.RankFailed`, ``script_error``; ``state_mismatch``: replicas
+  diverged after a migration or recovery; ``step_aborted_uncaught``: the script did not catch a ``StepAborted``
+  of a peer's failure, and its rank is lost with it): ``rank_failed`` is journalled (rank, node, kind, error,
+  traceback) and the job fails. No standby is spent: the failing process's exit that follows is not a node
+  failure.
 - **A startup failure**: a process of an active node that exits before its worker registered (before
   ``worker.init()`` reached tmd): ``startup_failed`` names node/local_rank, its rank (ranks are node-major), its
   exit code and the last :data:`LOG_TAIL_LINES` lines of its log (``<run_dir>/logs/<node>.<local_rank>.log``),
@@ -33,6 +35,8 @@ from tmd.registry import Node, Registry, Worker
 
 LOG_TAIL_LINES = 20  # lines of a process's log quoted when it died before registering
 STANDBY_START_LIMIT = 3  # a standby's process dying this many times in a row before registering: not restarted
+WHAT = {FailureKind.SCRIPT_ERROR: "raised", FailureKind.STATE_MISMATCH: "found diverged state",
+        FailureKind.STEP_ABORTED_UNCAUGHT: "raised StepAborted and did not catch it"}  # a RankFailed, in its reason
 
 
 class JobFailed(Exception):
@@ -78,8 +82,7 @@ class Faults:
         """A rank reported it cannot go on: journal it and return the job's failure (the caller raises it)."""
         self.journal.record(Event.RANK_FAILED, rank=msg.rank, node=w.node, local_rank=w.local_rank, step=msg.step,
                             kind=msg.kind, error=msg.error, traceback=msg.traceback)
-        what = "raised" if msg.kind == FailureKind.SCRIPT_ERROR else "found diverged state"
-        reason = f"rank {msg.rank} on {w.node} {what} at step {msg.step}: {msg.error}"
+        reason = f"rank {msg.rank} on {w.node} {WHAT[msg.kind]} at step {msg.step}: {msg.error}"
         again = self._failed_again(msg.step)
         if again:
             reason = f"{again}: {reason}"

@@ -106,6 +106,11 @@ class Journal:
         self.listener_errors = 0  # exceptions raised by listeners (counted, never propagated)
         self._listeners: list[Callable[[dict], None]] = []
 
+    @property
+    def seq(self) -> int:
+        """The last sequence number recorded."""
+        return self._seq
+
     def subscribe(self, listener: Callable[[dict], None]) -> None:
         """Call ``listener(entry)`` after each event is recorded, in the recording thread (tmd's loop), with the
         entry as written. A listener must be quick; what it raises is counted in :attr:`listener_errors` (the

@@ -5,6 +5,9 @@ Each process gets its identity by environment: ``TM_COORDINATOR`` (tmd's address
 ranks from oversubscribing the cores and gloo on loopback. Every process writes its output to
 ``<run_dir>/logs/<node>.<local_rank>.log`` itself (not through a pipe to tmd: its output, and so its training,
 outlives a killed tmd); with ``echo`` tmd follows the file and prints each line prefixed by ``[node/local_rank]``.
+In the plain case (a ``python`` command, no CPU sets, no namespaces) the processes are forked from a fork server
+that imported torch once (worker/fork_server.py, :class:`ForkServer`) and re-parented to tmd, which is a child
+subreaper; ``TM_FORK_SERVER=0`` starts each with ``subprocess.Popen`` instead.
 Nodes may run pinned to CPU sets of their own (``tmd local --isolate-nodes``, tmd/cpusets.py), and in network
 namespaces of their own (``tmd local --netns-node``/``--netns-all``, see tmd/netns.py):
 their processes then advertise their namespace's address to gloo (``TM_GLOO_HOST``) instead.
@@ -14,7 +17,9 @@ In SLURM mode srun starts the processes instead and this module is not used.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -25,16 +30,15 @@ import psutil
 
 from tmd.protocol.layout import RunDir
 from tmd.rundir import no_follow
+from worker import fork_server
 
 if TYPE_CHECKING:
     from tmd.cpusets import Isolation
     from tmd.netns import NodeNamespace
 
 
-class Adopted:
-    """A process this tmd did not start (found by ``tmd resume``), with the part of Popen's interface the
-    launcher uses. Its exit code is unknown (a non-child cannot be waited for): ``poll()`` returns -1 once
-    it is gone or a zombie, a marker only: the launcher reports the exit code of such a process as None."""
+class _ByPid:
+    """The part of Popen's interface the launcher uses, for a process known by its pid only."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -45,16 +49,16 @@ class Adopted:
             self._proc = None
 
     def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            try:
-                gone = self._proc is None or self._proc.status() == psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                gone = True
-            except psutil.Error:
-                gone = False
-            if gone:
-                self.returncode = -1
-        return self.returncode
+        raise NotImplementedError
+
+    def _gone(self) -> bool:
+        """Whether the process is gone or a zombie (by psutil)."""
+        try:
+            return self._proc is None or self._proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.Error:
+            return False
 
     def terminate(self) -> None:
         if self._proc is not None:
@@ -75,21 +79,125 @@ class Adopted:
         while self.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
-            time.sleep(0.05)  # a non-child: nothing to block on
+            time.sleep(0.05)  # nothing to block on with a timeout
         return self.returncode
+
+
+class Adopted(_ByPid):
+    """A process this tmd did not start (found by ``tmd resume``). Its exit code is unknown (a non-child cannot be
+    waited for): ``poll()`` returns -1 once it is gone or a zombie, a marker only: the launcher reports the exit
+    code of such a process as None."""
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None and self._gone():
+            self.returncode = -1
+        return self.returncode
+
+
+class Forked(_ByPid):
+    """A process the fork server started and that was re-parented to this tmd (a child subreaper): waited for
+    like a child of its own, with its exit code (negative: the signal that ended it, as Popen gives it)."""
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # not re-parented here after all: its exit code cannot be known
+                if self._gone():
+                    self.returncode = -1
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+class ForkServer:
+    """tmd's end of worker/fork_server.py: a process that imported torch and the worker package once and forks
+    the job's ranks from that image (see that module for the protocol and what a forked rank shares).
+
+    ``python`` is the job command's interpreter as the command names it (looked up on ``env``'s PATH), ``env`` the environment the ranks share
+    (:func:`worker.fork_server.common_env`). :meth:`spawn` returns None whenever the server cannot serve (it
+    failed to import, died, or refused), and the launcher then starts that process itself."""
+
+    READY_TIMEOUT_S = 120.0  # its imports (2-3 s here, more on a loaded host)
+    REPLY_TIMEOUT_S = 30.0
+
+    def __init__(self, python: str, env: dict[str, str], log_path: str) -> None:
+        ours, theirs = socket.socketpair()
+        with open(log_path, "ab", opener=no_follow) as log:
+            self.proc = subprocess.Popen([python, "-m", "worker.fork_server", str(theirs.fileno())], env=env,
+                                         pass_fds=(theirs.fileno(),), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        theirs.close()
+        self._sock = ours
+        self._reader = ours.makefile("rb")
+        self._lock = threading.Lock()
+        self._ready = False
+        self.broken: Optional[str] = None  # why it no longer serves
+
+    def _read(self, timeout_s: float) -> dict:
+        self._sock.settimeout(timeout_s)
+        line = self._reader.readline()
+        if not line:
+            raise EOFError("the fork server exited")
+        reply = json.loads(line)
+        if not isinstance(reply, dict):
+            raise ValueError(f"malformed reply {line[:80]!r}")
+        return reply
+
+    def spawn(self, argv: list[str], env: dict[str, str], log_path: str) -> Optional[int]:
+        """Fork one process running ``argv`` with ``env`` in this working directory, its output appended to
+        ``log_path``. Returns its pid (a child of this process now), or None: start it some other way."""
+        with self._lock:
+            if self.broken:
+                return None
+            try:
+                if not self._ready:
+                    hello = self._read(self.READY_TIMEOUT_S)
+                    if "ready" not in hello:
+                        raise RuntimeError(hello.get("error", "no ready message"))
+                    self._ready = True
+                request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": log_path}
+                self._sock.sendall(json.dumps(request).encode() + b"\n")
+                reply = self._read(self.REPLY_TIMEOUT_S)
+                pid = reply.get("pid")
+                if not isinstance(pid, int) or pid <= 0:
+                    print(f"[tmd] the fork server refused {argv[1:]}: {reply.get('error')}", flush=True)
+                    return None
+                return pid
+            except (OSError, ValueError, RuntimeError, EOFError) as e:
+                self.broken = f"{type(e).__name__}: {e}"
+                print(f"[tmd] fork server unusable, starting processes directly: {self.broken}", flush=True)
+                return None
+
+    def close(self) -> None:
+        """End the server (it exits when its socket closes)."""
+        self.broken = self.broken or "closed"
+        try:
+            self._sock.close()
+            self._reader.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @dataclasses.dataclass
 class Proc:
     node: str
     local_rank: int
-    popen: Union[subprocess.Popen, Adopted]
+    popen: Union[subprocess.Popen, Adopted, Forked]
     returncode: Optional[int] = None  # its exit code once it exited (None: running, or adopted: unknown)
     exited: bool = False
     pump: Optional[threading.Thread] = None  # echoes its log file (with echo)
 
 
 class LocalLauncher:
+    FORK_SERVER = True  # whether plain python commands are forked from a fork server (not under srun)
+
     def __init__(self, command: list[str], run_dir: str, coordinator: str, ranks_per_node: int,
                  echo: bool = True, extra_env: Optional[dict[str, str]] = None,
                  namespaces: Optional[dict] = None, host_ip: Optional[str] = None,
@@ -114,6 +222,13 @@ class LocalLauncher:
         self._print_lock = threading.Lock()
         self._layout = RunDir(run_dir)
         os.makedirs(self._layout.logs_dir, exist_ok=True)
+        self.fork_server: Optional[ForkServer] = None
+        shared = fork_server.common_env(self._env("", 0, False))
+        if (self.FORK_SERVER and command and isolation is None and not self.namespaces and new_namespace is None
+                and fork_server.eligible(command, shared) and fork_server.become_subreaper()):
+            # command[0] as the ranks' Popen would find it: on the environment's PATH
+            self.fork_server = ForkServer(command[0], shared,
+                                          os.path.join(self._layout.logs_dir, "fork-server.log"))
 
     def start_node(self, node: str, standby: bool) -> None:
         """Start ``ranks_per_node`` processes for ``node`` (none without a command: ``tmd resume`` of a job
@@ -131,10 +246,11 @@ class LocalLauncher:
         """The command line of one worker process."""
         return self.command
 
-    def _spawn(self, node: str, local_rank: int, standby: bool) -> Proc:
+    def _env(self, node: str, local_rank: int, standby: bool) -> dict[str, str]:
+        """The environment of one worker process."""
         ns = self.namespaces.get(node)
         gloo_host = ns.node_ip if ns else self.host_ip
-        env = {
+        return {
             **self.base_env(),
             **({"TM_GLOO_HOST": gloo_host} if gloo_host else {}),
             "TM_COORDINATOR": self.coordinator,
@@ -146,13 +262,19 @@ class LocalLauncher:
             "PYTHONUNBUFFERED": "1",
             **self.extra_env,
         }
+
+    def _spawn(self, node: str, local_rank: int, standby: bool) -> Proc:
+        ns = self.namespaces.get(node)
+        env = self._env(node, local_rank, standby)
         argv = self.argv(node, local_rank)
         if self.isolation is not None:
             argv = self.isolation.wrap(node, standby, argv)
-        with open(self._log_path(node, local_rank), "ab", opener=no_follow) as log:  # never through a symlink
+        path = self._log_path(node, local_rank)
+        with open(path, "ab", opener=no_follow) as log:  # never through a symlink
             start = log.tell()
-            popen = subprocess.Popen(ns.wrap(argv) if ns else argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+            pid = self.fork_server.spawn(argv, env, path) if self.fork_server is not None else None
+            popen: Union[subprocess.Popen, Forked] = Forked(pid) if pid else subprocess.Popen(
+                ns.wrap(argv) if ns else argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return self._track(Proc(node, local_rank, popen), start)
 
     def adopt(self, node: str, local_rank: int, pid: int) -> Proc:
@@ -215,8 +337,9 @@ class LocalLauncher:
                 return proc.popen.pid
         return None
 
-    def terminate_all(self, grace_s: float = 5.0) -> None:
-        """SIGTERM every running process, then SIGKILL what is left after ``grace_s`` seconds."""
+    def terminate_all(self, grace_s: float = 5.0, close: bool = True) -> None:
+        """SIGTERM every running process, then SIGKILL what is left after ``grace_s`` seconds; with ``close``
+        also delete the nodes' network namespaces and CPU sets (not before a relaunch that reuses them)."""
         for proc in self.running():
             proc.popen.terminate()
         for proc in self.procs:
@@ -231,6 +354,10 @@ class LocalLauncher:
         for proc in self.procs:  # echo the last lines (the pumps end at the end of their files)
             if proc.pump is not None:
                 proc.pump.join(timeout=1.0)
+        if self.fork_server is not None:  # a relaunch makes a launcher, and so a fork server, of its own
+            self.fork_server.close()
+        if not close:
+            return
         for ns in self.namespaces.values():
             ns.close()
         if self.isolation is not None:

@@ -40,6 +40,12 @@ metric (labels besides ``job``)                    type       source and meaning
                                                               ``bytes_moved``: training state sent, ``kind``
                                                               migration or recovery
 ``trainmover_stragglers_total{node}``              counter    ``straggler_detected``: ranks flagged as stragglers
+``trainmover_checkpoints_total{state}``            counter    ``checkpoint_committed`` / ``checkpoint_failed``:
+                                                              checkpoints written, ``state`` committed or failed
+``trainmover_restarts_total{tier}``                counter    ``job_restarting``: restarts of every process from a
+                                                              lower tier (``tier`` checkpoint)
+``trainmover_restart_work_lost_seconds``           histogram  ``job_restarting``'s ``work_lost_s``: the training time
+                                                              between the checkpoint and the failure
 =================================================  =========  ========================================================
 
 From the latest status (computed at scrape time):
@@ -229,6 +235,11 @@ class Metrics:
                                    "it failed (seconds).", DETECTION_BUCKETS_S)
         self.moved = counter("moved_bytes", "Training state sent by migrations and recoveries (bytes).", ("kind",))
         self.stragglers = counter("stragglers", "Ranks flagged as stragglers, by node.", ("node",))
+        self.checkpoints = counter("checkpoints", "Checkpoints the ranks wrote, by state (committed or failed).",
+                                   ("state",))
+        self.restarts = counter("restarts", "Restarts of every process from a lower tier, by tier.", ("tier",))
+        self.work_lost = histogram("restart_work_lost_seconds", "Training time between the checkpoint a restart "
+                                   "went back to and the failure (seconds).", DOWNTIME_BUCKETS_S)
         # label sets known up front start at 0 (so rate() and increase() see the first one)
         self.steps.labels(job)
         for state in MIGRATION_FINAL.values():
@@ -294,6 +305,13 @@ class Metrics:
             node = self._node(e.get("node"))
             if node is not None:
                 self.stragglers.labels(job, node).inc()
+        elif ev in (Event.CHECKPOINT_COMMITTED, Event.CHECKPOINT_FAILED):
+            self.checkpoints.labels(job, "committed" if ev == Event.CHECKPOINT_COMMITTED else "failed").inc()
+        elif ev == Event.JOB_RESTARTING and e.get("tier") == "checkpoint":
+            self.restarts.labels(job, "checkpoint").inc()
+            value = seconds(e.get("work_lost_s"))
+            if value is not None:
+                self.work_lost.labels(job).observe(value)
 
     def _phases(self, histogram: Histogram, names: tuple, phases_s: Any) -> None:
         if not isinstance(phases_s, dict):

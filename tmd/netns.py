@@ -10,8 +10,8 @@ Start a node's processes with ``subprocess.Popen(ns.wrap(argv), ...)`` (``ip net
 the Popen's pid is the process itself). Addressing:
 
 * ranks inside the namespace advertise ``ns.node_ip`` (env ``TM_GLOO_HOST``) and reach tmd and the job's
-  TCPStore at ``ns.host_ip``. The namespace's loopback works, so ranks of the same node still reach each other
-  while the node is cut off, as on a real node;
+  rendezvous store (tmd.store) at ``ns.host_ip``. The namespace's loopback works, so ranks of the same node
+  still reach each other while the node is cut off, as on a real node;
 * ranks in the host namespace must advertise an address the namespace can reach: ``ns.host_ip`` works, it is
   a local address of the host (127.0.0.1 does not: inside the namespace it is the namespace's own loopback).
   Servers in the host namespace bound to 0.0.0.0 or to ``host_ip`` accept connections from the namespace;
@@ -49,23 +49,36 @@ ends (the host end is a bridge port). :func:`enter` moves the calling process it
 run in the host namespace (through ``nsenter`` and a descriptor of it kept open), so that process can add
 namespaces to the bridge later (standbys added by request). ``close()`` of the bridge deletes its namespaces and
 itself; bridges whose creator is gone (its pid is the bridge's alias ``tm-<pid>``) go at the next start.
+
+**Holding namespaces for other programs** (``slurm/local-cluster.sh up DIR --multihost``: each slurmd in a
+namespace of its own)::
+
+    python -m tmd.netns hold --env FILE NODE...
+
+makes a bridge and one namespace per NODE on it, writes FILE (shell assignments: ``NETNS_BRIDGE``,
+``NETNS_HOST_IP``, and per node ``NETNS_<node>`` (its namespace, for ``ip netns exec``) and ``ADDR_<node>``), then
+holds them until SIGTERM or SIGINT and deletes them. The names carry this process's pid, so if it dies they are
+deleted at the next start of any ``NodeNamespace`` or ``Bridge`` on this machine.
 """
 from __future__ import annotations
 
+import argparse
 import atexit
 import ctypes
 import errno
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 from typing import Optional
 
 PREFIX = "tm-"
 ETC_NETNS = "/etc/netns"  # `ip netns exec NAME` bind-mounts the files of ETC_NETNS/NAME/ over those of /etc/
 # The host's nameserver is unreachable from a namespace (no NAT): every lookup would wait out its timeouts (10 s
-# with glibc's defaults; c10d's TCPStore client does a reverse lookup of its peer). 127.0.0.1 inside the
+# with glibc's defaults; gloo and c10d's TCPStore resolve names). 127.0.0.1 inside the
 # namespace refuses at once, so lookups fail fast and /etc/hosts still answers.
 RESOLV_CONF = "# tmd.netns: no DNS inside a node namespace\nnameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
 _CMD_TIMEOUT_S = 20.0
@@ -447,3 +460,62 @@ class Bridge:
 
     def __repr__(self) -> str:
         return f"Bridge({self.name!r}, {self.subnet}.0/24, namespaces={len(self.namespaces)})"
+
+
+_SHELL_NAME = re.compile(r"[A-Za-z0-9_]+")  # a node name that can be part of a shell variable's name
+
+
+def hold(nodes: list[str], env_path: str, stop: Optional[threading.Event] = None) -> int:
+    """``python -m tmd.netns hold``: a bridge and a namespace per node (see the module doc), described in
+    ``env_path`` (written atomically once all exist), held until ``stop`` is set (by default: SIGTERM or SIGINT),
+    then deleted. Returns the exit code: 0, or 1 when they cannot be made (the reason on stderr, one line)."""
+    bad = [n for n in nodes if not _SHELL_NAME.fullmatch(n)]
+    if bad or not nodes or len(set(nodes)) != len(nodes):
+        print(f"tmd.netns hold: node names must be distinct letters, digits and _ (got {' '.join(nodes) or 'none'})",
+              file=sys.stderr)
+        return 1
+    if stop is None:
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    try:
+        bridge = Bridge()
+    except RuntimeError as e:
+        print(f"tmd.netns hold: {e}", file=sys.stderr)
+        return 1
+    try:
+        lines = [f"NETNS_BRIDGE={bridge.name}", f"NETNS_HOST_IP={bridge.host_ip}"]
+        for node in nodes:
+            ns = bridge.add(node)
+            lines += [f"NETNS_{node}={ns.name}", f"ADDR_{node}={ns.node_ip}"]
+        tmp = f"{env_path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        os.replace(tmp, env_path)
+        while not stop.wait(1.0):  # a signal handler runs between the waits
+            pass
+        return 0
+    except RuntimeError as e:
+        print(f"tmd.netns hold: {e}", file=sys.stderr)
+        return 1
+    finally:
+        bridge.close()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tmd.netns", description="Hold network namespaces on a bridge "
+                                 "for other programs (see tmd/netns.py). Needs root and iproute2.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    h = sub.add_parser("hold", help="make a namespace per node on one bridge and hold them until SIGTERM")
+    h.add_argument("--env", required=True, metavar="FILE", help="where to write the namespaces and addresses")
+    h.add_argument("nodes", nargs="+", metavar="NODE")
+    args = ap.parse_args(argv)
+    if not available():
+        print("tmd.netns hold: network namespaces need root, iproute2 (ip, tc) and a kernel that allows them",
+              file=sys.stderr)
+        return 1
+    return hold(args.nodes, args.env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

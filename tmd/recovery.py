@@ -79,6 +79,7 @@ class Incident(Episode):
     bytes_moved: int = 0
     shadow_steps: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> shadow iterations its replacement ran
     waiting_standby: bool = False
+    waiting_since: Optional[float] = None  # time.monotonic() when it began to wait for a standby
     snapshots: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # rank -> snapshot steps it holds
     rollback_step: Optional[int] = None  # the snapshot step the job rolled back to (None: no rollback)
 
@@ -129,6 +130,9 @@ class Incidents(Episodes[Incident]):
         # called when a failed node finds no warm standby (with why): True if a standby will come (tmd.guards
         # releases a guard, which comes back as a general standby)
         self.free_standby: Callable[[str], bool] = lambda why: False
+        # seconds an incident waits for a standby before it fails (RecoveryError: tmd then restarts the job from
+        # its newest checkpoint, tmd.tiers); 0: it waits as long as it takes
+        self.standby_wait_s = 0.0
 
     # ---------------------------------------------------------------------------------------------------------
     def on_node_failed(self, node_name: str, reason: str, adopt: Optional[Adoption] = None) -> None:
@@ -320,6 +324,9 @@ class Incidents(Episodes[Incident]):
         if inc.waiting_standby:
             self._promote(inc)
             self._maybe_plan(inc)  # the survivors halted long ago: the plan goes out with the promotion
+            if inc.waiting_standby and self.standby_wait_s > 0 and inc.waiting_since is not None and \
+                    now_mono - inc.waiting_since > self.standby_wait_s:
+                self._fail(inc, f"no standby arrived within {self.standby_wait_s:g} s (--standby-wait-s)")
         elif inc.overdue(now_mono):
             self._fail(inc, f"recovery {inc.id} stuck in {inc.state} for {inc.deadline_s:.0f} s")
 
@@ -340,6 +347,7 @@ class Incidents(Episodes[Incident]):
                 if not inc.waiting_standby:
                     self.free_standby(f"no general standby is warm for {failed_node}'s ranks")
                     inc.waiting_standby = True
+                    inc.waiting_since = time.monotonic()
                     self.journal.record(Event.RECOVERY_WAITING, incident_id=inc.id, failed_node=failed_node,
                                         reason="no warm standby: training waits until one registers")
                 return

@@ -42,6 +42,8 @@ class Worker:
     fenced: bool = False  # its node was declared failed: it must not take part again
     fence_sent: bool = False
     warm_for: Optional[int] = None  # a replacement's rank once its shadow iterations are done
+    iface: str = ""  # the network interface its data plane uses (tmd.netif; "": unknown)
+    data_host: str = ""  # the address its data plane binds and advertises ("": unknown)
 
 
 @dataclasses.dataclass

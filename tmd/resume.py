@@ -12,7 +12,8 @@ A restarted tmd re-learns the job from two sources:
 - the journal (``events.jsonl``, the events of the job since its ``tmd_started``, :func:`load`): the layout
   (which node holds which ranks after the migrations and recoveries that completed), the highest group
   generation used (new generations go on after it: a store prefix is never reused), the last migration id,
-  and ``tmd.json``'s address and launch command;
+  the job's settings (the last ``job_config``: tmd.config.JobConfig; an option given to ``tmd resume``
+  overrides its field), and ``tmd.json``'s address and launch command;
 - the workers: it binds the same ZeroMQ address, so every agent reconnects; to any worker message from an
   identity it does not know it answers :class:`~tmd.protocol.Reregister`, carrying the new store (the old
   store died with the old tmd); the worker points its group builder at the new store and answers
@@ -45,6 +46,7 @@ from typing import Optional
 import psutil
 
 from tmd import protocol as p
+from tmd.config import ConfigError, JobConfig
 from tmd.control import JobControl
 from tmd.journal import read_events
 from tmd.protocol.layout import RunDir
@@ -73,7 +75,7 @@ class JobState:
     nodes: list[str]  # the job's first active nodes, in rank order
     ranks_per_node: int
     standbys: list[str]
-    record_steps: Optional[int]
+    config: JobConfig  # the job's settings (the journal's last job_config), before any option of tmd resume
     roles: dict[str, tuple[NodeRole, list[int]]]  # node -> (role, ranks) now
     generation: int  # the highest group generation used
     last_migration_id: int
@@ -82,8 +84,6 @@ class JobState:
     last_seq: int
     last_ts: float
     previous_pid: Optional[int]
-    snapshot_every: Optional[int] = None  # buddy snapshots every that many steps (None: an older journal)
-    guards: int = 0  # standby nodes kept warm as active nodes' ranks (tmd.guards)
     replicas: dict = dataclasses.field(default_factory=dict)  # rank -> its replica class (replica_classes event)
     keepers: dict = dataclasses.field(default_factory=dict)  # rank -> the rank keeping its buddy snapshot
     unprotected: list = dataclasses.field(default_factory=list)  # the no_replica warnings
@@ -92,7 +92,8 @@ class JobState:
 
 def load(run_dir: str) -> JobState:
     """Read ``tmd.json`` and the journal of ``run_dir``. Raises ResumeError when there is nothing to resume:
-    no such job, the job ended, or its tmd still runs; or when this user did not make it (:func:`check_owned`)."""
+    no such job, the job ended, or its tmd still runs; when this user did not make it (:func:`check_owned`); or
+    when the journalled configuration does not read."""
     layout = RunDir(run_dir)
     try:
         layout = RunDir(check_owned(layout))
@@ -185,17 +186,36 @@ def load(run_dir: str) -> JobState:
     keepers = {int(r): int(k) for r, k in classes[-1]["keepers"].items()} if classes else {}
     unprotected = [{k: e[k] for k in ("rank", "node", "code", "message")} for e in events
                    if e["event"] == Event.NO_REPLICA]
+    web_port = _web_port(info)
     return JobState(
         job=started.get("job") or info.get("job"), run_dir=layout.path, address=info["address"],
         command=info.get("command"), cwd=info.get("cwd"), netns=info.get("netns") or {},
-        nodes=nodes, ranks_per_node=rpn, standbys=standbys,
-        record_steps=started.get("record_steps"), roles=roles,
+        nodes=nodes, ranks_per_node=rpn, standbys=standbys, config=_config(events, web_port), roles=roles,
         generation=max(generation, consumed),  # each migration and each recovery plan took one
         last_migration_id=last_mid, cut_migration=migration, open_incident=incident,
         last_seq=max(seqs, default=0), last_ts=events[-1].get("ts", time.time()),
-        previous_pid=pid if isinstance(pid, int) else None, snapshot_every=started.get("snapshot_every"),
-        guards=int(started.get("guards") or 0),
-        replicas=replicas, keepers=keepers, unprotected=unprotected, web_port=_web_port(info))
+        previous_pid=pid if isinstance(pid, int) else None,
+        replicas=replicas, keepers=keepers, unprotected=unprotected, web_port=web_port)
+
+
+def _config(events: list[dict], web_port: Optional[int]) -> JobConfig:
+    """The job's settings: its journal's last ``job_config`` (``events`` start at its ``tmd_started``). A journal
+    of an older tmd has none: its ``tmd_started`` fields, the status page as tmd.json says (``web_port``), the
+    defaults for the rest. Raises ResumeError when the journalled configuration does not read."""
+    journalled = [e for e in events if e["event"] == Event.JOB_CONFIG]
+    if journalled:
+        data = journalled[-1].get("config")
+    else:
+        started = events[0]
+        data = {"replay": {"record_steps": started.get("record_steps")},
+                "snapshot": {"snapshot_every": started.get("snapshot_every")},
+                "standby": {"guards": started.get("guards")},
+                "serve": {"metrics_port": -1 if web_port is None else 0}}
+        data = {s: {k: v for k, v in fields.items() if v is not None} for s, fields in data.items()}
+    try:
+        return JobConfig.from_dict(data)
+    except ConfigError as e:
+        raise ResumeError(f"the job's configuration in its journal does not read: {e}") from None
 
 
 def check_owned(layout: RunDir) -> str:
@@ -359,7 +379,8 @@ class Resumed:
             return self._refuse(identity, fields, f"holds rank {msg.rank}, but {node.name} is a standby",
                                 ExitCode.FENCED)
         reg.generations.restore(msg.generation)  # new groups go on after the highest this worker built
-        w = Worker(identity, msg.node, msg.local_rank, msg.pid, msg.host, step=msg.step, last_heartbeat=now)
+        w = Worker(identity, msg.node, msg.local_rank, msg.pid, msg.host, step=msg.step, last_heartbeat=now,
+                   iface=msg.iface, data_host=msg.data_host)
         if node.role == NodeRole.LEFT:  # a leaver whose migration committed: it leaves once it has the decision
             w.done = True
             node.workers[w.local_rank] = w

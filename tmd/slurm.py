@@ -248,6 +248,8 @@ class SrunLauncher(LocalLauncher):
     TM_NODE, TM_LOCAL_RANK, TM_STANDBY, TM_RUN_DIR, OMP_NUM_THREADS=1), minus the SLURM_* variables of tmd's
     own job step (SLURM_CONF stays). A standby node is started at most every ``RESTART_BACKOFF_S`` seconds."""
 
+    FORK_SERVER = False  # srun starts the processes
+
     def __init__(self, command: list[str], run_dir: str, coordinator: str, ranks_per_node: int,
                  echo: bool = True, extra_env: Optional[dict[str, str]] = None) -> None:
         super().__init__(command, run_dir, coordinator, ranks_per_node, echo, extra_env)
@@ -333,6 +335,18 @@ class SlurmCluster:
         self._reservation_ok: Optional[bool] = None
 
     # --- lifecycle ------------------------------------------------------------------------------------------------
+    def requeue(self) -> Optional[str]:
+        """``scontrol requeue`` this job (the checkpoint tier, tmd.tiers: the world cannot be rebuilt inside the
+        allocation): SLURM ends this run of the batch script and queues it again with the same job id, whose
+        ``tmd slurm --checkpoint-dir DIR`` goes on from the job's newest checkpoint there. Blocks up to the
+        SLURM timeout (the job is ending anyway). Returns None, or why it failed (one line: e.g. a job that is
+        not requeueable, ``sbatch --no-requeue``)."""
+        try:
+            run_slurm(["scontrol", "requeue", self.job_id], self.poller.timeout_s)
+        except SlurmError as e:
+            return str(e)
+        return None
+
     def start(self) -> None:
         """Write ``jobs/<JOBID>/tmd.json``, journal the prolog reports of the job, start polling."""
         self._write_link(self.job_id, standby_for=None)

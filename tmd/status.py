@@ -1,9 +1,11 @@
 """What ``tmctl status`` shows: the job's :class:`~tmd.protocol.StatusReply`, built from tmd's state.
 
 One dict per node (name, role, ranks, health and its reason, live processes, heartbeat age, step, step time,
-warm, straggler ranks, ``pids``: local rank (a string) -> pid of each live process; SLURM mode adds the node's
-SLURM state), the latest migration and the latest failure recovery (their ``to_dict()``), the job's generation
-and step, why it failed (``failure``) and the misuse its ranks reported (``warnings``).
+warm, straggler ranks, ``pids``: local rank (a string) -> pid of each live process, ``iface`` and ``address``: the
+network interface and address its data plane uses (tmd.netif; None before a process registered); SLURM mode adds
+the node's SLURM state), the latest migration and the latest failure recovery (their ``to_dict()``), the job's
+generation and step, why it failed (``failure``), the misuse its ranks reported (``warnings``) and the job's
+settings (``config``: tmd.config.JobConfig.to_dict()).
 """
 from __future__ import annotations
 
@@ -34,17 +36,23 @@ def node_status(n: Node, now: float, stragglers: list[int]) -> dict:
         "guards": list(n.guards),  # a guarding node: the ranks it is warm for
         "stragglers": stragglers,
         "pids": {str(w.local_rank): w.pid for w in workers},
+        # the network its data plane uses (tmd.netif): the interface and the address of its first live process
+        "iface": next((w.iface for w in workers if w.iface), None),
+        "address": next((w.data_host for w in workers if w.data_host), None),
     }
 
 
 def status_reply(job: str, registry: Registry, migration: Optional[Episode], recovery: Optional[Episode],
                  stragglers: Callable[[Node], list[int]], decorate: Optional[Callable[[list[dict]], None]] = None,
                  now: Optional[float] = None, failure: Optional[dict] = None,
-                 warnings: Optional[list[dict]] = None, page: Optional[str] = None) -> p.StatusReply:
+                 warnings: Optional[list[dict]] = None, page: Optional[str] = None,
+                 config: Optional[dict] = None, checkpoints: Optional[dict] = None) -> p.StatusReply:
     """The StatusReply of job ``job``: ``migration`` and ``recovery`` are the latest of each (or None);
     ``stragglers(node)`` gives a node's straggler ranks; ``decorate`` may add fields to the node dicts (SLURM
     mode); ``now`` defaults to time.monotonic(); ``failure``: why the job failed (tmd.faults), ``warnings``: the
-    misuse ranks reported; ``page``: the status page's address (tmd.web), None when it is off."""
+    misuse ranks reported; ``page``: the status page's address (tmd.web), None when it is off; ``config``: the
+    job's settings (tmd.config.JobConfig.to_dict()); ``checkpoints``: the checkpoint tier's state
+    (tmd.tiers.Tier.status), None when it is off."""
     now = time.monotonic() if now is None else now
     nodes = [node_status(n, now, stragglers(n)) for n in registry.nodes.values()]
     if decorate is not None:
@@ -53,4 +61,4 @@ def status_reply(job: str, registry: Registry, migration: Optional[Episode], rec
                          step=registry.current_step(), nodes=nodes,
                          migration=migration.to_dict() if migration else None,
                          recovery=recovery.to_dict() if recovery else None, failure=failure,
-                         warnings=list(warnings or []), page=page)
+                         warnings=list(warnings or []), page=page, config=config, checkpoints=checkpoints)

@@ -33,9 +33,9 @@ def supervise(build: Callable[[Optional[JobState]], Daemon], *, max_crashes: int
     journal cannot be resumed (``say`` tells why and how to restart tmd by hand).
 
     ``build(None)`` makes the job's first daemon, with its launcher (and SLURM cluster) set and its processes
-    started; ``build(state)`` makes a resumed one from tmd.resume.JobState with the same options (pass
-    ``resume=state``, bind ``state.address``'s port, the same ``keys_dir``) and no launcher: supervise hands
-    the crashed daemon's launcher and cluster over. ``clock``: monotonic seconds (tests pass their own)."""
+    started; ``build(state)`` makes a resumed one from tmd.resume.JobState with the same config (pass
+    ``resume=state``: it binds ``state.address``; the same ``keys_dir``) and no launcher: supervise hands the
+    crashed daemon's launcher and cluster over. ``clock``: monotonic seconds (tests pass their own)."""
     daemon = build(None)
     crashes: collections.deque[float] = collections.deque()
     while True:

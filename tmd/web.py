@@ -17,24 +17,33 @@ or the cookie ``tm_web_<port>`` (also accepted: ``tm_web``). ``GET /?token=<toke
 SameSite=Strict, Path=/) and answers 303 to ``/`` so the token leaves the address bar; the cookie's name carries
 the port because browsers share cookies between the ports of one host (two jobs on one machine). A wrong or missing
 token is 401 (compared with ``hmac.compare_digest``; :attr:`WebServer.refusals` counts them). Nothing is logged
-per request and the token is never echoed. No request body is read; each connection has a socket timeout and at
-most MAX_CONNECTIONS are served at once (more are closed at once), so a slow client cannot hold tmd up.
+per request and the token is never echoed. No request body is read.
+
+Strangers cannot block it (issue 33): the server is asyncio (an open connection costs no thread); a connection
+that has not sent its whole request head within HEADER_DEADLINE_S (2 s) is closed, and at most
+PENDING_PER_ADDRESS (8) connections of one source address wait for their head at a time, a new one closing that
+address's oldest. So idle connections, however many, hold nothing a token holder needs: its connection sends
+the token at once and is answered. No HTTP library in reach has per-address limits; this is the standard
+library's asyncio streams and header parser.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
+import dataclasses
+import email.utils
 import hmac
-import http.client
 import html
+import http
+import http.client
 import http.cookies
-import http.server
 import importlib.resources
+import io
 import json
 import math
 import os
 import re
 import secrets
-import socket
 import threading
 import time
 import urllib.parse
@@ -47,8 +56,11 @@ KEEP_S = 30 * 60.0  # journal entries older than this (seconds) are dropped from
 MAX_EVENTS = 50_000  # journal entries kept for the timeline at most
 DEFAULT_MINUTES = 10.0
 REFRESH_S = 2.0  # the page's refresh period
-SOCKET_TIMEOUT_S = 10.0  # a connection idle this long is closed
-MAX_CONNECTIONS = 32  # connections served at once; more are closed without an answer
+HEADER_DEADLINE_S = 2.0  # a connection that has not sent its whole request head by then is closed
+MAX_HEAD_BYTES = 16 * 1024  # a longer request head closes the connection
+PENDING_PER_ADDRESS = 8  # connections of one source address still sending their head; a new one closes the oldest
+PENDING_TOTAL = 256  # the same, all source addresses together
+WRITE_DEADLINE_S = 10.0  # an answer not taken by the client by then is dropped with its connection
 TIMELINE_CACHE_S = 1.0  # a timeline answer is reused this long while no entry arrived
 COOKIE = "tm_web"
 REFUSED_BODY = b"401 unauthorized: this page needs the job's web token\n"
@@ -199,6 +211,19 @@ def render_episode(kind: str, episode: Any) -> str:
             + (f" &mdash; {parts}" if parts else ""))
 
 
+def render_checkpoints(c: Any) -> str:
+    """One line on the checkpoint tier (StatusReply.checkpoints): the newest step, a failed save, the restarts."""
+    if not isinstance(c, dict):
+        return "checkpoints off"
+    restarts = c.get("restarts") if isinstance(c.get("restarts"), list) else []
+    last = restarts[-1] if restarts and isinstance(restarts[-1], dict) else None
+    return (f"checkpoints: newest step {_text(c.get('latest'))}"
+            + (f"; last save failed: {_text(c.get('failed'))}" if c.get("failed") else "")
+            + f"; restarts {len(restarts)}"
+            + (f" (last: from step {_text(last.get('step'))}, {_text(last.get('work_lost_s'))} s of work lost)"
+               if last else ""))
+
+
 def render_page(status: dict, minutes: float, nonce: str) -> str:
     """The status page's HTML for ``status``; ``nonce``: the inline script's CSP nonce."""
     status = status if isinstance(status, dict) else {}
@@ -207,6 +232,7 @@ def render_page(status: dict, minutes: float, nonce: str) -> str:
         "generation": _text(status.get("generation")), "step": _text(status.get("step")),
         "nodes": render_nodes(status), "migration": render_episode("migration", status.get("migration")),
         "recovery": render_episode("incident", status.get("recovery")),
+        "checkpoints": render_checkpoints(status.get("checkpoints")),
         "failure": _text((status.get("failure") or {}).get("error")) if isinstance(status.get("failure"), dict)
         else "",
         "minutes": _text(f"{minutes:g}"), "refresh_ms": str(int(REFRESH_S * 1000)), "nonce": nonce,
@@ -217,160 +243,66 @@ def render_page(status: dict, minutes: float, nonce: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # The server
 # ---------------------------------------------------------------------------------------------------------------
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    web: "WebServer"
+@dataclasses.dataclass
+class Answer:
+    """One response: status ``code``, ``body``, its content type, extra headers; ``head``: send no body."""
 
-    def __init__(self, *args, **kwargs):
-        self.open_requests: set[socket.socket] = set()  # connections being served (stop() shuts them)
-        self.open_lock = threading.Lock()
-        super().__init__(*args, **kwargs)
+    code: int
+    body: bytes
+    ctype: str = "text/plain; charset=utf-8"
+    headers: dict = dataclasses.field(default_factory=dict)
+    head: bool = False
 
-    def process_request(self, request, client_address):
-        if not self.web.slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        with self.open_lock:
-            self.open_requests.add(request)
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self.open_lock:
-                self.open_requests.discard(request)
-            self.web.slots.release()
-
-    def handle_error(self, request, client_address):
-        pass  # a client that went away (broken pipe, timeout): nothing to say on tmd's stderr
-
-    def close_open_requests(self) -> None:
-        with self.open_lock:
-            requests = list(self.open_requests)
-        for request in requests:
-            try:
-                request.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+    def encode(self) -> bytes:
+        lines = [f"HTTP/1.0 {self.code} {http.HTTPStatus(self.code).phrase}", "Server: tmd",
+                 f"Date: {email.utils.formatdate(usegmt=True)}", f"Content-Type: {self.ctype}",
+                 f"Content-Length: {len(self.body)}", "Cache-Control: no-store", "X-Content-Type-Options: nosniff",
+                 "Referrer-Policy: no-referrer", "Connection: close",
+                 *(f"{k}: {v}" for k, v in self.headers.items())]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if self.head else self.body)
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _Server
-    timeout = SOCKET_TIMEOUT_S
-    protocol_version = "HTTP/1.0"  # one request per connection
+class _Pending:
+    """The connections still sending their request head, oldest first, per source address and in all. Admitting
+    one over a limit closes the oldest of its address (or of all): a stranger holding connections open pushes
+    out only its own, and every new connection gets its HEADER_DEADLINE_S to show the token."""
 
-    def version_string(self) -> str:
-        return "tmd"
+    def __init__(self, per_address: int, total: int) -> None:
+        self.per_address, self.total = per_address, total
+        self.by_address: dict[str, collections.OrderedDict] = {}
+        self.all: collections.OrderedDict = collections.OrderedDict()
 
-    def log_message(self, format, *args):  # noqa: A002 - nothing logged per request (the token may be in it)
-        pass
+    def admit(self, address: str, transport: asyncio.BaseTransport) -> None:
+        """Track ``transport``, closing older connections to make room."""
+        while True:
+            mine = self.by_address.get(address, {})
+            if len(mine) < self.per_address and len(self.all) < self.total:
+                break
+            oldest = next(iter(mine)) if len(mine) >= self.per_address else next(iter(self.all))
+            self.leave(oldest)
+            oldest.abort()
+        self.by_address.setdefault(address, collections.OrderedDict())[transport] = address
+        self.all[transport] = address
 
-    def __getattr__(self, name: str):
-        if name.startswith("do_"):  # every other method: read-only
-            return self._not_allowed
-        raise AttributeError(name)
-
-    def _not_allowed(self) -> None:
-        self.close_connection = True
-        self._send(405, b"405 method not allowed: this endpoint is read-only\n", "text/plain; charset=utf-8",
-                   {"Allow": "GET, HEAD"})
-
-    def do_HEAD(self) -> None:  # noqa: N802
-        self._route(head=True)
-
-    def do_GET(self) -> None:  # noqa: N802
-        self._route(head=False)
-
-    # --- answers ----------------------------------------------------------------------------------------------
-    def _send(self, code: int, body: bytes, ctype: str, headers: Optional[dict] = None, head: bool = False) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Referrer-Policy", "no-referrer")
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)
-
-    def _json(self, value: Any, head: bool) -> None:
-        body = json.dumps(jsonable(value), default=str, allow_nan=False).encode()
-        self._send(200, body, "application/json", head=head)
-
-    def _authorized(self) -> bool:
-        web = self.server.web
-        auth = self.headers.get("Authorization", "")
-        if auth[:7].lower() == "bearer " and web.token_matches(auth[7:].strip()):
-            return True
-        cookies = http.cookies.SimpleCookie()
-        for raw in self.headers.get_all("Cookie") or []:
-            try:
-                cookies.load(raw)
-            except http.cookies.CookieError:
-                continue
-        return any(name in cookies and web.token_matches(cookies[name].value) for name in (web.cookie, COOKIE))
-
-    def _route(self, head: bool) -> None:
-        try:
-            url = urllib.parse.urlsplit(self.path)
-            query = urllib.parse.parse_qs(url.query, max_num_fields=8)
-        except ValueError:
-            return self._send(400, b"400 bad request\n", "text/plain; charset=utf-8", head=head)
-        try:
-            self._answer(url.path, query, head)
-        except (OSError, http.client.HTTPException):
-            raise  # the client went away
-        except Exception:  # noqa: BLE001 - a bug here must not kill the connection without an answer
-            self.close_connection = True
-            self._send(500, b"500 internal error\n", "text/plain; charset=utf-8", head=head)
-
-    def _answer(self, path: str, query: dict, head: bool) -> None:
-        web = self.server.web
-        if path == "/" and "token" in query:
-            if not web.token_matches(query["token"][0]):
-                return self._refuse(head)
-            cookie = f"{web.cookie}={web.token}; HttpOnly; SameSite=Strict; Path=/"
-            target = "/" + (f"?minutes={urllib.parse.quote(query['minutes'][0])}" if "minutes" in query else "")
-            return self._send(303, b"", "text/plain", {"Location": target, "Set-Cookie": cookie}, head)
-        if not self._authorized():
-            return self._refuse(head)
-        if path not in ("/", "/metrics", "/api/status", "/api/timeline"):
-            return self._send(404, b"404 not found\n", "text/plain; charset=utf-8", head=head)
-        try:
-            minutes = float(query.get("minutes", [DEFAULT_MINUTES])[0])
-            if not math.isfinite(minutes) or minutes <= 0:
-                raise ValueError
-        except ValueError:
-            return self._send(400, b"400 bad request: minutes must be a positive number\n",
-                              "text/plain; charset=utf-8", head=head)
-        if path == "/metrics":
-            body, ctype = web.metrics.exposition()
-            self._send(200, body, ctype, head=head)
-        elif path == "/api/status":
-            self._json(web.state.status(), head)
-        elif path == "/api/timeline":
-            self._json(web.state.timeline(minutes), head)
-        else:
-            nonce = secrets.token_urlsafe(16)
-            body = render_page(web.state.status(), minutes, nonce).encode()
-            csp = (f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "
-                   "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-            self._send(200, body, "text/html; charset=utf-8", {"Content-Security-Policy": csp,
-                                                               "X-Frame-Options": "DENY"}, head)
-
-    def _refuse(self, head: bool) -> None:
-        self.server.web.note_refusal()
-        self._send(401, REFUSED_BODY, "text/plain; charset=utf-8", {"WWW-Authenticate": 'Bearer realm="tmd"'},
-                   head)
+    def leave(self, transport: asyncio.BaseTransport) -> None:
+        address = self.all.pop(transport, None)
+        if address is not None:
+            mine = self.by_address[address]
+            mine.pop(transport, None)
+            if not mine:
+                del self.by_address[address]
 
 
 class WebServer:
     """Serves ``metrics`` and ``state`` on ``host:port`` (``port`` 0: a free one) to holders of ``token``.
-    ``host`` must be the job's address: "0.0.0.0", "::" and "" (every interface) raise ValueError."""
+    ``host`` must be the job's address: "0.0.0.0", "::" and "" (every interface) raise ValueError.
+
+    An asyncio server on a thread of its own: an idle connection costs no thread, so holding connections open
+    blocks nobody. A connection must send its whole request head (at most MAX_HEAD_BYTES) within
+    HEADER_DEADLINE_S, or it is closed; at most PENDING_PER_ADDRESS connections of one source address (and
+    PENDING_TOTAL in all) may be waiting for their head, a new one closing the oldest. A request is answered on a
+    worker thread (building a timeline takes milliseconds) and written within WRITE_DEADLINE_S, one request per
+    connection (HTTP/1.0)."""
 
     def __init__(self, host: str, port: int, token: str, metrics: Metrics, state: WebState):
         if host in ("", "0.0.0.0", "::", "[::]"):
@@ -379,11 +311,14 @@ class WebServer:
             raise ValueError("the web endpoint needs a token")
         self.host, self.port, self.metrics, self.state = host.strip("[]"), port, metrics, state
         self._token = token.encode()
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # connections served at once
-        self._server: Optional[_Server] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._server: Optional[asyncio.base_events.Server] = None
         self._thread: Optional[threading.Thread] = None
+        self._pending = _Pending(PENDING_PER_ADDRESS, PENDING_TOTAL)
+        self._open: set[asyncio.BaseTransport] = set()  # every connection (stop() closes them)
         self._refusals = 0
-        self._refusals_lock = threading.Lock()
+        self.evicted = 0  # connections closed without an answer: head too slow or too large, pushed out
+        self._counts_lock = threading.Lock()
 
     @property
     def cookie(self) -> str:
@@ -399,11 +334,11 @@ class WebServer:
     @property
     def refusals(self) -> int:
         """Requests refused for a wrong or missing token so far."""
-        with self._refusals_lock:
+        with self._counts_lock:
             return self._refusals
 
     def note_refusal(self) -> None:
-        with self._refusals_lock:
+        with self._counts_lock:
             self._refusals += 1
 
     @property
@@ -417,26 +352,146 @@ class WebServer:
         except (UnicodeEncodeError, AttributeError):
             return False
 
+    # --- serving ----------------------------------------------------------------------------------------------
     def start(self) -> "WebServer":
         """Bind and serve in a daemon thread; sets ``port`` to the bound one. Raises OSError if the address cannot
         be bound."""
-        server_cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6}) if ":" in self.host \
-            else _Server
-        self._server = server_cls((self.host, self.port), _Handler)
-        self._server.web = self
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="tmd-web", daemon=True)
+        loop = asyncio.new_event_loop()
+        try:
+            self._server = loop.run_until_complete(asyncio.start_server(
+                self._connection, self.host, self.port, limit=MAX_HEAD_BYTES, reuse_address=True))
+        except BaseException:
+            loop.close()
+            raise
+        self._loop = loop
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._thread = threading.Thread(target=loop.run_forever, name="tmd-web", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        """Stop serving and free the port (idempotent)."""
-        server, self._server = self._server, None
-        if server is None:
+        """Stop serving, close every connection and free the port (idempotent)."""
+        loop, self._loop = self._loop, None
+        if loop is None:
             return
-        server.shutdown()
-        server.server_close()
-        server.close_open_requests()
+
+        async def close() -> None:
+            self._server.close()
+            for transport in list(self._open):
+                transport.abort()  # (the sockets close on the loop's next iterations)
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._server.wait_closed()
+
+        try:
+            asyncio.run_coroutine_threadsafe(close(), loop).result(timeout=5)
+        except Exception:  # noqa: BLE001 - stopping goes on
+            pass
+        loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(timeout=5)
+        loop.close()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        transport = writer.transport
+        self._open.add(transport)
+        peer = writer.get_extra_info("peername")
+        self._pending.admit(peer[0] if peer else "?", transport)
+        try:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_DEADLINE_S)
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
+                with self._counts_lock:
+                    self.evicted += 1
+                return
+            finally:
+                self._pending.leave(transport)
+            answer = await asyncio.get_running_loop().run_in_executor(None, self.answer, head)
+            writer.write(answer.encode())
+            await asyncio.wait_for(writer.drain(), WRITE_DEADLINE_S)
+        except (asyncio.TimeoutError, OSError):
+            pass  # the client went away or does not read
+        except asyncio.CancelledError:
+            pass  # the server stops: a task that ends quietly, not one asyncio logs as cancelled in a callback
+        finally:
+            self._open.discard(transport)
+            if transport.get_write_buffer_size():
+                transport.abort()  # a client that does not read gets nothing more
+            else:
+                writer.close()
+
+    # --- answering --------------------------------------------------------------------------------------------
+    def answer(self, head: bytes) -> Answer:
+        """The answer to the request whose head (request line and headers, CRLF CRLF included) is ``head``."""
+        try:
+            line, _, rest = head.partition(b"\r\n")
+            method, target, version = line.decode("latin-1").split(" ")
+            if not version.startswith("HTTP/"):
+                raise ValueError
+            headers = http.client.parse_headers(io.BytesIO(rest))
+            url = urllib.parse.urlsplit(target)
+            query = urllib.parse.parse_qs(url.query, max_num_fields=8)
+        except (ValueError, UnicodeDecodeError, http.client.HTTPException):
+            return Answer(400, b"400 bad request\n")
+        head_only = method == "HEAD"
+        if method not in ("GET", "HEAD"):
+            return Answer(405, b"405 method not allowed: this endpoint is read-only\n",
+                          headers={"Allow": "GET, HEAD"})
+        try:
+            answer = self._route(url.path, query, headers)
+        except Exception:  # noqa: BLE001 - a bug here must not leave the connection without an answer
+            answer = Answer(500, b"500 internal error\n")
+        answer.head = head_only
+        return answer
+
+    def _authorized(self, headers) -> bool:
+        auth = headers.get("Authorization", "")
+        if auth[:7].lower() == "bearer " and self.token_matches(auth[7:].strip()):
+            return True
+        cookies = http.cookies.SimpleCookie()
+        for raw in headers.get_all("Cookie") or []:
+            try:
+                cookies.load(raw)
+            except http.cookies.CookieError:
+                continue
+        return any(name in cookies and self.token_matches(cookies[name].value) for name in (self.cookie, COOKIE))
+
+    def _route(self, path: str, query: dict, headers) -> Answer:
+        if path == "/" and "token" in query:
+            if not self.token_matches(query["token"][0]):
+                return self._refuse()
+            cookie = f"{self.cookie}={self.token}; HttpOnly; SameSite=Strict; Path=/"
+            target = "/" + (f"?minutes={urllib.parse.quote(query['minutes'][0])}" if "minutes" in query else "")
+            return Answer(303, b"", "text/plain", {"Location": target, "Set-Cookie": cookie})
+        if not self._authorized(headers):
+            return self._refuse()
+        if path not in ("/", "/metrics", "/api/status", "/api/timeline"):
+            return Answer(404, b"404 not found\n")
+        try:
+            minutes = float(query.get("minutes", [DEFAULT_MINUTES])[0])
+            if not math.isfinite(minutes) or minutes <= 0:
+                raise ValueError
+        except ValueError:
+            return Answer(400, b"400 bad request: minutes must be a positive number\n")
+        if path == "/metrics":
+            body, ctype = self.metrics.exposition()
+            return Answer(200, body, ctype)
+        if path == "/api/status":
+            return _json(self.state.status())
+        if path == "/api/timeline":
+            return _json(self.state.timeline(minutes))
+        nonce = secrets.token_urlsafe(16)
+        body = render_page(self.state.status(), minutes, nonce).encode()
+        csp = (f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "
+               "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+        return Answer(200, body, "text/html; charset=utf-8", {"Content-Security-Policy": csp, "X-Frame-Options": "DENY"})
+
+    def _refuse(self) -> Answer:
+        self.note_refusal()
+        return Answer(401, REFUSED_BODY, headers={"WWW-Authenticate": 'Bearer realm="tmd"'})
+
+
+def _json(value: Any) -> Answer:
+    return Answer(200, json.dumps(jsonable(value), default=str, allow_nan=False).encode(), "application/json")

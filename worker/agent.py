@@ -79,8 +79,9 @@ class Reconnect:
 class Agent:
     def __init__(self, address: str, node: str, local_rank: int, standby: bool,
                  on_message: Callable[[p.Message], None], heartbeat: Callable[[], p.Heartbeat],
-                 heartbeat_interval_s: float = 0.1) -> None:
-        """Raises tmd.protocol.keys.KeysUnavailable when env ``TM_KEYS`` names keys this process cannot read
+                 heartbeat_interval_s: float = 0.1, iface: str = "", data_host: str = "") -> None:
+        """``iface``, ``data_host``: the network interface and address this process's data plane uses (sent in
+        Register and Rejoin; "" when unknown). Raises tmd.protocol.keys.KeysUnavailable when env ``TM_KEYS`` names keys this process cannot read
         (without ``TM_KEYS`` the socket is plain: tmd was started without authentication)."""
         self.address = address
         self.keys = JobKeys.load(os.environ[KEYS_ENV]) if os.environ.get(KEYS_ENV) else None
@@ -88,6 +89,7 @@ class Agent:
         self.node = node
         self.local_rank = local_rank
         self.standby = standby
+        self.iface, self.data_host = iface, data_host
         self._on_message = on_message
         self._heartbeat = heartbeat
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -116,7 +118,8 @@ class Agent:
     def rejoin(self, rank: int, role: p.WorkerRole, step: int, generation: int) -> None:
         """Tell a restarted tmd (it sent Reregister) what this process holds now (see :class:`p.Rejoin`)."""
         self.send(p.Rejoin(node=self.node, local_rank=self.local_rank, pid=os.getpid(), host=socket.gethostname(),
-                           rank=rank, role=role, step=step, generation=generation))
+                           rank=rank, role=role, step=step, generation=generation, iface=self.iface,
+                           data_host=self.data_host))
 
     def close(self, flush_timeout_s: float = 2.0) -> None:
         """Send what is queued (up to ``flush_timeout_s`` seconds), then stop the thread."""
@@ -136,7 +139,8 @@ class Agent:
         monitor = sock.get_monitor_socket(_MONITORED)
         sock.connect(self.address)
         self._send(sock, p.Register(node=self.node, local_rank=self.local_rank, pid=os.getpid(),
-                                    host=socket.gethostname(), standby=self.standby))
+                                    host=socket.gethostname(), standby=self.standby, iface=self.iface,
+                                    data_host=self.data_host))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)

@@ -5,26 +5,36 @@ clusters). :func:`init_mover_world` installs it as the default process group, so
 functional collectives all run through it; :func:`build_gloo` builds inner backends to stage on it.
 
 Every group's store keys live below the job's secret namespace (:func:`store_prefix`: ``<namespace>/<prefix>``,
-the namespace derived from the job secret, worker.job_keys), whatever store connection a group is built over, so
-a process outside the job that reaches the TCPStore cannot guess, read or pre-empt a rendezvous key.
+the namespace derived from the job secret, worker.job_keys), whatever store a group is built over.
+
+A group built over the job's store (worker.store.JobStore) is a :class:`Setup` there until this rank releases it:
+:func:`release_in_background`, a swap that retires it (worker.groups: :func:`setup_of` hands its Setup over), or
+the process's end (worker.exit). Once every member released it, the store drops its keys (tmd.protocol.store's
+``done``), so finished setups do not pile up against the store's key cap.
 """
 from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import os
 import socket
+import threading
+import urllib.parse
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from tmd import netif
 from tmd.protocol.vocab import MoverMode
 from worker import _C, job_keys
+from worker.exit import before_exit
+
+log = logging.getLogger("worker.backend")
 
 CBackend = torch._C._distributed_c10d.Backend  # the c10d Backend type (dist.Backend is the name enum)
 MoverBackend = _C.MoverBackend
-release_in_background = _C.release_in_background
 
 BACKEND_NAME = "tmover"
 
@@ -35,8 +45,9 @@ EXIT_DRAIN_S = float(os.environ.get("TM_EXIT_DRAIN_S", "5"))
 
 wait_for_background = _C.wait_for_background
 
-__all__ = ["new_mover_group", "set_group_factory", "GroupFactory", "build_inner", "inner_kind", "store_prefix", "gloo_host", "BACKEND_NAME", "MoverBackend", "build_gloo", "init_mover_world", "mover_of", "release_in_background",
-           "wait_for_background"]
+__all__ = ["new_mover_group", "set_group_factory", "GroupFactory", "build_inner", "inner_kind", "store_prefix",
+           "gloo_host", "data_plane", "BACKEND_NAME", "MoverBackend", "build_gloo", "init_mover_world", "mover_of",
+           "release_in_background", "wait_for_background", "Setup", "setup_of", "release_all_setups"]
 
 # The registered creator is called by torch (init_process_group, new_group, and so init_device_mesh) with the
 # group's rank, size, global ranks and torch group name, never with an inner backend. For the default group (and
@@ -75,6 +86,21 @@ def gloo_host(store_host: str) -> Optional[str]:
         return None
 
 
+def data_plane(node: str, coordinator: str) -> tuple[str, str]:
+    """Where this process's data plane goes: ``(interface, address)``. With env ``TM_IFNAME`` (``--iface``) it
+    resolves that interface on this node and sets ``TM_GLOO_HOST``, ``GLOO_SOCKET_IFNAME`` and
+    ``NCCL_SOCKET_IFNAME`` in this process's environment (tmd.netif.data_plane_env), before any group exists;
+    otherwise the address is :func:`gloo_host` of tmd's host (``coordinator``: ``tcp://host:port``; the job's
+    store is there too) and the interface the one holding it ("" when neither is known). Raises
+    tmd.netif.InterfaceError (one line naming ``node`` and the interface) when this node has no such interface
+    or it has no IPv4 address."""
+    name = os.environ.get(netif.ENV)
+    if name:
+        os.environ.update(netif.data_plane_env(name, node))
+    host = gloo_host(urllib.parse.urlsplit(coordinator).hostname or "") or ""
+    return name or (netif.interface_of(host) if host else None) or "", host
+
+
 def build_gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float = 60.0,
                host: Optional[str] = None) -> dist.ProcessGroupGloo:
     """A gloo backend over ``PrefixStore(store_prefix(prefix), store)``; it does not touch the default group.
@@ -106,17 +132,81 @@ def inner_kind() -> str:
 def build_inner(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float = 60.0,
                 host: Optional[str] = None) -> CBackend:
     """An inner backend of :func:`inner_kind` over ``PrefixStore(store_prefix(prefix), store)`` (see
-    :func:`build_gloo`).
+    :func:`build_gloo`); over the job's store it is a :class:`Setup` until released (see the module docstring).
     NCCL groups bind to ``cuda:<LOCAL_RANK>`` (env ``TM_LOCAL_RANK``, the device the script should use); their
     collectives and the state transfer then move CUDA tensors over NVLink/RDMA."""
     if inner_kind() == "gloo":
-        return build_gloo(store, prefix, rank, size, timeout_s, host)
+        return _note_setup(build_gloo(store, prefix, rank, size, timeout_s, host), store, prefix, size)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     device = torch.device("cuda", int(os.environ.get("TM_LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
     pg = dist.ProcessGroupNCCL(dist.PrefixStore(store_prefix(prefix), store), rank, size, opts)
     pg.eager_connect_single_device(device)  # connect now (phase 1), not in the first collective (the switch step)
-    return pg
+    return _note_setup(pg, store, prefix, size)
+
+
+class Setup:
+    """A group this rank set up in the job's store under ``prefix`` (full: namespace included) with ``members``
+    ranks, until :meth:`release`."""
+
+    def __init__(self, store, prefix: str, members: int) -> None:
+        self.store, self.prefix, self.members = store, prefix, members
+        with _setups_lock:
+            _unreleased.add(self)
+
+    def release(self, wait: bool = False) -> None:
+        """Tell the store this rank will not use the setup's keys again (once; ``wait``: for its answer, which
+        is how a process about to end makes sure it was sent). Errors are logged, never raised."""
+        with _setups_lock:
+            if self not in _unreleased:
+                return
+            _unreleased.discard(self)
+        try:
+            self.store.release(self.prefix, self.members, wait=wait)
+        except Exception as e:  # noqa: BLE001 - the keys stay (the store's caps still hold)
+            log.debug("store keys of %s not released: %s", self.prefix, e)
+
+
+_setups_lock = threading.Lock()
+_unreleased: set[Setup] = set()
+_setup_of_inner: dict[int, Setup] = {}  # id(inner) -> its Setup, while Python code holds the inner
+
+
+def _note_setup(inner: CBackend, store: dist.Store, prefix: str, size: int) -> CBackend:
+    if callable(getattr(store, "release", None)):
+        setup = Setup(store, store_prefix(prefix), size)
+        with _setups_lock:
+            _setup_of_inner[id(inner)] = setup
+    return inner
+
+
+def setup_of(inner: CBackend) -> Optional[Setup]:
+    """The Setup of ``inner`` (built by :func:`build_inner` over the job's store; None otherwise), handed over to
+    the caller, who releases it when it retires the group (a mover swapping ``inner`` out)."""
+    with _setups_lock:
+        return _setup_of_inner.pop(id(inner), None)
+
+
+def release_in_background(inner: CBackend) -> None:
+    """Drop ``inner`` (destroyed on a C++ thread: a gloo group costs ~10 ms per peer) and release its setup in
+    the job's store."""
+    setup = setup_of(inner)
+    if setup is not None:
+        setup.release()
+    _C.release_in_background(inner)
+
+
+def release_all_setups(timeout_s: float = 1.0) -> None:
+    """Release every setup this process still holds, waiting (``timeout_s`` in all, at most) for the store to
+    take each: the process is about to end (worker.exit)."""
+    with _setups_lock:
+        pending = list(_unreleased)
+    done = threading.Thread(target=lambda: [s.release(wait=True) for s in pending], daemon=True)
+    done.start()
+    done.join(timeout_s)
+
+
+before_exit(release_all_setups)
 
 
 def set_group_factory(factory: Optional[GroupFactory]) -> None:

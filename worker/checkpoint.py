@@ -95,10 +95,10 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:09d}")
 
 
-def job_identity(secret_namespace: str) -> str:
-    """A job id for ``root/JOB`` derived from the job's secret store namespace (worker.job_keys.store_namespace):
-    16 hex digits of sha256, so the secret itself never reaches the disk."""
-    return hashlib.sha256(f"trainmover/checkpoint/{secret_namespace}".encode()).hexdigest()[:16]
+def job_identity(job: str) -> str:
+    """A job id for ``root/JOB`` derived from ``job`` (tmd.tiers passes the job's name: the same across a restart
+    and a SLURM requeue; anything secret passed here stays off the disk): 16 hex digits of sha256."""
+    return hashlib.sha256(f"trainmover/checkpoint/{job}".encode()).hexdigest()[:16]
 
 
 def _fsync_dir(path: str) -> None:
@@ -249,11 +249,12 @@ class Checkpointer:
     ``job_id``: the owner written to ``root/JOB`` (e.g. :func:`job_identity`); a root owned by another job
     raises :class:`CheckpointError`. ``keep``: checkpoints kept (the newest; at least 1). ``process_group``: a
     gloo group of every rank used only by the background saves (default: a new one). ``on_error(step,
-    message)``: called from the background thread when a save fails.
+    message)``: called from the background thread when a save fails. ``claim`` false: only to load (any job's
+    ``root``, ``root/JOB`` neither checked nor written).
     Raises CheckpointError for a root owned by another job, ValueError for ``keep < 1``."""
 
     def __init__(self, root: str, job_id: str, *, keep: int = 2, process_group: Optional[dist.ProcessGroup] = None,
-                 on_error: Optional[Callable[[int, str], None]] = None) -> None:
+                 on_error: Optional[Callable[[int, str], None]] = None, claim: bool = True) -> None:
         if keep < 1:
             raise ValueError(f"checkpoint keep must be at least 1, not {keep}")
         if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", job_id):
@@ -269,7 +270,8 @@ class Checkpointer:
         self._staging = _Staging(pin=torch.cuda.is_available())
         self._pending: Optional[SaveResult] = None
         self._thread: Optional[threading.Thread] = None
-        self._claim()
+        if claim:
+            self._claim()
 
     def _claim(self) -> None:
         """Refuse a root owned by another job (:func:`check_owner`); rank 0 writes ``root/JOB`` when it is

@@ -22,9 +22,17 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn, TextIO, Union
+from typing import Callable, NoReturn, TextIO, Union
 
 from tmd import protocol as p
+
+_before_exit: list[Callable[[], None]] = []
+
+
+def before_exit(fn: Callable[[], None]) -> None:
+    """Have :func:`exit_process` call ``fn()`` before the process ends (errors ignored; keep it short:
+    worker.backend releases the group setups this rank still holds in the job's store, a second at most)."""
+    _before_exit.append(fn)
 
 
 def describe(code: Union[p.ExitCode, int]) -> str:
@@ -37,18 +45,28 @@ def describe(code: Union[p.ExitCode, int]) -> str:
 
 def exit_process(code: Union[p.ExitCode, int], why: str) -> NoReturn:
     """Print ``[worker] exiting with code <code> (<NAME>): <why>`` (to stdout for ``ExitCode.OK``, to stderr
-    otherwise), flush stdout and stderr, and end the process at once with ``code`` (``os._exit``: no
-    ``atexit`` handlers, no interpreter teardown). ``code`` is a :class:`p.ExitCode`, or the code tmd put in a
-    ``Release``. Never returns; printing errors (a closed stream) are ignored."""
+    otherwise), run what :func:`before_exit` registered, flush stdout and stderr, and end the process with
+    ``code`` (``os._exit``: no ``atexit`` handlers, no interpreter teardown). ``code`` is a :class:`p.ExitCode`,
+    or the code tmd put in a ``Release``. Never returns; printing errors (a closed stream) are ignored."""
     status = int(code)
     stream: TextIO = sys.stdout if status == p.ExitCode.OK else sys.stderr
     try:
         print(f"[worker] exiting with code {describe(status)}: {why}", file=stream, flush=True)
     except Exception:  # noqa: BLE001 - a closed or broken stream must not keep the process alive
         pass
+    for fn in _before_exit:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - ending the process comes first
+            pass
+    flush_stdio()
+    os._exit(status)
+
+
+def flush_stdio() -> None:
+    """Flush stdout and stderr before an ``os._exit``; errors (a closed stream) are ignored."""
     for s in (sys.stdout, sys.stderr):
         try:
             s.flush()
         except Exception:  # noqa: BLE001
             pass
-    os._exit(status)

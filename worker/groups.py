@@ -17,10 +17,13 @@ prefix is never reused).
   the new generation's threads allocate in malloc arenas of their own, and the arenas the old generation's threads
   leave behind would otherwise keep their freed buffers resident (about 1-2 % of a demo GPT rank's RSS).
 
-**One store connection per group setup.** A TCPStore client runs one operation at a time: a rendezvous blocked in
-a ``get`` of a key that never comes (a peer died before publishing its address) holds the client until the store
-timeout. So each phase 1 and each recovery attempt sets up its groups over a store connection of its own
-(:meth:`GroupManager.connect_store`): a prepare stuck on a lost leaver cannot stall the recovery that follows it.
+**The job's store.** Groups set up through tmd's store (worker.store.JobStore, over CURVE with the worker key). A
+rendezvous blocked in a ``get`` of a key that never comes (a peer died before publishing its address) holds its
+connection until the store timeout; the store gives each thread a connection of its own, and each phase 1, each
+recovery attempt and each snapshot round runs on a thread of its own, so a prepare stuck on a lost leaver cannot
+stall the recovery that follows it. A group's setup keys are dropped from the store once all its members
+released it (worker.backend.Setup: a release, a swap, the process's end), so the store's key cap holds however long
+the job runs.
 """
 from __future__ import annotations
 
@@ -87,6 +90,13 @@ class Group:
     ranks: list[int]
     mover: "mb.MoverBackend"
     recording: Optional[sandbox.Recording] = None
+    setup: Optional["mb.Setup"] = None  # the current inner's setup in the job's store, released when swapped out
+
+    def swap_setup(self, setup: Optional["mb.Setup"]) -> None:
+        """The mover swapped a new inner in (set up as ``setup``): release the retired inner's setup."""
+        old, self.setup = self.setup, setup
+        if old is not None:
+            old.release()
 
 
 @dataclasses.dataclass
@@ -97,6 +107,7 @@ class _Pending:
     error: str = ""
     transfer: Optional[object] = None  # the 2-rank transfer group (leaver 0, joiner 1)
     staged: list[str] = dataclasses.field(default_factory=list)  # names of the groups with a staged generation
+    setups: dict = dataclasses.field(default_factory=dict)  # group name -> the staged inner's mb.Setup
 
 
 class GroupManager:
@@ -115,26 +126,22 @@ class GroupManager:
         self._pending: Optional[_Pending] = None
         self._trim_due = False  # a swap retired a generation: trim the heap once the next step committed
         self._trim_armed = False  # that trim waits for the next step's backward pass (see step_committed)
+        self._old_stores: list = []  # the stores of tmd's before a restart (set_store)
 
     def set_store(self, host: str, port: int) -> None:
         """Build future groups in the store at ``host:port``: a restarted tmd hosts a new one (the old store died
-        with the old tmd). The groups in use keep working: gloo needs the store only while a group is set up."""
-        self.store = self._connect(host, port)
+        with the old tmd). The groups in use keep working: gloo needs the store only while a group is set up.
+        The old store object is kept: c10d may still hold it (a Python store must outlive its C++ users)."""
+        from worker.store import JobStore
 
-    def _connect(self, host: str, port: int):
-        import datetime
-
-        import torch.distributed as dist
-
-        return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s))
+        self._old_stores.append(self.store)
+        self.store = JobStore.of_job(host, port, self.timeout_s)
 
     def connect_store(self):
-        """A new connection (a TCPStore client, ``timeout_s`` seconds per operation) to the job's store, for one
-        group setup: a client serialises its operations, so a rendezvous blocked on a lost peer must hold only
-        its own. Returns ``store`` itself when it is not a TCPStore (no address to connect to). Raises
-        DistStoreError when the store cannot be reached within ``timeout_s``."""
-        host, port = getattr(self.store, "host", None), getattr(self.store, "port", None)
-        return self.store if host is None or port is None else self._connect(host, port)
+        """The store one group setup (a phase 1, a recovery attempt, a snapshot round) uses: the job's store,
+        whose every thread has a connection of its own (worker.store), so a rendezvous blocked on a lost peer
+        holds only its own thread."""
+        return self.store
 
     def _inner(self, generation: int, group: str, ranks: list[int], store=None):
         self.generation = max(self.generation, generation)
@@ -149,7 +156,7 @@ class GroupManager:
         world = p.layout.WORLD_GROUP
         inner = self._inner(generation, world, ranks) if connect else None
         self.world = mb.init_mover_world(self.store, self.rank, self.world_size, inner, mode)
-        self.groups[world] = Group(world, ranks, self.world)
+        self.groups[world] = Group(world, ranks, self.world, setup=mb.setup_of(inner) if inner is not None else None)
         mb.set_group_factory(self.create_group)
         return self.world
 
@@ -166,17 +173,18 @@ class GroupManager:
         name = f"pg{torch_name}"
         if name in self.groups:
             raise ValueError(f"process group {name} exists already on rank {self.rank}")
-        recording = None
+        recording = setup = None
         if self.replay_dir is not None:
             mover = mb.MoverBackend(group_rank, size, None)
             recording = sandbox.start_replay(mover, self.replay_dir, self.rank, name, ranks=list(ranks))
         else:
             inner = mb.build_inner(self.store, p.layout.created_group_prefix(name), group_rank, size,
                                    self.timeout_s, self.host)
+            setup = mb.setup_of(inner)
             mover = mb.MoverBackend(group_rank, size, inner)
             mover.set_mode(self.world.mode)
             mover.tolerant = self.world.tolerant
-        self.groups[name] = Group(name, list(ranks), mover, recording)
+        self.groups[name] = Group(name, list(ranks), mover, recording, setup)
         return mover
 
     # --- phase 1 -----------------------------------------------------------------------------------------------
@@ -210,6 +218,7 @@ class GroupManager:
                     for name, inner in built.items():
                         self.groups[name].mover.stage(inner)
                         pending.staged.append(name)
+                        pending.setups[name] = mb.setup_of(inner)
                     pending.transfer = transfer
                     built, transfer = {}, None  # owned by the movers / the pending record now
             except Exception as e:  # noqa: BLE001 - reported to tmd, never raised into training
@@ -249,6 +258,7 @@ class GroupManager:
                 raise RuntimeError(f"nothing staged for migration {migration_id}")
             for name in pending.staged:
                 self.groups[name].mover.commit()
+                self.groups[name].swap_setup(pending.setups.pop(name, None))
         self._retire(pending)
         self._trim_due, self._trim_armed = True, False
         return self.world.generation
@@ -264,6 +274,7 @@ class GroupManager:
             for name in pending.staged:
                 self.groups[name].mover.discard_staged()
         self._retire(pending)
+        self._discard_setups(pending)
 
     # --- failure recovery ----------------------------------------------------------------------------------------
     def set_tolerant(self, tolerant: bool = True) -> None:
@@ -317,11 +328,13 @@ class GroupManager:
                 for name in self._pending.staged:
                     self.groups[name].mover.discard_staged()
                 self._retire(self._pending)
+                self._discard_setups(self._pending)
                 self._pending = None
             for name, inner in built.items():
                 mover = self.groups[name].mover
                 mover.stage(inner)
                 mover.commit()
+                self.groups[name].swap_setup(mb.setup_of(inner))
         self._trim_due, self._trim_armed = True, False
 
     def step_committed(self, at_backward: Optional[Callable[[Callable[[], None]], bool]] = None) -> None:
@@ -375,3 +388,11 @@ class GroupManager:
         if pending.transfer is not None:
             mb.release_in_background(pending.transfer)
             pending.transfer = None
+
+    @staticmethod
+    def _discard_setups(pending: _Pending) -> None:
+        """The staged inners were discarded: release their setups."""
+        for setup in pending.setups.values():
+            if setup is not None:
+                setup.release()
+        pending.setups.clear()

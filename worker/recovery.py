@@ -260,9 +260,9 @@ class Recovery:
         def work() -> None:
             started = time.perf_counter()
             try:
-                # A store connection of this attempt's own: a TCPStore client runs one operation at a time, and
-                # an abandoned prepare or an earlier attempt may still be blocked in a rendezvous with a lost
-                # peer on another. One thread, one order on every rank (transfer groups by receiver, then the
+                # This attempt's thread has a store connection of its own (worker.store): an abandoned prepare
+                # or an earlier attempt may still be blocked in a rendezvous with a lost peer on another thread.
+                # One thread, one order on every rank (transfer groups by receiver, then the
                 # groups), so the rendezvous of this attempt never wait on one another.
                 store = groups.connect_store()
                 moved = 0  # bytes received here (senders do not count them twice)

@@ -23,7 +23,6 @@ optimizer step hooks they and the pre-copy act through), worker.reports (what th
 """
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import gc
 import logging
@@ -34,13 +33,16 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator, NoReturn, Optional
+from typing import Any, Callable, Iterator, NoReturn, Optional, Union
 
 import torch.distributed as dist
 
 from tmd import protocol as p
+from tmd.netif import InterfaceError
 from worker import backend, misuse, sandbox
 from worker.agent import Agent
+from worker.checkpoint import CheckpointError
+from worker.checkpointing import SessionCheckpoints, Settings as CheckpointSettings
 from worker.commands import Commands
 from worker.control import Control, Stage
 from worker.exit import exit_process
@@ -54,11 +56,16 @@ from worker.snapshot import Snapshots
 from worker.step_exchange import StepExchange
 from worker.step_hooks import StepHooks
 from worker.step_ledger import StepAborted, StepLedger, failure
+from worker.store import JobStore
 from worker.void_passes import VoidPassStopper
 
 __all__ = ["init", "Session", "StepAborted", "LeaverExit", "DECISION_TIMEOUT_S", "RECOVERY_TIMEOUT_S"]
 
 log = logging.getLogger("worker.session")
+# what a script whose StepAborted went uncaught must do (the rule of session.steps: README, docs/user-guide.md)
+CATCH_STEP_ABORTED = ("In a session.steps() loop, catch worker.StepAborted and continue: the runtime recovers and "
+                      "yields the step again; or use session.run(step_fn, total), which does (see session.steps in "
+                      "the README and docs/user-guide.md)")
 
 
 def _prewarm() -> None:
@@ -101,6 +108,8 @@ class Session:
         self._failure_reported = False
         self._misuse_checked = False
         self._migration = Migration(control, reports, self.objects, agent.close, self._hooks)
+        self._checkpoints: Optional[SessionCheckpoints] = None  # the checkpoint tier (worker.checkpointing)
+        self._recording_kept = False  # relaunched by tmd: the run dir's recording of the job's first steps stays
 
     @property
     def rank(self) -> int:
@@ -137,15 +146,22 @@ class Session:
         os.environ.update(RANK=str(a.rank), WORLD_SIZE=str(a.world_size), LOCAL_RANK=str(self.local_rank))
         # Store keys go below the job's secret namespace where groups are built (worker.backend.store_prefix),
         # so every store connection (this one, a recovery's own, the one after a tmd restart) is covered.
-        store = dist.TCPStore(a.store_host, a.store_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        store = JobStore.of_job(a.store_host, a.store_port, timeout_s)  # tmd's store, over CURVE with the worker key
         groups = self._groups = GroupManager(store, a.rank, a.world_size, backend.gloo_host(a.store_host))
         self._control.attach(groups)
+        settings = CheckpointSettings.from_env()
+        if settings.active:
+            self._checkpoints = SessionCheckpoints(settings, lambda: groups.store, groups.host,
+                                                   self._reports.warning, self._hooks.disarmed)
+        if settings.resume_from is not None and a.role == p.WorkerRole.ACTIVE:
+            track_ddp_modules()  # before the script builds its model: its DDP is regrouped after the load
+            self._recording_kept = settings.restart and os.path.exists(
+                p.layout.recording_path(a.record_dir, a.rank, p.layout.WORLD_GROUP))
         self._exchange.node = self.node
         self._exchange.snapshots = Snapshots(a.snapshot_every, a.rank, groups)
         if a.role == p.WorkerRole.ACTIVE:
-            groups.init_world(a.generation, p.MoverMode.RECORD if a.record_steps > 0 else p.MoverMode.LIVE,
-                              connect=True)
+            recording = a.record_steps > 0 and not self._recording_kept
+            groups.init_world(a.generation, p.MoverMode.RECORD if recording else p.MoverMode.LIVE, connect=True)
             groups.set_tolerant()
         else:
             track_ddp_modules()  # before the script builds its model: regroup_ddp_buckets finds its DDP there
@@ -206,9 +222,24 @@ class Session:
             return
         if failure(self._control) is not None:
             return
+        self._report(p.FailureKind.SCRIPT_ERROR, exc, exc)
+
+    def _uncaught(self, exc: BaseException) -> None:
+        """``exc`` ends the process (or a thread): report it as the script's error (:meth:`_script_error`). A
+        :class:`StepAborted` that got this far was not caught in the ``steps()`` loop: the rank's state goes with
+        the process, and tmd would see only that a survivor died too. Reported as ``STEP_ABORTED_UNCAUGHT``,
+        saying what to do, so the job fails with that reason."""
+        if isinstance(exc, StepAborted) and not self._failure_reported:
+            self._report(p.FailureKind.STEP_ABORTED_UNCAUGHT, f"{exc}. {CATCH_STEP_ABORTED}", exc)
+        else:
+            self._script_error(exc)
+
+    def _report(self, kind: p.FailureKind, error: Union[str, BaseException], exc: BaseException) -> None:
+        """Send ``RankFailed(kind)`` with ``error`` and ``exc``'s traceback, once per process, and flush the
+        agent (up to 2 s)."""
         self._failure_reported = True
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        self._reports.failed(self._control.step, p.FailureKind.SCRIPT_ERROR, exc, tb)
+        self._reports.failed(self._control.step, kind, error, tb)
         self.agent.close()
 
     def _fail(self, kind: p.FailureKind, error: str) -> NoReturn:
@@ -225,14 +256,14 @@ class Session:
 
         def hook(kind, exc, tb):
             try:
-                self._script_error(exc)
+                self._uncaught(exc)
             finally:
                 previous(kind, exc, tb)
 
         def thread_hook(args):
             try:
                 if args.exc_value is not None:
-                    self._script_error(args.exc_value)
+                    self._uncaught(args.exc_value)
             finally:
                 previous_thread(args)
 
@@ -319,6 +350,25 @@ class Session:
                 self._migration.drop_buffers()
                 step = recovery.replace(a.incident_id, self._migration.shadow_steps)
             exchange.verify_next = True
+        record_base = 0  # the step the job's recording starts at (a job resumed from a checkpoint: that step)
+        if a.role == p.WorkerRole.ACTIVE and self._checkpoints is not None:
+            try:
+                step = record_base = self._checkpoints.start(self.rank, self.world_size, self._groups.world.generation,
+                                                             self._ledger.replicated, self._ledger.local)
+            except CheckpointError as e:
+                self._fail(p.FailureKind.SCRIPT_ERROR, str(e))
+        try:
+            yield from self._loop(step, total, record_base)
+        except LeaverExit:
+            if self._checkpoints is not None:
+                self._checkpoints.wait()  # its part of a save in flight, before it hands over and exits
+            raise
+
+    def _loop(self, step: int, total: int, record_base: int) -> Iterator[int]:
+        """The step loop of :meth:`steps` from ``step``: the boundaries (switches, recording marks, due
+        checkpoints), the yielded steps and the recoveries."""
+        a = self._assign
+        control, recovery, exchange = self._control, self._recovery, self._exchange
         first = step
         prev = None
         while step < total:
@@ -327,8 +377,9 @@ class Session:
                 self._reports.step_time(step - 1, t0 - prev, shadow=False)
             prev = t0
             switch = control.boundary(step)
-            if control.role == p.WorkerRole.ACTIVE and self._record_writer is None and step <= a.record_steps:
-                self._mark_recorded_step(step, a.record_steps, a.record_dir)
+            if control.role == p.WorkerRole.ACTIVE and self._record_writer is None and not self._recording_kept and \
+                    step - record_base <= a.record_steps:
+                self._mark_recorded_step(step - record_base, a.record_steps, a.record_dir)
             if switch is not None:
                 self._migration.switch_boundary(switch)
                 exchange.verify_next = True
@@ -343,6 +394,9 @@ class Session:
                 if failure(control) is None:
                     step += 1
                     self._groups.step_committed(self._stopper.at_next_backward)
+                    if self._checkpoints is not None and control.role == p.WorkerRole.ACTIVE:
+                        self._checkpoints.after_commit(step, self.rank, self.world_size, self._groups.world.generation,
+                                                       self._ledger.replicated, self._ledger.local)
                     continue
                 done = self._ledger.committed(step)
             else:
@@ -462,6 +516,8 @@ class Session:
         reclaimed at exit from then on."""
         if self._record_writer is not None:
             self._record_writer.join()
+        if self._checkpoints is not None:
+            self._checkpoints.wait()  # the last save is committed before the job reports its end
         if note:
             log.info("rank %d finished: %s", self.rank, note)
         self._control.enter(Stage.FINISHED)
@@ -486,10 +542,13 @@ def init(coordinator: Optional[str] = None, store_timeout_s: float = 120.0) -> S
     mover-backed world group installed as the default process group (backend ``tmover``); on a standby it
     blocks until tmd hands it a leaver's rank (the joiner then starts in the sandbox), or exits the process
     when tmd releases it (with tmd's exit code). Reads ``TM_COORDINATOR``, ``TM_NODE``, ``TM_LOCAL_RANK``,
-    ``TM_STANDBY``, ``TM_RUN_DIR`` from the environment (set by ``tmd local`` or the SLURM scripts).
-    ``store_timeout_s``: seconds to wait for the job's TCPStore. Raises KeyError when ``TM_COORDINATOR`` is
-    missing. Unless the script handles ``SIGUSR1`` itself, that signal makes the process write every thread's
-    Python stack to its stderr and go on (``kill -USR1 PID``: where a stuck rank waits)."""
+    ``TM_STANDBY``, ``TM_RUN_DIR`` from the environment (set by ``tmd local`` or the SLURM scripts), and
+    ``TM_IFNAME`` (``--iface``): the network interface the data plane binds; a node without it ends the process
+    at once with exit code 2 and one line naming the node and the interface (worker.backend.data_plane).
+    ``store_timeout_s``: seconds a group setup waits in the job's store (worker.store) for its peers. Raises
+    KeyError when ``TM_COORDINATOR`` is missing. Unless the script handles ``SIGUSR1`` itself, that signal makes the
+    process write every thread's Python stack to its stderr and go on (``kill -USR1 PID``: where a stuck rank
+    waits)."""
     address = coordinator or os.environ["TM_COORDINATOR"]
     dump_stacks_on(signal.SIGUSR1)
     # Under srun without TM_NODE/TM_LOCAL_RANK: SLURM's node name (hostnames may repeat) and local task id.
@@ -497,9 +556,14 @@ def init(coordinator: Optional[str] = None, store_timeout_s: float = 120.0) -> S
     local_rank = int(os.environ.get("TM_LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or "0")
     standby = os.environ.get("TM_STANDBY", "0") == "1"
     run_dir = os.environ.get("TM_RUN_DIR", os.getcwd())
+    try:  # the network the data plane uses (--iface): a node without that interface fails here, not in a rendezvous
+        iface, data_host = backend.data_plane(node, address)
+    except InterfaceError as e:
+        exit_process(p.ExitCode.REFUSED, str(e))
     control = Control()
     commands: Commands
-    agent = Agent(address, node, local_rank, standby, lambda m: commands.on_message(m), lambda: commands.heartbeat())
+    agent = Agent(address, node, local_rank, standby, lambda m: commands.on_message(m), lambda: commands.heartbeat(),
+                  iface=iface, data_host=data_host)
     reports = Reporter(agent.send, lambda: control.rank)
     commands = Commands(control, reports, agent.rejoin, probe_from_env().sample)
     session = Session(agent, control, reports, node, local_rank, run_dir)

@@ -32,7 +32,8 @@ its own.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -50,6 +51,17 @@ class StepHooks:
         self.exchange, self.refuse, self.commit, self.keep = exchange, refuse, commit, keep
         self._first: dict[int, tuple[Any, Any]] = {}  # id(optimizer) -> handles of its first pre- and post-hook
         self._precopy: dict[int, tuple[Before, After, Any]] = {}  # id(optimizer) -> (before, after, last pre-hook)
+        self._disarmed = False
+
+    @contextlib.contextmanager
+    def disarmed(self) -> Iterator[None]:
+        """Within: no stage runs around a managed optimizer's ``step()`` (a step that is not a training step:
+        DCP's ``get_optimizer_state_dict`` creating a fresh optimizer's state with lr 0, worker.checkpointing)."""
+        self._disarmed = True
+        try:
+            yield
+        finally:
+            self._disarmed = False
 
     def add(self, opt: torch.optim.Optimizer) -> None:
         """Hook ``opt``: its first pre-hook and first post-hook (once per optimizer)."""
@@ -82,6 +94,8 @@ class StepHooks:
             and next(iter(opt._optimizer_step_post_hooks)) == first[1].id
 
     def _before(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._disarmed:
+            return
         if self.exchange is not None:
             self.exchange()
         if self.refuse is not None:
@@ -93,6 +107,8 @@ class StepHooks:
             attached[0](opt, args, kwargs)
 
     def _after(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._disarmed:
+            return
         attached = self._precopy.get(id(opt))
         if attached is not None:
             attached[1](opt, args, kwargs)

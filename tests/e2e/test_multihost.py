@@ -2,7 +2,8 @@
 with its own address on one bridge (tmd/netns.py), so nothing passes by assuming 127.0.0.1 or one host.
 
 Once each that way: the demo (a planned migration n2 -> s1) and a partition of a node (cut off the bridge;
-recovery onto standby s1, which also checks the addresses each process is given). Both end bit-identical to the
+recovery onto standby s1, which also checks the addresses each process is given, with ``--iface tm0``: each
+node's data plane on its own bridge interface, as ``tmctl status`` shows). Both end bit-identical to the
 demo's plain reference run (tiny GPT, same steps). A kill -9 of a node's ranks in the optimizer step is
 test_failures.test_kill_node_during_a_step (one namespace); the recovery path across namespaces is the partition's.
 Needs root, iproute2 and nsenter; skipped elsewhere.
@@ -87,7 +88,7 @@ def test_partition_of_a_node_with_every_process_in_its_own_namespace(tmp_path, d
     assert len(reference) == 4
     run_dir = str(tmp_path / "job")
     cmd = tmd_command(run_dir, 1, STEPS, True, True, ("--min-step-time-s", "0.03"))
-    cmd[cmd.index("--"):cmd.index("--")] = ["--netns-all"]
+    cmd[cmd.index("--"):cmd.index("--")] = ["--netns-all", "--iface", "tm0"]  # every node's bridge interface
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
     try:
         wait_for_address(run_dir, proc)
@@ -96,7 +97,10 @@ def test_partition_of_a_node_with_every_process_in_its_own_namespace(tmp_path, d
         # tmctl, in the host namespace, reaches tmd through the bridge
         with Client(info["address"], timeout_s=10.0, keys_dir=find_keys(run_dir, None)) as client:
             wait_until(lambda: client.request(p.StatusRequest()).step >= 8, 120, "training")
-            assert {n["name"] for n in client.request(p.StatusRequest()).nodes} == {"n1", "n2", "s1"}
+            nodes = client.request(p.StatusRequest()).nodes
+            # --iface tm0: each node's data plane on its own namespace's tm0, as status shows
+            assert {n["name"]: (n["iface"], n["address"]) for n in nodes} == {
+                node: ("tm0", info["netns"][node]["node_ip"]) for node in ("n1", "n2", "s1")}
         # every rank is told to bind gloo to its own node's address and to reach tmd at tmd's
         for node in ("n1", "n2", "s1"):
             pids = [e["pid"] for e in events(run_dir) if e["event"] == p.Event.WORKER_REGISTERED and e["node"] == node]

@@ -252,12 +252,15 @@ def test_zmq_dealer_stops_getting_replies_when_cut(children):
             ctx.term()
 
 
-# --- 4: tmd's TCPStore and a gloo group across the veth -------------------------------------------------------
+# --- 4: tmd's store and a gloo group across the veth ---------------------------------------------------------
 GLOO_RANK = """
     import datetime, sys
     import torch, torch.distributed as dist
-    store_host, port, rank, me = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    store = dist.TCPStore(store_host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    from tmd.protocol.keys import JobKeys
+    from tmd.protocol.vocab import Sender
+    from worker.store import JobStore
+    store_host, port, rank, me, keys = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    store = JobStore(store_host, port, 10.0, JobKeys.load(keys, parties=(Sender.WORKER,)))
     store.set(f"hello{rank}", me)
     print("peer", store.get(f"hello{1 - rank}").decode(), flush=True)
     opts = dist.ProcessGroupGloo._Options()
@@ -276,24 +279,27 @@ GLOO_RANK = """
 """
 
 
-def test_tcpstore_and_gloo_across_the_veth(children):
-    import datetime
+def test_the_job_store_and_gloo_across_the_veth(children, tmp_path):
+    from tmd.protocol.keys import JobKeys
+    from tmd.store import StoreServer
 
-    import torch.distributed as dist
-
+    keys = JobKeys.create(str(tmp_path / "keys"))
+    worker_keys = keys.worker_keys()
     with netns.NodeNamespace("gloo", 14) as ns:
-        # as tmd does it (tmd/daemon.py): a master store on the host; the namespace reaches it at host_ip
-        store = dist.TCPStore(ns.host_ip, 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=10))
-        port = str(store.port)
-        host_rank = children([], GLOO_RANK, ns.host_ip, port, "0", ns.host_ip)
-        ns_rank = children(ns.wrap([]), GLOO_RANK, ns.host_ip, port, "1", ns.node_ip)
-        assert ns_rank.expect("peer", 10.0) == f"peer {ns.host_ip}"
-        assert host_rank.expect("peer", 10.0) == f"peer {ns.node_ip}"
-        assert store.get("hello1").decode() == ns.node_ip
-        assert host_rank.expect("sum", 10.0) == "sum 3.0"
-        assert ns_rank.expect("sum", 10.0) == "sum 3.0"
-        assert host_rank.wait(5.0) == 0 and ns_rank.wait(5.0) == 0
+        # as tmd does it (tmd/daemon.py): the store on the host; the namespace reaches it at host_ip
+        store = StoreServer(ns.host_ip, keys)
+        try:
+            port = str(store.port)
+            host_rank = children([], GLOO_RANK, ns.host_ip, port, "0", ns.host_ip, worker_keys)
+            ns_rank = children(ns.wrap([]), GLOO_RANK, ns.host_ip, port, "1", ns.node_ip, worker_keys)
+            assert ns_rank.expect("peer", 10.0) == f"peer {ns.host_ip}"
+            assert host_rank.expect("peer", 10.0) == f"peer {ns.node_ip}"
+            assert store.state.data[b"hello1"].decode() == ns.node_ip
+            assert host_rank.expect("sum", 10.0) == "sum 3.0"
+            assert ns_rank.expect("sum", 10.0) == "sum 3.0"
+            assert host_rank.wait(5.0) == 0 and ns_rank.wait(5.0) == 0
+        finally:
+            store.stop()
 
 
 # --- extras: two namespaces reach each other; close() is idempotent; stale namespaces are removed -------------

@@ -12,7 +12,6 @@ blocked store connection, a leaver's last messages at ``os._exit``).
 """
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import subprocess
@@ -25,8 +24,10 @@ import zmq
 
 from tmctl.localjob import events, final_hashes
 from tmd import protocol as p
+from tmd.store import StoreServer
 from worker import backend as mb
 from worker.groups import Group, GroupManager
+from worker.store import JobStore
 
 STEPS = 60  # the uninterrupted run is test_failures' (tests/e2e/conftest.py: one run for both)
 # Padding only (the numerics are those of the reference): two migrations, a third one's recovery and the second's
@@ -102,14 +103,10 @@ def test_a_migration_requested_while_a_stayer_is_still_before_the_last_switch_st
 def test_a_prepare_blocked_on_a_lost_leaver_does_not_block_the_next_group_setup():
     """The mechanism, in process: a joiner's phase 1 waits in the transfer group's rendezvous for a leaver that
     never comes; the recovery's rendezvous of the next generation (with a live peer) must not wait behind it."""
-    import torch.distributed as dist
-
     timeout_s = 10.0
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                           wait_for_workers=False)
-    managers = [GroupManager(dist.TCPStore("127.0.0.1", master.port, is_master=False,
-                                           timeout=datetime.timedelta(seconds=timeout_s)),
-                             rank, 2, "127.0.0.1", timeout_s) for rank in (0, 1)]
+    server = StoreServer("127.0.0.1", None)  # tmd's store (plain: the keys are not what this is about)
+    managers = [GroupManager(JobStore("127.0.0.1", server.port, timeout_s, None), rank, 2, "127.0.0.1", timeout_s)
+                for rank in (0, 1)]
     for gm in managers:
         gm.groups["world"] = Group("world", [0, 1], None)  # build_all reads names and ranks only
     prepared = threading.Event()
@@ -130,6 +127,7 @@ def test_a_prepare_blocked_on_a_lost_leaver_does_not_block_the_next_group_setup(
     managers[1].discard(1)
     for inner in (late_leaver, *built[0].values(), *built[1].values()):
         mb.release_in_background(inner)
+    server.stop()
 
 
 # A leaver's last acts, as in worker.migration.Migration.switch_boundary: send Done, stop the agent, flush, exit with

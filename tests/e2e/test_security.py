@@ -12,6 +12,11 @@ One local job (2 nodes x 2 ranks, standby s1, a tiny GPT) serves the module's te
      goes on;
    - a process of another uid (nobody) can read neither the run directory nor the keys, and cannot command the
      job;
+   - the same uid nobody cannot use the job's rendezvous store (issue 33): c10d's TCPStore client, a plain ZeroMQ
+     socket and a CURVE client with a key of its own (pinning tmd's real public key) get no answer, 24 values of
+     8 MiB over each (and 8 over raw TCP) leave tmd's RSS flat and store nothing; and it cannot block the status page:
+     while it keeps 40 idle connections open (topping them up as tmd closes them), the token holder's scrapes of
+     ``/metrics`` are answered at once;
 2. a bounded fuzz: ~2,400 bad frames reach tmd from authenticated senders (the job's client and worker keys) and
    unauthenticated ones (a plain DEALER; a CURVE client with a key of its own): random bytes, truncated messages,
    deep nesting, huge numbers, lone surrogates, wrong field types, unknown kinds, three 50 MB frames, and rapid
@@ -42,8 +47,9 @@ from tmd.protocol.vocab import Event, Sender
 
 STEPS = 400  # the uninterrupted run is shared (tests/e2e/conftest.py) with test_migration and test_tmd_restart
 # Pads every step (numerics unchanged) so that the job outlives the attacks and the fuzz even on a quiet machine:
-# 400 x 0.04 s = 16 s, against about 11 s for both from step 5 (a natural step, 0.05-0.06 s on 2 cores, is longer).
-ARGS = ("--min-step-time-s", "0.04")
+# 400 x 0.1 s = 40 s, against about 17 s for all of them from step 5 on a quiet machine (a natural step, 0.05-0.06 s
+# on 2 cores), and more on a loaded one.
+ARGS = ("--min-step-time-s", "0.1")
 NOBODY = 65534
 SEED = 20261123
 BIG_FRAME_BYTES = 50 * 1024 * 1024
@@ -242,6 +248,123 @@ def test_attacks_have_no_effect_on_the_job(job):
     assert all(n["health"] == p.Health.HEALTHY for n in st.nodes if n["role"] == p.NodeRole.ACTIVE)
     assert st.migration is None
     assert job["proc"].poll() is None, "the job ended during the attacks: raise ARGS' padding"
+
+
+# Run as uid nobody: the store attacks of issue 33, then idle connections held to the status page for HOLD_S s.
+NOBODY_ATTACKS = """
+import datetime, json, socket, sys, time
+import zmq
+host, store_port, tmd_public, web_port, hold_s = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), \
+    float(sys.argv[5])
+out = {}
+try:  # c10d's TCPStore client, which reached the old store
+    import torch.distributed as dist
+    dist.TCPStore(host, store_port, is_master=False, timeout=datetime.timedelta(seconds=3)).set("planted", "x")
+    out["tcpstore"] = "set"
+except Exception as e:
+    out["tcpstore"] = type(e).__name__
+ctx = zmq.Context()
+socks = {"plain": ctx.socket(zmq.DEALER), "curve": ctx.socket(zmq.DEALER)}
+public, secret = zmq.curve_keypair()
+socks["curve"].curve_publickey, socks["curve"].curve_secretkey = public, secret
+socks["curve"].curve_serverkey = tmd_public.encode()
+big = b"x" * (8 << 20)
+for name, sock in socks.items():
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{host}:{store_port}")
+    frames = [[b"r" * 8, b"num", b"1000"], [b"s" * 8, b"set", b"1000", b"planted", b"x"],
+              *([b"b" * 8, b"set", b"1000", b"big%d" % i, big] for i in range(24))]
+    for frame in frames:
+        try:
+            sock.send_multipart(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+poller = zmq.Poller()
+for sock in socks.values():
+    poller.register(sock, zmq.POLLIN)
+out["replies"] = len(poller.poll(3000))
+out["raw_refused"] = 0
+for i in range(8):  # raw TCP, no ZeroMQ greeting
+    try:
+        with socket.create_connection((host, store_port), timeout=1) as c:
+            c.sendall(big)
+    except OSError:
+        out["raw_refused"] += 1
+print(json.dumps(out), flush=True)
+held, closed = [], 0
+deadline = time.monotonic() + hold_s
+while time.monotonic() < deadline:
+    alive = []
+    for c in held:
+        try:
+            if c.recv(1, socket.MSG_DONTWAIT) == b"":
+                closed += 1
+                c.close()
+                continue
+        except BlockingIOError:
+            pass
+        except OSError:  # reset by tmd
+            closed += 1
+            c.close()
+            continue
+        alive.append(c)
+    held = alive + [socket.create_connection((host, web_port)) for _ in range(40 - len(alive))]
+    time.sleep(0.1)
+print(json.dumps({"held": len(held), "closed_by_tmd": closed}), flush=True)
+"""
+HOLD_S = 4.0
+
+
+@pytest.mark.timeout(120)
+def test_another_user_can_neither_use_the_store_nor_block_the_page(job):
+    """Issue 33, items 2 and 4, as uid nobody against the running job."""
+    import urllib.parse
+    import urllib.request
+
+    from worker.store import JobStore
+
+    run_dir, proc = job["run_dir"], job["proc"]
+    keys = JobKeys.load(os.path.join(run_dir, "keys"))
+    started = next(e for e in events(run_dir) if e["event"] == Event.TMD_STARTED)
+    with open(os.path.join(run_dir, "tmd.json")) as f:
+        web = json.load(f)["web"]
+    with open(web["token_file"]) as f:
+        token = f.read().strip()
+    url = urllib.parse.urlsplit(web["url"])
+    tmd = psutil.Process(proc.pid)
+    rss_before = tmd.memory_info().rss
+    attacker = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c", NOBODY_ATTACKS,
+         url.hostname, str(started["store_port"]), keys.public(Sender.COORDINATOR).decode(), str(url.port),
+         str(HOLD_S)], stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        store_attacks = json.loads(attacker.stdout.readline())
+        scrapes = []
+        while attacker.poll() is None and len(scrapes) < 8:  # while nobody holds its 40 connections
+            time.sleep(0.4)
+            t0 = time.monotonic()
+            request = urllib.request.Request(web["url"] + "metrics", headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(request, timeout=10) as r:
+                scrapes.append((r.status, time.monotonic() - t0, b"trainmover_" in r.read()))
+        web_attack = json.loads(attacker.stdout.readline())
+        assert attacker.wait(30) == 0
+    finally:
+        if attacker.poll() is None:
+            attacker.kill()
+    # the store: nothing answered, nothing stored, tmd's memory flat
+    assert store_attacks["tcpstore"] != "set" and store_attacks["replies"] == 0, store_attacks
+    assert store_attacks["raw_refused"] >= 6, store_attacks  # the greeting is refused: most sends fail
+    grown = tmd.memory_info().rss - rss_before
+    assert grown < RSS_GROWTH_BYTES, f"tmd's RSS grew by {grown / 2**20:.1f} MiB"
+    store = JobStore(url.hostname, started["store_port"], 10.0,
+                     JobKeys.load(os.path.join(run_dir, "keys", "worker"), parties=(Sender.WORKER,)))
+    assert not store.check(["planted"]) and not any(store.check([f"big{i}"]) for i in range(24))
+    # the page: every scrape answered at once while nobody held 40 idle connections, which tmd kept closing
+    assert len(scrapes) >= 5 and all(code == 200 and took < 2.0 and ok for code, took, ok in scrapes), scrapes
+    assert web_attack["held"] == 40 and web_attack["closed_by_tmd"] >= 40, web_attack
+    print(f"[nobody] store: {store_attacks}; tmd RSS +{grown / 2**20:.1f} MiB; page: {web_attack}, scrapes "
+          f"{[round(t, 3) for _, t, _ in scrapes]} s", flush=True)
+    assert proc.poll() is None, "the job ended during the attacks: raise ARGS' padding"
 
 
 @pytest.mark.timeout(180)

@@ -24,6 +24,7 @@ from tmctl.localjob import (end_job, events, final_hashes, job_client, scrape, t
 from tmd import protocol as p
 from tmd.protocol.keys import JobKeys
 from tmd.resume import ResumeError, load
+from worker.fork_server import SERVER_NAME
 
 
 pytestmark = pytest.mark.timeout(240)
@@ -33,6 +34,10 @@ STEPS = 400
 # the resume and a migration: about 12 s from step 5 to the migration's downtime figure on a quiet 2-core machine.
 # Neither changes the numerics.
 ARGS = ("--group-size", "2", "--min-step-time-s", "0.06")
+# Detection settings other than the defaults (tmd.config; larger, so nothing fails sooner): the resumed tmd must
+# run with them, not with the defaults.
+DETECTION = {"heartbeat_timeout_s": 12.0, "suspect_after_s": 1.5, "blocked_after_s": 0.5}
+TMD_ARGS = tuple(a for name, value in DETECTION.items() for a in ("--" + name.replace("_", "-"), str(value)))
 
 
 def rank0_step(run_dir: str) -> int:
@@ -56,7 +61,7 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path, gpt_refer
     # the uninterrupted run, before the job (alone: a busy machine slows heartbeats)
     reference = gpt_reference(STEPS)
     run_dir = str(tmp_path / "job")
-    tmd = subprocess.Popen(tmd_command(run_dir, 1, STEPS, True, True, ARGS), stdout=subprocess.DEVNULL)
+    tmd = subprocess.Popen(tmd_command(run_dir, 1, STEPS, True, True, ARGS, TMD_ARGS), stdout=subprocess.DEVNULL)
     resumed = None
     workers: list[psutil.Process] = []
     try:
@@ -65,9 +70,11 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path, gpt_refer
         job = status().job
         wait_until(lambda: status().step > 5 and any(n["warm"] for n in status().nodes), 120,
                    "training and a warm s1")
-        workers = psutil.Process(tmd.pid).children()
+        workers = [c for c in psutil.Process(tmd.pid).children() if c.name() != SERVER_NAME]
         assert len(workers) == 6
         page, _ = web_of(run_dir)
+        config = status().config
+        assert config["detection"] == DETECTION
         steps_before = wait_until(lambda: scrape(run_dir).get(("trainmover_steps_total", (("job", job),))), 30,
                                   "steps counted")
 
@@ -118,6 +125,8 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path, gpt_refer
         st = json.loads(r.stdout)
         assert {n["name"]: n["ranks"] for n in st["nodes"]} == {"n1": [0, 1], "n2": [2, 3], "s1": []}
         assert st["step"] > at_kill
+        # the job's settings, restored from the journal; the detection section is the resumed detector's own
+        assert st["config"] == config
         # the page and metrics are back at the same address, with the counters gone on from the journal
         assert web_of(run_dir)[0] == page == st["page"]
         assert scrape(run_dir)[("trainmover_steps_total", (("job", job),))] >= steps_before
@@ -147,6 +156,8 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path, gpt_refer
     restart = next(e for e in ev if e["event"] == "tmd_restarted")
     relearn = next(e for e in ev if e["event"] == "job_relearned")
     assert names.count("worker_rejoined") == 6 and "rejoin_refused" not in names
+    journalled = [e for e in ev if e["event"] == "job_config"]  # at the start, then at the restart: no override
+    assert [e["config"] for e in journalled] == [config, config] and journalled[1]["overrides"] == {}
     assert names.count("migration_committed") == 1 and names[-1] == "tmd_stopped"
     assert restart["address"] == next(e for e in ev if e["event"] == "tmd_started")["address"]
     n2_exits = [e for e in ev if e["event"] == "process_exit" and e["node"] == "n2"]
@@ -188,7 +199,7 @@ def test_replay_after_migrations_and_a_recovery(tmp_path):
     st = load(run_dir)
     assert st.roles == {"n1": ("failed", []), "n2": ("left", []), "s1": ("active", [2, 3]), "s2": ("active", [0, 1]),
                         "s3": ("standby", [])}
-    assert (st.generation, st.last_migration_id, st.last_seq, st.record_steps) == (2, 1, 10, 3)
+    assert (st.generation, st.last_migration_id, st.last_seq, st.config.replay.record_steps) == (2, 1, 10, 3)
     assert st.ranks_per_node == 2 and st.command == ["train"] and st.cut_migration is None
 
 
@@ -226,13 +237,13 @@ def test_restarted_daemon_relearns_from_rejoins(tmp_path):
 
     (tmp_path / "tmd.json").write_text(json.dumps({"address": "tcp://127.0.0.1:1", "pid": 999_999_999, "job": "j"}))
     start = {"event": "tmd_started", "job": "j", "world_size": 2, "nodes": ["n1", "n2"], "standbys": ["s1"],
-             "record_steps": 1}
+             "record_steps": 2}
     cut = {"event": "migration_requested", "migration_id": 3, "source": "n2", "target": "s1", "generation": 2}
     (tmp_path / "events.jsonl").write_text("".join(json.dumps({"seq": i + 1, "ts": 1.0, **e}) + "\n"
                                                    for i, e in enumerate([start, cut])))
     st = load(str(tmp_path))
     JobKeys.create(str(tmp_path / "keys"))  # a resumed tmd reuses the job's keys: its workers pinned its public key
-    d = Daemon(st.job, str(tmp_path), st.nodes, st.ranks_per_node, st.standbys, record_steps=1, echo=False, resume=st)
+    d = Daemon(st.job, str(tmp_path), st.nodes, st.ranks_per_node, st.standbys, st.config, echo=False, resume=st)
     sent: list[tuple[bytes, p.Message]] = []
     d.reply = lambda identity, msg: sent.append((identity, msg))  # observe, no sockets
     try:

@@ -59,6 +59,22 @@ def test_every_rank_exiting_before_init_ends_the_job_in_seconds(tmp_path):
     assert "argparse says no" in r.stderr  # the log tail is printed, --quiet or not
 
 
+@pytest.mark.timeout(60)
+def test_an_interface_the_nodes_lack_fails_their_ranks_at_start_naming_node_and_interface(tmp_path):
+    run_dir = str(tmp_path / "job")
+    cmd = [sys.executable, "-m", "tmd.cli", "local", "--nodes", "2", "--ranks-per-node", "1", "--standbys", "0",
+           "--run-dir", run_dir, "--quiet", "--iface", "tm-nope0", "--", *script("--steps", "50")]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == ExitCode.FAILED, r.stderr
+    assert time.monotonic() - t0 < 30  # no rendezvous waited for them
+    startup = named(run_dir, Event.STARTUP_FAILED)[0]
+    assert startup["returncode"] == ExitCode.REFUSED
+    line = f"node {startup['node']}: network interface 'tm-nope0' does not exist"
+    assert line in startup["log_tail"] and line in r.stderr, r.stderr
+    assert not named(run_dir, Event.WORKER_REGISTERED) and not named(run_dir, Event.NODE_FAILED)
+
+
 @pytest.mark.timeout(90)
 def test_one_rank_exiting_before_init_is_named_and_the_rest_terminated(tmp_path):
     run_dir = str(tmp_path / "job")
@@ -100,6 +116,21 @@ def test_a_rank_raising_in_a_step_fails_the_job_with_its_traceback(tmp_path):
     assert not named(run_dir, Event.NODE_FAILED)
     st = tmctl(run_dir, "status")
     assert st.returncode == 0 and "has ended" in st.stdout and "ValueError: a bad batch at step 5" in st.stdout, st
+
+
+@pytest.mark.timeout(90)
+def test_a_steps_loop_that_does_not_catch_step_aborted_is_named_not_taken_for_lost_ranks(tmp_path):
+    run_dir = str(tmp_path / "job")
+    r, took = run_job(run_dir, 0, script("--uncaught-at", "5", "--kill-rank", "3", "--steps", "400"))
+    assert r.returncode == ExitCode.FAILED, r.stderr
+    assert took < 60, took
+    reports = named(run_dir, Event.RANK_FAILED)  # a survivor's (n1's, or n2/1 if it got there before its fencing)
+    uncaught = [e for e in reports if e["kind"] == FailureKind.STEP_ABORTED_UNCAUGHT]
+    assert uncaught and uncaught[0]["step"] == 5 and "StepAborted" in uncaught[0]["traceback"], reports
+    (failed,) = named(run_dir, Event.JOB_FAILED)
+    assert f"rank {uncaught[0]['rank']} on {uncaught[0]['node']} raised StepAborted and did not catch it at step 5" \
+        in failed["reason"] and "catch worker.StepAborted and continue" in failed["reason"], failed
+    assert "every rank is lost" not in failed["reason"] and "did not catch it" in r.stderr
 
 
 @pytest.mark.timeout(120)

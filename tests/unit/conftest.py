@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
+from tmd.protocol.keys import JobKeys
+
 
 @pytest.fixture(scope="module")
 def mesh():
@@ -20,3 +22,9 @@ def mesh():
         yield init_device_mesh("cpu", (4,))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> JobKeys:
+    """A fresh job's keys (tmd.protocol.keys), one set per test module."""
+    return JobKeys.create(str(tmp_path_factory.mktemp("job") / "keys"))

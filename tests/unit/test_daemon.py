@@ -4,6 +4,7 @@ import time
 import pytest
 
 from tmd import protocol as p
+from tmd.config import DEFAULTS
 from tmd.daemon import CRASH_AFTER_TICK_ERRORS, Daemon, TmdCrashed
 from tmd.detection import Failure, ProcessExited
 from tmd.protocol.vocab import (
@@ -13,13 +14,14 @@ from tmd.recovery import RecoveryError
 from tmd.registry import Worker
 
 pytestmark = pytest.mark.timeout(30)
+RECORD_2 = DEFAULTS.with_options(record_steps=2, metrics_port=-1)  # the fewest recorded steps; no status page
 
 
 @pytest.fixture
 def daemon(tmp_path):
     """2 active nodes of 1 rank and standby s1, each with its process registered and past step 5; what the
     daemon sends is recorded in ``d.sent`` as (identity, message)."""
-    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], record_steps=2, echo=False)
+    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], RECORD_2, echo=False)
     d.sent = []
     d.send = lambda w, msg: d.sent.append((w.identity.decode(), msg))  # observe, no sockets
     for node in ("n1", "n2", "s1"):
@@ -46,8 +48,8 @@ def test_fewer_recorded_steps_than_a_joiner_needs_are_refused_at_start(tmp_path)
 
     from tmd import cli
 
-    with pytest.raises(ValueError, match="record_steps must be at least 2, not 1"):
-        Daemon("t", str(tmp_path / "one"), ["n1", "n2"], 1, ["s1"], record_steps=1, echo=False)
+    with pytest.raises(ValueError, match="--record-steps must be at least 2, not 1"):
+        Daemon("t", str(tmp_path / "one"), ["n1", "n2"], 1, ["s1"], DEFAULTS.with_options(record_steps=1), echo=False)
     assert not (tmp_path / "one").exists()
     result = CliRunner().invoke(cli.app, ["local", "--record-steps", "1", "--run-dir", str(tmp_path / "cli"),
                                           "--", "true"])
@@ -129,7 +131,7 @@ def test_a_tick_that_keeps_failing_ends_the_loop_as_a_crash_and_leaves_the_ranks
         def poll(self):
             return ()
 
-        def terminate_all(self):
+        def terminate_all(self, close=True):
             self.terminated = True
 
     d.launcher = Launcher()
@@ -170,3 +172,55 @@ def test_a_stayer_lost_after_the_commit_decision_takes_the_undecided_joiners_wit
     failed = [e for e in d.journal.since(0, 1000) if e["event"] == Event.NODE_FAILED]
     assert [e["node"] for e in failed] == ["n1", "s1"] and failed[1]["ranks"] == [1]
     assert not any(isinstance(msg, p.Decide) and not msg.commit for _, msg in d.sent)
+
+
+def test_recovery_impossible_restarts_a_local_job_from_its_newest_checkpoint_or_fails_it(daemon, tmp_path):
+    from tests.unit.test_tiers import write_checkpoint
+    from tmd.local import LocalLauncher
+    from tmd.tiers import CheckpointConfig, Tier
+
+    daemon._recovery_impossible("every rank is lost (n1 and n2)")  # noqa: SLF001 - no tier: the job fails
+    assert daemon.exit_code == 1 and daemon.restart is None
+    daemon.exit_code = None
+    daemon.tier = Tier(CheckpointConfig(dir=str(tmp_path / "ck"), every=5), "t", 2)
+    daemon.tier.attach(daemon.journal)
+    daemon._recovery_impossible("every rank is lost")  # noqa: SLF001 - no checkpoint yet: fails, saying why
+    failed = [e for e in daemon.journal.since(0, 1000) if e["event"] == Event.JOB_FAILED]
+    assert failed[-1]["reason"] == "every rank is lost (no restart from a checkpoint: tmd starts no processes)"
+    daemon.exit_code = None
+    daemon.launcher = LocalLauncher(["true"], str(tmp_path), "tcp://x:1", 1, echo=False)
+    path = write_checkpoint(daemon.tier.config.dir, 5, daemon.tier.job_id)
+    daemon._recovery_impossible("every rank is lost")  # noqa: SLF001
+    assert daemon.restart is not None and daemon.restart.path == path and daemon.exit_code == 1
+    restarting = [e for e in daemon.journal.since(0, 1000) if e["event"] == Event.JOB_RESTARTING]
+    assert restarting[0]["step"] == 5 and restarting[0]["reason"] == "every rank is lost"
+    assert daemon.status().checkpoints["restarts"][0]["tier"] == "checkpoint"
+
+
+def test_recovery_impossible_in_slurm_mode_requeues_the_job_or_fails_it_saying_why(daemon, tmp_path):
+    from tests.unit.test_tiers import write_checkpoint
+    from tmd.tiers import CheckpointConfig, Tier
+
+    class Cluster:  # the part of tmd.slurm.SlurmCluster this uses
+        def __init__(self, error):
+            self.error, self.calls = error, 0
+
+        def requeue(self):
+            self.calls += 1
+            return self.error
+
+    daemon.tier = Tier(CheckpointConfig(dir=str(tmp_path / "ck"), every=5), "4711", 2)
+    daemon.tier.attach(daemon.journal)
+    write_checkpoint(daemon.tier.config.dir, 5, daemon.tier.job_id)
+    daemon.cluster = Cluster("scontrol: error: Requested operation is presently disabled")
+    daemon._recovery_impossible("n1 lost with its snapshot keeper")  # noqa: SLF001
+    assert daemon.restart is None and daemon.exit_code == 1
+    failed = [e for e in daemon.journal.since(0, 1000) if e["event"] == Event.JOB_FAILED]
+    assert failed[-1]["reason"].endswith("(no restart from a checkpoint: scontrol requeue failed: scontrol: error: "
+                                         "Requested operation is presently disabled)")
+    daemon.exit_code = None
+    daemon.cluster = Cluster(None)
+    daemon._recovery_impossible("n1 lost with its snapshot keeper")  # noqa: SLF001
+    assert daemon.cluster.calls == 1 and daemon.restart is not None and daemon.restart.step == 5
+    requeued = [e for e in daemon.journal.since(0, 1000) if e["event"] == Event.JOB_REQUEUED]
+    assert requeued[-1]["error"] is None and requeued[-1]["step"] == 5

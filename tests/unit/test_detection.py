@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tmd.config import DetectionConfig
 from tmd.detection import Detector, Failure, Healthy, ProcessExited, ProcessState, Slow, Unhealthy
 from tmd.protocol.vocab import FailureSignal, Health, NodeRole
 from tmd.registry import Registry, Worker
@@ -114,6 +115,17 @@ def test_silence_with_a_blocked_peer_fails_the_node_fast():
     v = job.tick(0.9, *BUT_N2)
     assert failures(v) == [("n2", FailureSignal.SILENT)]
     assert v[0].reason == "no heartbeat for 0.90 s (peers blocked for 0.90 s)"
+
+
+def test_the_thresholds_are_the_jobs_config():
+    job = Job(config=DetectionConfig(heartbeat_timeout_s=12.0, suspect_after_s=1.5, blocked_after_s=0.5))
+    job.block("n1/0", since=0.0)
+    assert failures(job.tick(0.9, *BUT_N2)) == []  # failed by now with the defaults (above)
+    assert failures(job.tick(1.4, *BUT_N2)) == []
+    assert failures(job.tick(1.6, *BUT_N2)) == [("n2", FailureSignal.SILENT)]
+    quiet = Job(config=DetectionConfig(heartbeat_timeout_s=2.0, suspect_after_s=1.5, blocked_after_s=0.5))
+    v = quiet.tick(2.1, *BUT_N2)  # no peer blocked: the long timeout, the job's
+    assert failures(v) == [("n2", FailureSignal.SILENT)] and v[0].reason.startswith("no heartbeat for 2.10 s")
 
 
 def test_silence_without_a_blocked_peer_waits_for_the_long_timeout():

@@ -4,15 +4,17 @@ from __future__ import annotations
 import pytest
 
 from tmd import protocol as p
+from tmd.config import DEFAULTS
 from tmd.daemon import Daemon
 from tmd.protocol.vocab import Event, ExitCode
 
 pytestmark = pytest.mark.timeout(30)
+RECORD_2 = DEFAULTS.with_options(record_steps=2, metrics_port=-1)  # the fewest recorded steps; no status page
 
 
 @pytest.fixture
 def daemon(tmp_path):
-    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], record_steps=2, echo=False)
+    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], RECORD_2, echo=False)
     d.sent = []
     d.reply = lambda identity, msg: d.sent.append((identity, msg))  # observe, no sockets
     d.bad_input.window_s = 0.0  # every refusal journalled (tmd.bad_input: one per sender per second otherwise)

@@ -52,6 +52,19 @@ def test_a_script_error_fails_the_job_with_its_traceback(world):
     assert world.faults.failure["traceback"].startswith("Traceback")
 
 
+def test_an_uncaught_step_aborted_fails_the_job_naming_the_rank_and_what_to_do(world):
+    """Not "every rank is lost (n1/0 died)": the survivor that did not catch its StepAborted says so first."""
+    msg = p.RankFailed(rank=0, step=7, kind=FailureKind.STEP_ABORTED_UNCAUGHT,
+                       error="rank 0 step 7: update refused, a collective failed. In a session.steps() loop, catch "
+                             "worker.StepAborted and continue", traceback="Traceback...\nStepAborted: rank 0 step 7")
+    failed = world.faults.rank_failed(world.reg.rank_owner[0], msg)
+    assert failed.reason.startswith("rank 0 on n1 raised StepAborted and did not catch it at step 7: rank 0 step 7: "
+                                    "update refused")
+    assert "catch worker.StepAborted" in failed.reason and failed.details.endswith("StepAborted: rank 0 step 7")
+    (ev,) = events(world.journal, Event.RANK_FAILED)
+    assert ev["kind"] == FailureKind.STEP_ABORTED_UNCAUGHT and world.faults.failure["kind"] == ev["kind"]
+
+
 def test_a_rank_that_died_before_registering_is_named_with_its_log_tail(world):
     path = world.layout.log("n2", 1)
     os.makedirs(os.path.dirname(path), exist_ok=True)

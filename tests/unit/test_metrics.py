@@ -247,3 +247,15 @@ def test_observing_while_scraping_from_other_threads():
     for t in threads:
         t.join()
     assert not errors and value(m, "trainmover_steps_total") == 2000
+
+
+def test_checkpoints_and_restarts_are_counted():
+    m = Metrics("j")
+    m.replay([entry(1, Event.CHECKPOINT_COMMITTED, step=5, path="/c/step-000000005"),
+              entry(2, Event.CHECKPOINT_FAILED, rank=0, node="n1", message="checkpoint at step 10 not saved"),
+              entry(3, Event.JOB_RESTARTING, tier="checkpoint", step=5, work_lost_s=7.5, reason="every rank is lost"),
+              entry(4, Event.JOB_RESTARTING, tier="checkpoint", step=5, work_lost_s="bad", reason="again")])
+    assert value(m, "trainmover_checkpoints_total", state="committed") == 1
+    assert value(m, "trainmover_checkpoints_total", state="failed") == 1
+    assert value(m, "trainmover_restarts_total", tier="checkpoint") == 2
+    assert value(m, "trainmover_restart_work_lost_seconds_sum") == 7.5

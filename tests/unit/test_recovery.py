@@ -453,3 +453,16 @@ def test_a_party_failing_to_recover_again_and_again_ends_the_job(world):
         world.report("n3/1", RecoveryPhase.RECOVERED, ok=False, error="ValueError: same every time",
                      incident_id=inc.id)
     assert inc.state == IncidentState.FAILED and world.events()[-1]["event"] == Event.RECOVERY_FAILED
+
+
+def test_with_standby_wait_s_an_incident_without_a_standby_fails_for_the_checkpoint_tier(tmp_path):
+    world = World(tmp_path, standbys=())
+    world.incidents.standby_wait_s = 30.0
+    world.incidents.on_node_failed("n2", "exited")
+    inc = world.incidents.current
+    world.halt_all({ident: 9 for ident in SURVIVORS})
+    world.incidents.tick(inc.waiting_since + 29.0)  # still waiting
+    assert inc.state == IncidentState.HALTING
+    with pytest.raises(RecoveryError, match=r"no standby arrived within 30 s \(--standby-wait-s\)"):
+        world.incidents.tick(inc.waiting_since + 31.0)
+    assert inc.state == IncidentState.FAILED and world.events(Event.RECOVERY_FAILED)

@@ -44,7 +44,8 @@ def test_a_committed_migration_hands_the_ranks_over(tmp_path):
                         migration(Event.MIGRATION_TRANSFERRED), migration(Event.MIGRATION_COMMITTED)))
     assert st.roles == {"n1": (ACTIVE, [0, 1]), "n2": (LEFT, []), "s1": (ACTIVE, [2, 3]), "s2": (STANDBY, [])}
     assert (st.generation, st.last_migration_id, st.cut_migration, st.open_incident) == (1, 1, None, None)
-    assert (st.job, st.ranks_per_node, st.record_steps, st.command, st.last_seq) == ("j", 2, 3, ["train"], 4)
+    assert (st.job, st.ranks_per_node, st.config.replay.record_steps, st.command, st.last_seq) == \
+        ("j", 2, 3, ["train"], 4)
 
 
 def test_a_migration_cut_before_its_commit_decision_is_aborted(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 
 from tmd import protocol as p
 from tmd.bad_input import OTHER_SENDERS, BadInput
+from tmd.config import DEFAULTS
 from tmd.daemon import Daemon, TmdCrashed
 from tmd.detection import Detector, HostProcesses
 from tmd.evacuation import Evacuation
@@ -25,6 +26,7 @@ from tmd.requests import Requests
 from tmd.resume import ResumeError, load
 
 pytestmark = pytest.mark.timeout(60)
+RECORD_2 = DEFAULTS.with_options(record_steps=2, metrics_port=-1)  # the fewest recorded steps; no status page
 
 
 def frame(**body) -> bytes:
@@ -125,7 +127,7 @@ class FakeLauncher:
     def pid_of(self, node, local_rank):
         return None
 
-    def terminate_all(self):
+    def terminate_all(self, close=True):
         pass
 
 
@@ -133,7 +135,7 @@ class FakeLauncher:
 def daemon(tmp_path, monkeypatch):
     monkeypatch.setenv("TM_KEYS", "")  # recorded, so the Daemon's export of its keys is undone after the test
     monkeypatch.delenv("TM_KEYS")
-    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], record_steps=2, echo=False)
+    d = Daemon("t", str(tmp_path), ["n1", "n2"], 1, ["s1"], RECORD_2, echo=False)
     d.sent = []
     d.reply = lambda identity, msg: d.sent.append((identity, msg))  # observe, no sockets
     d.launcher = FakeLauncher()
@@ -316,7 +318,7 @@ def write_job(run_dir, *ends):
     with open(layout.tmd_json, "w") as f:
         json.dump({"address": "tcp://127.0.0.1:5555", "pid": 1, "job": "t", "run_dir": layout.path}, f)
     events = [{"seq": 1, "ts": 1.0, "event": Event.TMD_STARTED, "job": "t", "nodes": ["n1"], "standbys": ["s1"],
-               "world_size": 1, "record_steps": 1}]
+               "world_size": 1, "record_steps": 2}]
     events += [{"seq": i + 2, "ts": 2.0, **e} for i, e in enumerate(ends)]
     with open(layout.events, "w") as f:
         f.writelines(json.dumps(e) + "\n" for e in events)
@@ -415,8 +417,7 @@ def test_supervise_restarts_a_real_daemon_from_its_journal_on_the_same_address(t
     built = []
 
     def build(state):
-        d = Daemon("t", str(tmp_path), ["n1"], 1, ["s1"], record_steps=2, echo=False, resume=state,
-                   port=0 if state is None else int(state.address.rpartition(":")[2]))
+        d = Daemon("t", str(tmp_path), ["n1"], 1, ["s1"], RECORD_2, echo=False, resume=state)
         if state is None:
             d.launcher = launcher
 

@@ -16,6 +16,7 @@ from tests.support import stand_in_tmd
 from tmctl import cli
 from tmctl.client import Client, CoordinatorNotFound, TimedOut, find_coordinator
 from tmctl.render import warning_lines
+from tmd.config import DEFAULTS
 from tmd.protocol import (
     ErrorReply,
     EventsReply,
@@ -124,9 +125,12 @@ def migration(state, reason="", **extra):
     return m
 
 
+CONFIG = DEFAULTS.with_options(heartbeat_timeout_s=12.0, migrate_stragglers=True).to_dict()  # tmd.config
+
+
 def status_reply(mig=None):
     return StatusReply(job="local-abc", world_size=4, generation=1, step=42, nodes=NODES, migration=mig, recovery=None, failure=None,
-                       warnings=[])
+                       warnings=[], config=CONFIG)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -144,6 +148,7 @@ def test_status_table(fake):
     assert "0-1" in out and "2-3" in out  # rank ranges
     assert "standbys: spare0 (warm), spare1 (cold)" in out
     assert "migration in progress" in out and "warming" in out
+    assert "config: heartbeat_timeout_s=12.0 migrate_stragglers=True\n" in out  # the settings not the defaults
     assert isinstance(f.requests[0], StatusRequest)
 
 
@@ -154,7 +159,9 @@ def test_status_json_is_the_reply(fake):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data == {"job": "local-abc", "world_size": 4, "generation": 1, "step": 42, "nodes": NODES,
-                    "migration": None, "recovery": None, "failure": None, "warnings": [], "page": None}
+                    "migration": None, "recovery": None, "failure": None, "warnings": [], "page": None,
+                    "config": CONFIG, "checkpoints": None}
+    assert data["config"]["detection"]["heartbeat_timeout_s"] == 12.0
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -460,12 +467,13 @@ def test_bad_reply_is_one_line_not_a_traceback(fake):
 # ------------------------------------------------------------------------------------------------------------
 ENDED = [
     {"seq": 1, "ts": 1.0, "event": "tmd_started", "job": "j7"},
-    {"seq": 2, "ts": 2.0, "event": "job_warning", "rank": 0, "node": "n1", "code": "nothing_managed",
+    {"seq": 2, "ts": 1.0, "event": "job_config", "config": CONFIG},
+    {"seq": 3, "ts": 2.0, "event": "job_warning", "rank": 0, "node": "n1", "code": "nothing_managed",
      "message": "manage it"},
-    {"seq": 3, "ts": 3.0, "event": "rank_failed", "rank": 3, "node": "n2", "step": 5, "kind": "script_error",
+    {"seq": 4, "ts": 3.0, "event": "rank_failed", "rank": 3, "node": "n2", "step": 5, "kind": "script_error",
      "error": "ValueError: bad", "traceback": "Traceback (most recent call last):\nValueError: bad"},
-    {"seq": 4, "ts": 4.0, "event": "job_failed", "reason": "rank 3 on n2 raised at step 5: ValueError: bad"},
-    {"seq": 5, "ts": 5.0, "event": "tmd_stopped", "exit_code": 1},
+    {"seq": 5, "ts": 4.0, "event": "job_failed", "reason": "rank 3 on n2 raised at step 5: ValueError: bad"},
+    {"seq": 6, "ts": 5.0, "event": "tmd_stopped", "exit_code": 1},
 ]
 
 
@@ -479,10 +487,12 @@ def test_status_and_events_of_an_ended_job_read_its_journal(tmp_path):
     state = json.loads(r.stdout)
     assert state["ended"] is True and state["exit_code"] == 1 and state["job"] == "j7" and state["step"] == 5
     assert state["failure"]["rank"] == 3 and state["warnings"][0]["code"] == "nothing_managed"
+    assert state["config"] == CONFIG
     r = run("status", "--run-dir", str(run_dir), "--timeout", "0.2")
     assert r.exit_code == 0 and "has ended" in r.stdout and "ValueError: bad" in r.stdout and "warning" in r.stdout
-    r = run("events", "--json", "--after", "3", "--run-dir", str(run_dir), "--timeout", "0.2")
-    assert r.exit_code == 0 and [json.loads(line)["seq"] for line in lines(r.stdout)] == [4, 5]
+    assert "config: heartbeat_timeout_s=12.0 migrate_stragglers=True" in r.stdout
+    r = run("events", "--json", "--after", "4", "--run-dir", str(run_dir), "--timeout", "0.2")
+    assert r.exit_code == 0 and [json.loads(line)["seq"] for line in lines(r.stdout)] == [5, 6]
     # an explicit --coordinator names no run directory: still the one-line error
     r = run("events", "--coordinator", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.2")
     assert r.exit_code == 2 and lines(r.stderr)[0].startswith("error: connection refused at")
@@ -776,3 +786,16 @@ def test_a_warning_says_migrations_are_refused_only_for_unmanaged_state():
         {"rank": 2, "node": "n2", "code": "state_after_update", "message": "the CPU RNG changed"}])
     assert refusing.endswith("(migrations and recoveries are refused)") and "unmanaged_parameters" in refusing
     assert informative == "[yellow]warning[/]: rank 2 on n2: state_after_update: the CPU RNG changed"
+
+
+def test_status_shows_the_checkpoint_tier_a_failed_save_and_each_restart():
+    from tmctl import render
+
+    lines = render.checkpoint_lines({"dir": "/c", "every": 5, "keep": 2, "latest": 15,
+                                     "failed": "checkpoint at step 10 not saved (/c/step-000000010): rank 0: denied",
+                                     "restarts": [{"tier": "checkpoint", "step": 5, "work_lost_s": 3.2,
+                                                   "reason": "every rank is lost"}]})
+    assert lines[0] == "checkpoints: /c every 5 steps, keep 2; newest: step 15"
+    assert "checkpoint_failed: checkpoint at step 10 not saved" in lines[1] and "training goes on" in lines[1]
+    assert "restarted[/] from the checkpoint tier at step 5 (3.2 s of work lost): every rank is lost" in lines[2]
+    assert render.checkpoint_lines(None) == []

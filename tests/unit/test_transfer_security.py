@@ -1,7 +1,7 @@
 """The data plane executes nothing it receives (issue 10, item 3): a state-transfer peer that sends a malicious
 header is refused before anything is parsed or allocated, nothing it sent runs, and the receiver's state is
-untouched; real optimizer state still round-trips bit-identically. Also the job's secret store namespace and the
-TCPStore bound to one address (tmd.store).
+untouched; real optimizer state still round-trips bit-identically. Also the job's secret store namespace (the
+store itself: tests/unit/test_store.py).
 
 Every transfer runs over a real 2-rank gloo group (both ends in one process, on two threads); the malicious peer
 is rank 0 of that group, sending raw messages on the transfer's wire layout."""
@@ -13,7 +13,6 @@ import json
 import math
 import os
 import pickle
-import socket
 from unittest import mock
 
 import pytest
@@ -22,16 +21,10 @@ import torch.distributed as dist
 
 from tests.unit.test_transfer import flat_state, same, trained
 from tmd.protocol.keys import KEYS_ENV, JobKeys, KeysUnavailable
-from tmd.store import host_store
 from worker import backend, datapath, job_keys, transfer
 
 pytestmark = pytest.mark.timeout(90)
 _prefix = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory) -> JobKeys:
-    return JobKeys.create(str(tmp_path_factory.mktemp("job") / "keys"))
 
 
 @pytest.fixture(scope="module")
@@ -367,47 +360,3 @@ def test_group_store_keys_live_below_the_jobs_secret_namespace(keys, monkeypatch
     for w in work:
         w.wait()
     assert t.tolist() == [2.0, 2.0]
-
-
-# --- the job's TCPStore on one address --------------------------------------------------------------------------------
-def _primary_ip():
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("192.0.2.1", 9))
-            ip = s.getsockname()[0]
-        return None if ip.startswith("127.") else ip
-    except OSError:
-        return None
-
-
-def _can_bind(host):
-    try:
-        with socket.socket() as s:
-            s.bind((host, 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.parametrize("use_libuv", [True, False])
-def test_store_listens_on_its_one_address_only(use_libuv):
-    host = "127.0.0.2" if _can_bind("127.0.0.2") else "127.0.0.1"
-    others = [h for h in ("127.0.0.1", _primary_ip()) if h and h != host]
-    if not others:
-        pytest.skip("no second local address to try")
-    store = host_store(host, use_libuv=use_libuv)
-    try:
-        assert store.port > 0 and store.libuvBackend == use_libuv
-        client = dist.TCPStore(host, store.port, is_master=False, timeout=datetime.timedelta(seconds=5))
-        client.set("k", "v")
-        assert store.get("k") == b"v"
-        for other in others:
-            with pytest.raises(ConnectionRefusedError):
-                socket.create_connection((other, store.port), timeout=5).close()
-    finally:
-        del store
-
-
-def test_store_refuses_an_address_of_another_host():
-    with pytest.raises(OSError):
-        host_store("192.0.2.123")  # TEST-NET-1: not an address of this host

@@ -13,6 +13,7 @@ import pytest
 
 from tmd.metrics import Metrics
 from tmd.protocol.vocab import Event, Health, NodeRole
+from tmd import web as web_module
 from tmd.web import WebServer, WebState, load_or_create_token
 
 pytestmark = pytest.mark.timeout(60)
@@ -233,6 +234,37 @@ def test_stop_frees_the_port_and_a_slow_client_blocks_nobody():
     slow.close()
 
 
+def test_idle_connections_do_not_block_a_token_holder(server, monkeypatch):
+    """Issue 33's attack: 40 connections that never send a request (more than the old server's 32 slots) from this
+    address; a token holder's scrape is still answered at once, and the idle ones are closed (the oldest pushed
+    out by newer ones, the rest at the header deadline)."""
+    monkeypatch.setattr(web_module, "HEADER_DEADLINE_S", 1.0)
+    idle = [socket.create_connection((server.host, server.port)) for _ in range(40)]
+    started = time.monotonic()
+    assert request(server, "/metrics", headers=BEARER)[0] == 200
+    assert time.monotonic() - started < 0.5
+    for s in idle:
+        s.settimeout(5.0)
+        assert s.recv(100) == b""  # closed without an answer
+        s.close()
+    assert server.evicted == 40
+
+
+def test_a_head_too_slow_or_too_large_is_dropped(server, monkeypatch):
+    monkeypatch.setattr(web_module, "HEADER_DEADLINE_S", 0.5)
+    slow = socket.create_connection((server.host, server.port))
+    slow.sendall(b"GET /metrics HTTP/1.0\r\nAuthorization: Bearer ")  # the token never comes
+    slow.settimeout(5.0)
+    assert slow.recv(100) == b""
+    big = socket.create_connection((server.host, server.port))
+    big.sendall(b"GET /metrics HTTP/1.0\r\nX: " + b"y" * (web_module.MAX_HEAD_BYTES + 10) + b"\r\n\r\n")
+    big.settimeout(5.0)
+    assert big.recv(100) == b""
+    assert request(server, "/metrics", headers=BEARER)[0] == 200
+    slow.close()
+    big.close()
+
+
 def test_the_token_file(tmp_path):
     path = str(tmp_path / "keys" / "web.token")
     token = load_or_create_token(path)
@@ -259,3 +291,35 @@ def test_chromium_renders_the_table_and_the_timeline(server, tmp_path):
     assert '<polyline class="steps"' in out and 'class="mark node_failed"' in out
     assert '<span id="notice"></span>' in out  # the script's refresh did not fail
     assert "<img" not in out and "&lt;img src=x onerror=alert(1)&gt;" in out  # the span's label, as text
+
+
+def test_pending_connections_are_bounded_per_address_and_in_all():
+    class Conn:
+        closed = False
+
+        def abort(self):
+            self.closed = True
+
+    pending = web_module._Pending(per_address=2, total=3)
+    a1, a2, a3, b1, b2 = (Conn() for _ in range(5))
+    for conn, address in ((a1, "a"), (a2, "a"), (a3, "a")):
+        pending.admit(address, conn)
+    assert (a1.closed, a2.closed, a3.closed) == (True, False, False)  # a's oldest made room for its newest
+    pending.admit("b", b1)
+    pending.admit("b", b2)  # all full: the oldest of all (a2) goes
+    assert a2.closed and not (a3.closed or b1.closed or b2.closed)
+    for conn in (a3, b1, b2):
+        pending.leave(conn)
+    assert pending.all == {} and pending.by_address == {}
+
+
+def test_the_page_shows_the_checkpoint_tier_and_its_restarts():
+    from tmd.web import render_checkpoints, render_page
+
+    c = {"latest": 15, "failed": "checkpoint at step 10 not saved <x>", "restarts": [
+        {"tier": "checkpoint", "step": 5, "work_lost_s": 3.25}]}
+    line = render_checkpoints(c)
+    assert line == ("checkpoints: newest step 15; last save failed: checkpoint at step 10 not saved &lt;x&gt;; "
+                    "restarts 1 (last: from step 5, 3.250 s of work lost)")
+    assert render_checkpoints(None) == "checkpoints off"
+    assert line in render_page({"checkpoints": c}, 5, "n")

@@ -27,3 +27,58 @@ def test_the_signal_writes_every_threads_stack_and_a_scripts_own_handler_is_left
     assert r.stdout.splitlines() == ["own handler ran", "went on False"]
     assert "Current thread" in r.stderr and r.stderr.count("Thread 0x") >= 1  # the main thread and the waiter
     assert "in wait" in r.stderr  # the waiter's frame
+
+
+# --- an exception that ends the process -------------------------------------------------------------------------
+class _Latched:
+    """Groups whose movers latched a failed collective (a peer died during this step)."""
+
+    def failure(self):
+        return "a collective failed: n2/0 is gone"
+
+
+def _ended_by(exc_factory, monkeypatch):
+    """Rank 0 at step 7 with a failure latched, its excepthooks installed over a recording previous hook; ``exc``
+    (made by ``exc_factory``, raised and caught for its traceback) handed to ``sys.excepthook`` as Python does for
+    an exception that ends the process. Returns (the RankFailed reports sent, what the previous hook got)."""
+    import threading
+
+    from tests.unit.rank_rooms import make
+    from tmd import protocol as p
+
+    rec = make(rank=0, groups=_Latched())
+    rec.control.set_step(7)
+    printed = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, exc, tb: printed.append(exc))
+    monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.exc_value))
+    rec.session._install_excepthooks()
+    try:
+        raise exc_factory(rec)
+    except BaseException as e:  # noqa: BLE001
+        sys.excepthook(type(e), e, e.__traceback__)
+        sys.excepthook(type(e), e, e.__traceback__)  # reported once per process
+    return [m for m in rec.sent if isinstance(m, p.RankFailed)], printed
+
+
+def test_an_uncaught_step_aborted_is_reported_as_such_with_what_to_do(monkeypatch):
+    from tmd.protocol.vocab import FailureKind
+
+    def refused(rec):  # what a managed optimizer's step() raises once the collective failure is latched
+        try:
+            rec.ledger.refuse()
+        except Exception as e:  # noqa: BLE001
+            return e
+        raise AssertionError("the step was not refused")
+
+    reports, printed = _ended_by(refused, monkeypatch)
+    assert len(printed) == 2 and type(printed[0]).__name__ == "StepAborted"  # still printed by Python's hook
+    (msg,) = reports
+    assert (msg.rank, msg.step, msg.kind) == (0, 7, FailureKind.STEP_ABORTED_UNCAUGHT)
+    assert msg.error.startswith("rank 0 step 7: update refused, a collective failed: n2/0 is gone. In a "
+                                "session.steps() loop, catch worker.StepAborted and continue")
+    assert "session.run" in msg.error and "StepAborted" in msg.traceback
+
+
+def test_another_exception_while_a_peer_failure_is_latched_is_still_not_the_scripts_error(monkeypatch):
+    reports, printed = _ended_by(lambda rec: RuntimeError("gloo: connection closed"), monkeypatch)
+    assert reports == [] and len(printed) == 2

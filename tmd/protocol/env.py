@@ -52,8 +52,16 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("TM_EXIT_DRAIN_S", "5", RANKS,
            "Seconds a rank waits at exit for retired groups still being destroyed on C++ threads (finalizing the "
            "interpreter under them would abort the process)."),
+    EnvVar("TM_FORK_SERVER", "1", CLI + " (tmd local)",
+           "`0`: tmd local starts every rank with a fresh interpreter instead of forking it from a fork server that "
+           "imported torch once (worker/fork_server.py; only `python script.py` and `python -m module` commands "
+           "without CPU sets or namespaces are forked)."),
     EnvVar("TM_GLOO_HOST", "the address routing to tmd's store", RANKS + "; tmd local sets it",
            "The address gloo binds and advertises (local mode: 127.0.0.1, or the node's namespace address)."),
+    EnvVar("TM_IFNAME", "unset (the interface routing to tmd)", "tmd local / tmd slurm (`--iface`); ranks",
+           "The network interface the ranks' data plane uses on every node: each rank sets `TM_GLOO_HOST` to its "
+           "address and `GLOO_SOCKET_IFNAME`, `NCCL_SOCKET_IFNAME` to the name; a node without it fails its ranks "
+           "at start."),
     # what tmd sets for the processes it starts
     EnvVar("TM_COORDINATOR", "none", BY_TMD + "; tmctl",
            "tmd's ZeroMQ address: `worker.init()` registers there; tmctl uses it before `--job`/`--run-dir`."),
@@ -66,11 +74,23 @@ VARIABLES: tuple[EnvVar, ...] = (
            "the job secret, nothing else); tmctl reads the client key from a full keys directory named here."),
     EnvVar("TM_RUN_DIR", "`tmrun` (tmd, tmctl); the working directory (ranks)", BY_TMD + "; " + CLI,
            "The run directory: events, logs, recordings and `tmd.json`."),
+    EnvVar("TM_CHECKPOINT_DIR", "unset (no checkpoints)", BY_TMD,
+           "`--checkpoint-dir`: where the ranks write their checkpoints (worker.checkpointing)."),
+    EnvVar("TM_CHECKPOINT_EVERY", "0 (none)", BY_TMD, "`--checkpoint-every`: steps between checkpoints."),
+    EnvVar("TM_CHECKPOINT_KEEP", "2", BY_TMD, "`--checkpoint-keep`: checkpoints kept (the newest)."),
+    EnvVar("TM_CHECKPOINT_JOB", "`local`", BY_TMD,
+           "The job id that owns the checkpoint directory (`<dir>/JOB`; tmd.tiers derives it from the job's name)."),
+    EnvVar("TM_CHECKPOINT_RESTART", "unset", BY_TMD,
+           "`1`: tmd relaunched the job from its checkpoint tier; the ranks keep the run directory's recording of the "
+           "job's first steps instead of recording again."),
+    EnvVar("TM_RESUME_FROM", "unset", BY_TMD,
+           "The checkpoint every rank loads before its first step: `--resume-from`'s, or the one tmd restarts the "
+           "job from when in-memory recovery is impossible."),
     # the CLI and state on disk
     EnvVar("TM_STATE_DIR", "`~/.trainmover`", CLI + "; SLURM hooks",
            "The per-user state directory: SLURM jobs' `jobs/<JOBID>/tmd.json`, keys and hook reports."),
     EnvVar("TM_HOST", "the address this host's name resolves to", "tmd slurm; " + SLURM,
-           "The address tmd binds and advertises, with its TCPStore (never all interfaces)."),
+           "The address tmd binds and advertises, with its rendezvous store (never all interfaces)."),
     EnvVar("TM_RESERVATION", "`standby`", "tmd slurm; " + SLURM, "The SLURM reservation holding the standby jobs."),
     EnvVar("TM_PYTHON", "`python3`", SLURM,
            "The interpreter `slurm/train.sbatch` and `slurm/standby.sbatch` run tmd with."),

@@ -9,7 +9,7 @@ Every party of a job talks to tmd over CURVE (elliptic-curve encryption and auth
   three public keys and labels each connection with its role (the ZeroMQ ``User-Id`` message property); tmd
   dispatches a message only when its type's ``SENDER`` matches that role (tmd.daemon).
 * The job secret (32 random bytes) keys the HMAC of each state-transfer header (worker.transfer) and names the
-  job's TCPStore keys (:attr:`JobKeys.store_namespace`), so nobody outside the job can guess a rendezvous key.
+  job's store keys (:attr:`JobKeys.store_namespace`), so nobody outside the job can guess a rendezvous key.
 
 Files, in a directory created 0700 by tmd at job start (local mode ``<run_dir>/keys``, SLURM mode
 ``<state dir>/jobs/<JOBID>/keys``; tmd.json's ``keys`` field names it and tmd exports it as ``TM_KEYS`` to the
@@ -164,7 +164,7 @@ class JobKeys:
 
     @property
     def store_namespace(self) -> str:
-        """The job's TCPStore key prefix (``tm-<16 hex digits>``, derived from the job secret): the root of every
+        """The job's store key prefix (``tm-<16 hex digits>``, derived from the job secret): the root of every
         store key the job uses (tmd.protocol.layout's prefixes go below it)."""
         return "tm-" + hmac.new(self.secret, b"store-namespace", hashlib.sha256).hexdigest()[:16]
 
@@ -208,13 +208,16 @@ def limit(sock: zmq.Socket, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
 
 
 class Authenticator(ThreadAuthenticator):
-    """tmd's ZAP handler: admits exactly the job's worker, client and hook public keys and labels each
-    connection with its role (the ``User-Id`` property of every message it sends: ``worker``, ``client`` or
-    ``hook``). One per ZeroMQ context (ZAP is per context); runs on pyzmq's own thread."""
+    """tmd's ZAP handler: admits exactly the job's worker, client and hook public keys (or those of ``roles``)
+    and labels each connection with its role (the ``User-Id`` property of every message it sends: ``worker``,
+    ``client`` or ``hook``). One per ZeroMQ context (ZAP is per context); runs on pyzmq's own thread."""
 
-    def __init__(self, context: zmq.Context, keys: JobKeys) -> None:
+    def __init__(self, context: zmq.Context, keys: JobKeys,
+                 roles: tuple[Sender, ...] = (Sender.WORKER, Sender.CLIENT, Sender.HOOK)) -> None:
+        """``roles``: the parties admitted (the job's store admits only ``worker``)."""
         super().__init__(context)
         self._keys = keys
+        self._roles = roles
 
     def start(self) -> None:
         super().start()
@@ -222,7 +225,7 @@ class Authenticator(ThreadAuthenticator):
 
     def callback(self, domain: str, key: bytes) -> bool:
         """CURVE credentials provider: ``key`` is the client's public key (z85)."""
-        return self._keys.role_of(key) is not None
+        return self._keys.role_of(key) in self._roles
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         role = self._keys.role_of(zmq.utils.z85.encode(client_public_key))

@@ -1,4 +1,4 @@
-"""Where things live: TCPStore key prefixes, the run directory's files, and the per-user state directory.
+"""Where things live: store key prefixes, the run directory's files, and the per-user state directory.
 
 Every party builds these names here and nowhere else (tmd, the worker runtime, tmctl, the SLURM hooks, tests).
 Only the standard library is imported: the SLURM prolog and epilog import this module with no PATH and must stay

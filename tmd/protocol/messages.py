@@ -56,13 +56,17 @@ class Message:
 # --------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(kw_only=True)
 class Register(Message, sender=Sender.WORKER):
-    """First message of a worker process. ``standby`` is true for processes started on a standby node."""
+    """First message of a worker process. ``standby`` is true for processes started on a standby node.
+    ``data_host``: the address its data plane (gloo, NCCL's bootstrap) binds and advertises, ``iface``: the
+    network interface holding it (tmd.netif; "" when unknown)."""
 
     node: str
     local_rank: int
     pid: int
     host: str
     standby: bool
+    iface: str = ""
+    data_host: str = ""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -168,7 +172,8 @@ class Rejoin(Message, sender=Sender.WORKER):
     """A worker's answer to :class:`Reregister`: what this process holds now, so a restarted tmd can re-learn
     the job. ``role`` is ``active``, ``joiner`` or ``standby`` (never assigned a rank; ``rank`` is -1 then);
     ``step`` is the step it is running (-1 before training); ``generation`` is the highest group generation
-    it built (-1: none). Sent after the worker switched its group builder to the new store."""
+    it built (-1: none). Sent after the worker switched its group builder to the new store. ``iface`` and
+    ``data_host``: as in :class:`Register`."""
 
     node: str
     local_rank: int
@@ -178,6 +183,8 @@ class Rejoin(Message, sender=Sender.WORKER):
     role: WorkerRole
     step: int
     generation: int
+    iface: str = ""
+    data_host: str = ""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -194,7 +201,9 @@ class RankFailed(Message, sender=Sender.WORKER):
     """This rank cannot go on and the job must fail (not a node failure: no standby is spent on it). ``kind``
     SCRIPT_ERROR: the training script raised at ``step`` (``error`` is one line, ``"ValueError: ..."``;
     ``traceback`` the formatted traceback, at most 8000 characters, its tail kept). STATE_MISMATCH: after a
-    migration or recovery the managed state of data-parallel replicas differs (``error`` says which ranks)."""
+    migration or recovery the managed state of data-parallel replicas differs (``error`` says which ranks).
+    STEP_ABORTED_UNCAUGHT: a ``StepAborted`` was not caught and ends the process (``error``: the step it
+    refused and what to do; ``traceback`` as for SCRIPT_ERROR)."""
 
     rank: int
     step: int
@@ -228,8 +237,8 @@ MIN_RECORD_STEPS = 2
 @dataclasses.dataclass(kw_only=True)
 class Assign(Message, sender=Sender.COORDINATOR):
     """Gives a worker its rank. ``role`` is ``active`` (a rank at job start) or ``joiner`` (a standby that
-    replaces ``rank`` in ``migration_id``). ``store_host``/``store_port`` locate the job's TCPStore (hosted by
-    tmd). Active ranks record their first ``record_steps`` steps' collective outputs to ``record_dir``;
+    replaces ``rank`` in ``migration_id``). ``store_host``/``store_port`` locate the job's rendezvous store
+    (hosted by tmd: tmd.store). Active ranks record their first ``record_steps`` steps' collective outputs to ``record_dir``;
     joiners replay ``record_dir``'s file for their rank during that many shadow iterations. A joiner that
     replaces a failed rank has ``incident_id`` > 0 (and ``migration_id`` 0): after its shadow iterations it
     reports ``warmed`` and waits for :class:`Recover`. ``guard`` (both ids 0): a *guard* (tmd.guards) warms as
@@ -359,6 +368,10 @@ class StatusReply(Message, sender=Sender.COORDINATOR):
     failure: Optional[dict]  # why the job failed (rank, node, kind, error, traceback), or None
     warnings: list  # misuse the ranks reported: dicts of rank, node, code, message
     page: Optional[str] = None  # the status page and metrics address (http://host:port/), None when off
+    config: Optional[dict] = None  # the job's settings: tmd.config.JobConfig.to_dict() ({section: {field: value}})
+    # the checkpoint tier (tmd.tiers.Tier.status): dir, every, keep, latest (step), failed (the last failed
+    # save's message or None), restarts (one dict per restart from a checkpoint); None when checkpoints are off
+    checkpoints: Optional[dict] = None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -452,8 +465,8 @@ MAX_NAME_CHARS = 64  # a name field (NAME_FIELDS): node names, SLURM job ids; ea
 MAX_MIGRATE_NODES = 64  # MigrateRequest.sources / .targets entries: the nodes one migration moves
 MAX_HOST_CHARS = 255  # a host name (RFC 1035's limit on a full domain name)
 INT_RANGE = (-2 ** 63, 2 ** 63 - 1)  # every integer, anywhere in a frame (beyond: OverflowError in float math)
-NAME_FIELDS = frozenset({"node", "job_id"})
-HOST_FIELDS = frozenset({"host"})
+NAME_FIELDS = frozenset({"node", "job_id", "iface"})
+HOST_FIELDS = frozenset({"host", "data_host"})
 NON_NEGATIVE_FIELDS = frozenset({"step_time_s", "seconds", "bytes_moved", "bytes_per_copy", "copy_s", "kept_tensors",
                                  "shadow_steps"})
 MAX_COUNTER_KEYS = 64  # keys of Heartbeat.counters and of its ``gpu`` sample

@@ -199,11 +199,14 @@ class ErrorCode(StrEnum):
 
 class FailureKind(StrEnum):
     """Why a rank reports that the job must fail (``RankFailed.kind``): the training script raised
-    (``SCRIPT_ERROR``: the user's error, not a peer failure), or the managed state of data-parallel replicas differs
-    after a migration or recovery (``STATE_MISMATCH``: the trajectory diverged)."""
+    (``SCRIPT_ERROR``: the user's error, not a peer failure), the managed state of data-parallel replicas differs
+    after a migration or recovery (``STATE_MISMATCH``: the trajectory diverged), or the script let a
+    ``StepAborted`` (a peer failure's refused step) end the process instead of catching it in its
+    ``session.steps()`` loop (``STEP_ABORTED_UNCAUGHT``: the rank's state is lost with it)."""
 
     SCRIPT_ERROR = "script_error"
     STATE_MISMATCH = "state_mismatch"
+    STEP_ABORTED_UNCAUGHT = "step_aborted_uncaught"
 
 
 class WarningCode(StrEnum):
@@ -217,6 +220,7 @@ class WarningCode(StrEnum):
     NOTHING_MANAGED = "nothing_managed"
     UNMANAGED_PARAMETERS = "unmanaged_parameters"
     STATE_AFTER_UPDATE = "state_after_update"
+    CHECKPOINT_FAILED = "checkpoint_failed"  # a save failed (worker.checkpointing); training goes on
 
 
 # the warnings that make a job's state unmovable: tmd refuses its migrations, and a failure fails it (tmd.faults)
@@ -254,6 +258,7 @@ class Event(StrEnum):
 
     # tmd's own life
     TMD_STARTED = "tmd_started"
+    JOB_CONFIG = "job_config"  # the job's whole tmd.config.JobConfig at each start (config; after a restart: overrides)
     TMD_RESTARTED = "tmd_restarted"
     TMD_SIGNALLED = "tmd_signalled"
     TMD_STOPPED = "tmd_stopped"
@@ -334,6 +339,12 @@ class Event(StrEnum):
     RECOVERY_DONE = "recovery_done"
     RECOVERY_FAILED = "recovery_failed"  # an incident cannot finish (tmd.recovery): the job fails next
     RECOVERY_NOT_RESUMED = "recovery_not_resumed"
+    # the checkpoint tier (tmd.tiers)
+    CHECKPOINT_COMMITTED = "checkpoint_committed"  # a checkpoint's manifest appeared: step, path
+    CHECKPOINT_FAILED = "checkpoint_failed"  # a save failed (full disk, unwritable dir): the job trains on
+    CHECKPOINT_REFUSED = "checkpoint_refused"  # a torn or corrupted checkpoint passed over, by name and why
+    JOB_RESTARTING = "job_restarting"  # in-memory recovery impossible: every process relaunched from a checkpoint
+    JOB_REQUEUED = "job_requeued"  # SLURM: scontrol requeue for a restart from the checkpoint (error: None or why not)
     # SLURM mode (tmd.slurm) and its hooks
     NODE_NOTICE = "node_notice"
     SLURM_HOOK = "slurm_hook"

@@ -1,13 +1,15 @@
 """A tiny data-parallel job (a DDP linear model) for tests/e2e/test_user_errors.py, with the user's mistakes on
-demand: die before ``worker.init()`` on one process, raise in a step on one rank, or never manage the model.
+demand: die before ``worker.init()`` on one process, raise in a step on one rank, never manage the model, or train
+in a plain ``session.steps()`` loop that does not catch ``StepAborted`` while one rank is killed in a step.
 
     python tests/e2e/scripts/user_error.py --steps 20 [--die NODE/LOCAL_RANK:CODE] [--raise-at STEP --raise-rank R]
-                                           [--unmanaged] [--step-time-s S]
+                                           [--unmanaged] [--step-time-s S] [--uncaught-at STEP --kill-rank R]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -23,6 +25,9 @@ def main() -> None:
     ap.add_argument("--raise-rank", type=int, default=-1, help="... on this rank")
     ap.add_argument("--unmanaged", action="store_true", help="never give the model to session.manage")
     ap.add_argument("--step-time-s", type=float, default=0.05, help="pad each step to about this long (seconds)")
+    ap.add_argument("--uncaught-at", type=int, default=-1, help="a plain steps() loop that does not catch "
+                                                                 "StepAborted; SIGKILL --kill-rank in this step ...")
+    ap.add_argument("--kill-rank", type=int, default=-1, help="... after its forward pass (a node failure)")
     args = ap.parse_args()
     if args.die:
         where, code = args.die.split(":")
@@ -47,13 +52,19 @@ def main() -> None:
             raise ValueError(f"a bad batch at step {step}")
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + session.rank))
         loss = model(x).pow(2).mean()
+        if step == args.uncaught_at and session.rank == args.kill_rank and not session.is_shadow:
+            os.kill(os.getpid(), signal.SIGKILL)  # its peers are in this step's backward all-reduce, or soon
         opt.zero_grad()
         loss.backward()
         opt.step()
         if not session.is_shadow:
             time.sleep(args.step_time_s)
 
-    session.run(train_step, args.steps)
+    if args.uncaught_at >= 0:
+        for step in session.steps(args.steps):
+            train_step(step)  # the mistake: a peer failure's StepAborted is not caught
+    else:
+        session.run(train_step, args.steps)
     session.finish()
 
 

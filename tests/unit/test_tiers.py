@@ -1,0 +1,137 @@
+"""tmd.tiers: the checkpoint tier on tmd's side (options refused at start, the restart plan, failed saves in the
+status), without a job: checkpoints are written by hand in the on-disk format of worker.checkpoint."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+import pytest
+
+from tmd.journal import Journal
+from tmd.protocol.vocab import Event
+from tmd.tiers import CheckpointConfig, Tier, choose, owner_in_path
+from worker import checkpoint as ck
+
+
+def write_checkpoint(root: str, step: int, job_id: str, world_size: int = 2, when: float | None = None) -> str:
+    """A valid checkpoint of ``step`` (one data file per rank and a manifest over them)."""
+    path = ck.step_dir(root, step)
+    os.makedirs(path)
+    files = {}
+    for name in [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)]:
+        data = f"{name} of step {step}".encode()
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
+        files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest = {"format": ck.FORMAT, "job_id": job_id, "step": step, "time": when or time.time(),
+                "layout": {"world_size": world_size, "tensors": {}}, "files": files}
+    with open(os.path.join(path, ck.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    with open(os.path.join(root, ck.JOB_FILE), "w") as f:
+        f.write(job_id + "\n")
+    return path
+
+
+def tier(tmp_path, **options) -> Tier:
+    t = Tier(CheckpointConfig(**options), "job-a", world_size=2)
+    t.attach(Journal(None))
+    return t
+
+
+def events(t: Tier, name: Event) -> list[dict]:
+    return [e for e in t.journal.since(0, 1000) if e["event"] == name]
+
+
+def test_another_jobs_directory_or_one_inside_it_is_refused(tmp_path):
+    other = Tier(CheckpointConfig(), "job-b", 2).job_id
+    write_checkpoint(str(tmp_path / "ck"), 5, other)
+    for d in (tmp_path / "ck", tmp_path / "ck" / "step-000000005", tmp_path / "ck" / "sub"):
+        why = tier(tmp_path, dir=str(d), every=5).refusal()
+        assert why is not None and f"holds the checkpoints of job {other}" in why, why
+    assert tier(tmp_path, dir=str(tmp_path / "mine"), every=5).refusal() is None
+    assert owner_in_path(str(tmp_path / "mine"), other) is None
+
+
+def test_resume_from_another_world_size_is_refused_in_one_line(tmp_path):
+    path = write_checkpoint(str(tmp_path / "ck"), 5, "someone", world_size=4)
+    why = tier(tmp_path, resume_from=str(tmp_path / "ck")).refusal()
+    assert why == f"checkpoint {path} was written under world size 4, this job has 2"
+    assert "\n" not in why
+
+
+def test_resume_from_picks_the_newest_valid_and_exports_it(tmp_path, monkeypatch):
+    root = str(tmp_path / "ck")
+    older = write_checkpoint(root, 5, "someone")
+    newest = write_checkpoint(root, 10, "someone")
+    with open(os.path.join(newest, "__1_0.distcp"), "r+b") as f:
+        f.write(b"X")  # corrupted: same size, other bytes
+    t = tier(tmp_path, resume_from=root)
+    assert t.refusal() is None and t.resume_from == older
+    t.started()
+    refused = events(t, Event.CHECKPOINT_REFUSED)
+    assert refused and "__1_0.distcp does not match its sha256" in refused[0]["message"]
+    monkeypatch.setenv("TM_RESUME_FROM", "stale")
+    t.export()
+    assert os.environ["TM_RESUME_FROM"] == older and os.environ["TM_CHECKPOINT_JOB"] == t.job_id
+    assert "TM_CHECKPOINT_DIR" not in os.environ
+
+
+def test_a_restart_falls_back_past_a_torn_and_a_corrupted_checkpoint(tmp_path):
+    t = tier(tmp_path, dir=str(tmp_path / "ck"), every=5)
+    root = t.config.dir
+    good = write_checkpoint(root, 5, t.job_id, when=time.time() - 30)
+    corrupted = write_checkpoint(root, 10, t.job_id)
+    os.truncate(os.path.join(corrupted, "__0_0.distcp"), 3)
+    os.makedirs(ck.step_dir(root, 15))  # torn: no manifest
+    restart, why = t.plan_restart("every rank is lost")
+    assert why == "" and restart.step == 5 and restart.path == good and restart.work_lost_s >= 30
+    lines = [e["message"] for e in events(t, Event.CHECKPOINT_REFUSED)]
+    assert lines[0].endswith("step-000000015 refused: no manifest (a torn or unfinished save)")
+    assert "__0_0.distcp has 3 bytes" in lines[1]
+    (started,) = events(t, Event.JOB_RESTARTING)
+    assert started["tier"] == "checkpoint" and started["step"] == 5 and started["restart"] == 1
+    assert t.resume_from == good and t.status()["restarts"][0]["step"] == 5
+
+
+def test_no_restart_without_a_valid_checkpoint_or_in_a_crash_loop(tmp_path):
+    t = tier(tmp_path, dir=str(tmp_path / "ck"), every=5)
+    assert t.plan_restart("lost")[0] is None and "no valid checkpoint" in t.plan_restart("lost")[1]
+    write_checkpoint(t.config.dir, 5, t.job_id)
+    for _ in range(3):
+        assert t.plan_restart("lost")[0] is not None
+    restart, why = t.plan_restart("lost")
+    assert restart is None and why == "restarted 3 times from step 5 already"
+
+
+def test_a_failed_save_warns_beside_the_newest_committed_step(tmp_path):
+    t = tier(tmp_path, dir=str(tmp_path / "ck"), every=5)
+    t.save_failed(0, "n1", "checkpoint at step 5 not saved (...): OSError: [Errno 28] No space left on device")
+    assert "No space left" in t.status()["failed"]
+    assert events(t, Event.CHECKPOINT_FAILED)[0]["node"] == "n1"
+    write_checkpoint(t.config.dir, 10, t.job_id)
+    t.tick(100.0)
+    assert "No space left" in t.status()["failed"] and t.status()["latest"] == 10
+    assert events(t, Event.CHECKPOINT_COMMITTED)[0]["step"] == 10
+
+
+def test_choose_takes_one_step_directory_too(tmp_path):
+    path = write_checkpoint(str(tmp_path / "ck"), 5, "x")
+    (step, got, _), refused = choose(path)
+    assert (step, got, refused) == (5, path, [])
+
+
+@pytest.mark.parametrize("options, word", [({"every": 5}, "needs --checkpoint-dir"),
+                                            ({"dir": "d", "keep": 0}, "--checkpoint-keep")])
+def test_bad_options_are_refused(tmp_path, options, word):
+    assert word in tier(tmp_path, **options).refusal()
+
+
+def test_the_same_job_run_again_goes_on_from_its_own_newest_checkpoint(tmp_path):
+    t = tier(tmp_path, dir=str(tmp_path / "ck"), every=5)
+    write_checkpoint(t.config.dir, 5, t.job_id)
+    newest = write_checkpoint(t.config.dir, 10, t.job_id)
+    again = tier(tmp_path, dir=str(tmp_path / "ck"), every=5)  # the same --job name (or SLURM job id): same id
+    assert again.refusal() is None and again.resume_from == newest
+    assert tier(tmp_path, dir=str(tmp_path / "fresh"), every=5).refusal() is None

@@ -1,0 +1,237 @@
+"""The checkpoint tier on tmd's side: the last of the recovery tiers (a replica, then a buddy snapshot, then a
+checkpoint). The ranks write the checkpoints themselves (worker.checkpointing, worker.checkpoint); tmd
+
+- checks the options at start (:meth:`Tier.refusal`): ``--checkpoint-dir`` must not lie in another job's
+  checkpoints, ``--resume-from`` must hold a valid checkpoint written under this world size;
+- passes the settings to every process it starts (:meth:`Tier.env`: ``TM_CHECKPOINT_*``, ``TM_RESUME_FROM``);
+- watches the directory for committed checkpoints (journal ``checkpoint_committed``) and journals failed saves
+  (``checkpoint_failed``, from a rank's ``RankWarning(checkpoint_failed)``; the job trains on);
+- when in-memory recovery is impossible (tmd.recovery.RecoveryError: every rank or every replica of some state
+  lost, a node lost with its snapshot keeper, no standby within ``--standby-wait-s``, a recovery that failed)
+  plans a restart from the newest valid checkpoint (:meth:`Tier.plan_restart`): a torn or corrupted one is
+  passed over by name (``checkpoint_refused``), and ``job_restarting`` records the tier, the step rolled back to
+  and the work lost in seconds. Local mode then relaunches every rank and standby process (tmd.cli) with
+  ``TM_RESUME_FROM`` naming that checkpoint; the final state is bit-identical to an uninterrupted run.
+
+The job id that owns a checkpoint directory (``<dir>/JOB``) is :func:`worker.checkpoint.job_identity` of the job's
+name: the same across a restart in the same tmd and across a SLURM requeue (the SLURM job id stays), another for
+any other job.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Optional
+
+from tmd.journal import Journal
+from tmd.protocol.vocab import Event
+from worker import checkpoint as ck
+
+WATCH_EVERY_S = 1.0  # how often tmd looks for a newly committed checkpoint (a listdir and a stat)
+MAX_RESTARTS_FROM_ONE_STEP = 3  # restarts from the same checkpoint after which the job fails (a crash loop)
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """The checkpoint options of ``tmd local|slurm`` (one group, to nest in the job's configuration).
+
+    ``dir``: where the ranks write checkpoints (None: no saves, and no restart from the checkpoint tier).
+    ``every``: steps between checkpoints (0: none). ``keep``: checkpoints kept (at least 1).
+    ``resume_from``: a checkpoint (a root of checkpoints or one ``step-*`` directory, any job's) to start from.
+    ``standby_wait_s``: seconds a recovery waits for a standby before the job restarts from the checkpoint tier
+    instead (0: it waits as long as it takes)."""
+
+    dir: Optional[str] = None
+    every: int = 0
+    keep: int = 2
+    resume_from: Optional[str] = None
+    standby_wait_s: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.dir is not None or self.resume_from is not None
+
+
+@dataclasses.dataclass
+class Restart:
+    """A planned restart from the checkpoint at ``path`` (``step``: the steps it holds), after ``reason``;
+    ``work_lost_s``: seconds between that checkpoint's commit and the failure."""
+
+    step: int
+    path: str
+    reason: str
+    work_lost_s: float
+    at: float = dataclasses.field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        return {"tier": "checkpoint", "step": self.step, "path": self.path, "reason": self.reason,
+                "work_lost_s": round(self.work_lost_s, 3), "at": self.at}
+
+
+def owner_in_path(path: str, job_id: str) -> Optional[str]:
+    """Why ``path`` lies in another job's checkpoints (a ``JOB`` file naming another job in it or any directory
+    above it), or None."""
+    here = os.path.abspath(path)
+    while True:
+        try:
+            ck.check_owner(here, job_id)
+        except ck.CheckpointError as e:
+            return str(e)
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
+
+
+def choose(source: str, job_id: Optional[str] = None) -> tuple[Optional[tuple[int, str, dict]], list[str]]:
+    """The newest valid checkpoint in ``source`` (a root of checkpoints or one ``step-*`` directory) as
+    (step, path, manifest), or None; and one line per checkpoint passed over on the way (torn, truncated,
+    corrupted, another job's when ``job_id`` is given). Verifies every file's sha256 (reads every byte)."""
+    source = os.path.abspath(source)
+    one = os.path.exists(os.path.join(source, ck.MANIFEST)) or ck._STEP_DIR.match(os.path.basename(source))
+    candidates = [(None, source)] if one else ck.checkpoints(source)
+    refused = []
+    for _, path in candidates:
+        why, manifest = ck.verify(path, job_id)
+        if why is None:
+            return (int(manifest["step"]), path, manifest), refused
+        refused.append(f"checkpoint {path} refused: {why}")
+    return None, refused
+
+
+class Tier:
+    """tmd's checkpoint tier of one job (kept across the restarts it plans: the same object goes to each
+    daemon). ``job``: the job's name (its id is derived from it); ``world_size``: ranks."""
+
+    def __init__(self, config: CheckpointConfig, job: str, world_size: int) -> None:
+        self.config = config
+        self.job_id = ck.job_identity(job)
+        self.world_size = world_size
+        self.journal: Optional[Journal] = None
+        self.resume_from: Optional[str] = None  # the step directory the next launch loads
+        self.restarts: list[Restart] = []
+        self.latest: Optional[int] = None  # the newest committed step tmd saw
+        self.latest_time: Optional[float] = None
+        self.failed: Optional[str] = None  # the last failed save's message (shown for the job's life)
+        self.last_seq = 0  # the journal's last sequence number when a restart ended the daemon before
+        self._refused: list[str] = []  # what --resume-from passed over, journalled once a daemon is attached
+        self._watched_at = 0.0
+
+    def attach(self, journal: Journal) -> None:
+        """Journal to ``journal`` (each daemon's, after a restart the new one's)."""
+        self.journal = journal
+
+    def _record(self, event: Event, **fields) -> None:
+        if self.journal is not None:
+            self.journal.record(event, **fields)
+
+    # --- start --------------------------------------------------------------------------------------------------
+    def refusal(self) -> Optional[str]:
+        """Why the job must not start with these options (one line), or None. Picks the checkpoint the job starts
+        from (:attr:`resume_from`): ``--resume-from``'s newest valid one, else the newest valid one of this job
+        in ``--checkpoint-dir`` (the same ``--job`` run again, a requeued SLURM job); what it passed over is
+        journalled once a daemon is attached (:meth:`started`)."""
+        c = self.config
+        if c.every < 0 or c.keep < 1:
+            return f"--checkpoint-every must be at least 0 and --checkpoint-keep at least 1 (got {c.every}, {c.keep})"
+        if c.every > 0 and c.dir is None:
+            return "--checkpoint-every needs --checkpoint-dir"
+        if c.dir is not None:
+            why = owner_in_path(c.dir, self.job_id)
+            if why is not None:
+                return f"{why}: give another --checkpoint-dir (to start from them: --resume-from)"
+            if os.path.exists(c.dir) and not os.path.isdir(c.dir):
+                return f"--checkpoint-dir {c.dir} is not a directory"
+        if c.resume_from is None and c.dir is not None and os.path.isdir(c.dir):
+            chosen, self._refused = choose(c.dir, self.job_id)  # this job's own: it goes on from there
+            self.resume_from = chosen[1] if chosen else None
+        if c.resume_from is not None:
+            if not os.path.isdir(c.resume_from):
+                return f"--resume-from {c.resume_from} is not a directory"
+            chosen, refused = choose(c.resume_from)
+            self._refused = refused
+            if chosen is None:
+                return f"--resume-from {c.resume_from} holds no valid checkpoint" + \
+                    (f" ({refused[0]})" if refused else "")
+            step, path, manifest = chosen
+            saved = manifest["layout"].get("world_size")
+            if saved != self.world_size:
+                return f"checkpoint {path} was written under world size {saved}, this job has {self.world_size}"
+            self.resume_from = path
+        return None
+
+    def started(self) -> None:
+        """The first daemon is up: journal the checkpoints ``--resume-from`` passed over."""
+        for line in self._refused:
+            self._record(Event.CHECKPOINT_REFUSED, message=line)
+        self._refused = []
+
+    def env(self) -> dict[str, Optional[str]]:
+        """The variables of every process tmd starts (None: unset it)."""
+        c = self.config
+        return {"TM_CHECKPOINT_DIR": os.path.abspath(c.dir) if c.dir else None,
+                "TM_CHECKPOINT_EVERY": str(c.every) if c.dir else None,
+                "TM_CHECKPOINT_KEEP": str(c.keep) if c.dir else None,
+                "TM_CHECKPOINT_JOB": self.job_id,
+                "TM_RESUME_FROM": self.resume_from,
+                "TM_CHECKPOINT_RESTART": "1" if self.restarts else None}
+
+    def export(self) -> None:
+        """Put :meth:`env` into this process's environment, which the processes tmd starts inherit."""
+        for name, value in self.env().items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    # --- while training -----------------------------------------------------------------------------------------
+    def tick(self, now_mono: float) -> None:
+        """Every :data:`WATCH_EVERY_S`: journal ``checkpoint_committed`` for a newly committed checkpoint (its
+        manifest exists; the sha256s are checked when one is loaded)."""
+        if self.config.dir is None or now_mono - self._watched_at < WATCH_EVERY_S:
+            return
+        self._watched_at = now_mono
+        for step, path in ck.checkpoints(self.config.dir):
+            if self.latest is not None and step <= self.latest:
+                return
+            if os.path.exists(os.path.join(path, ck.MANIFEST)):
+                self.latest, self.latest_time = step, time.time()
+                self._record(Event.CHECKPOINT_COMMITTED, step=step, path=path)
+                return
+
+    def save_failed(self, rank: int, node: str, message: str) -> None:
+        """A rank reported a failed save: journalled; the warning shows in ``tmctl status`` (beside the newest
+        committed step, which says whether saves succeed again)."""
+        self.failed = message
+        self._record(Event.CHECKPOINT_FAILED, rank=rank, node=node, message=message)
+
+    # --- the restart --------------------------------------------------------------------------------------------
+    def plan_restart(self, reason: str) -> tuple[Optional[Restart], str]:
+        """In-memory recovery failed for ``reason``: the restart from the newest valid checkpoint of this job, or
+        (None, why not). Journals each checkpoint passed over and, for a restart, ``job_restarting``; the next
+        launch loads it (:attr:`resume_from`)."""
+        if self.config.dir is None:
+            return None, "no --checkpoint-dir"
+        chosen, refused = choose(self.config.dir, self.job_id)
+        for line in refused:
+            self._record(Event.CHECKPOINT_REFUSED, message=line)
+        if chosen is None:
+            return None, f"no valid checkpoint in {self.config.dir}"
+        step, path, manifest = chosen
+        if sum(1 for r in self.restarts if r.step == step) >= MAX_RESTARTS_FROM_ONE_STEP:
+            return None, f"restarted {MAX_RESTARTS_FROM_ONE_STEP} times from step {step} already"
+        manifest_time = manifest.get("time")
+        lost = time.time() - manifest_time if isinstance(manifest_time, (int, float)) else 0.0
+        restart = Restart(step=step, path=path, reason=reason, work_lost_s=max(0.0, lost))
+        self.restarts.append(restart)
+        self.resume_from = path
+        self._record(Event.JOB_RESTARTING, **restart.to_dict(), restart=len(self.restarts))
+        return restart, ""
+
+    def status(self) -> dict:
+        """What ``tmctl status`` shows of the tier (StatusReply.checkpoints)."""
+        c = self.config
+        return {"dir": os.path.abspath(c.dir) if c.dir else None, "every": c.every, "keep": c.keep,
+                "latest": self.latest, "failed": self.failed, "resume_from": self.resume_from,
+                "restarts": [r.to_dict() for r in self.restarts]}

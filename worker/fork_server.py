@@ -1,0 +1,237 @@
+"""A fork server for local mode: import torch and the worker package once, then fork each rank from that image.
+
+Why: ``import torch`` and this package cost 2-3 s of CPU per process here (``python -X importtime``: torch ~2 s,
+``torch.distributed.tensor`` ~1 s more). A local job of 2 nodes x 2 ranks and one standby paid it five times over
+on 2 cores before its first step. Forked from one warm image, a rank starts in milliseconds and shares the
+image's pages copy-on-write. (The same idea as ``multiprocessing``'s ``forkserver`` start method, and Android's
+zygote.)
+
+Who uses it: :class:`tmd.local.LocalLauncher`, for a job command that a fresh interpreter would run the same way
+(:func:`eligible`: ``python [-u] script.py ARGS`` or ``python [-u] -m module ARGS`` with the interpreter that runs
+this server), when no CPU sets or network namespaces wrap the processes. Anything else, and ``TM_FORK_SERVER=0``,
+starts each process with ``subprocess.Popen`` as before.
+
+Protocol (a private ``socketpair`` between tmd and this process, not a network socket; JSON lines, nothing
+executed): this process writes ``{"ready": pid}`` once its imports are done, then answers each request
+``{"argv": [...], "env": {...}, "cwd": str, "log": path}`` with ``{"pid": N}`` or ``{"error": "..."}``. The rank is
+forked twice (the middle process exits at once), so that it is re-parented to tmd, which made itself a child
+subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``): tmd waits for its ranks and reads their exit codes as if it had
+started them itself. The server exits when tmd closes its end.
+
+What a forked rank shares with the server, unlike a fresh interpreter: the modules already imported (torch, this
+package), ``PYTHONHASHSEED``'s hash secret, and its command line (``ps`` shows ``python -m worker.fork_server``
+for every rank; the process name, ``ps -o comm``, is ``tm-<node>.<local_rank>``, and the server's
+``tm-fork-server``). Its environment, working directory, ``sys.argv``, ``sys.path[0]``,
+stdio and ``random``'s seed (Python reseeds it after a fork) are its own; the server refuses to fork when any
+environment variable other than the rank's identity (:data:`IDENTITY`) differs from its own, because torch and
+OpenMP read some of them at import.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import runpy
+import shutil
+import signal
+import socket
+import sys
+import threading
+import traceback
+from typing import Mapping, NoReturn, Optional, Sequence
+
+from worker.exit import flush_stdio
+
+# The variables that differ between the ranks of one job (tmd.local sets them per process); no module reads them
+# at import time, so a rank may set them after the fork.
+IDENTITY = ("TM_NODE", "TM_LOCAL_RANK", "TM_STANDBY", "TM_GLOO_HOST")
+DISABLE_ENV = "TM_FORK_SERVER"
+SERVER_NAME = "tm-fork-server"  # the server's process name (comm, as ps -o comm and psutil's name() show it)
+PR_SET_NAME = 15  # linux/prctl.h
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def prctl(option: int, arg) -> bool:
+    """``prctl(option, arg)`` (Linux); False where it fails or is missing."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def set_process_name(name: str) -> None:
+    """Set this process's name (its ``comm``, at most 15 bytes) with ``prctl(PR_SET_NAME)``; a forked rank's
+    command line stays the server's, so its name is what tells the ranks apart in ``ps`` and ``top``. Best
+    effort: nothing happens where prctl is missing."""
+    prctl(PR_SET_NAME, name.encode()[:15])
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux 3.4+): orphaned
+    descendants are re-parented to it instead of to init, so it can wait for them. False where that fails."""
+    return prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def interpreter(argv: Sequence[str], env: Mapping[str, str]) -> Optional[str]:
+    """The path of the program ``argv[0]`` names, looked up on ``env``'s PATH as ``subprocess`` would (not
+    resolved: a virtual environment's ``python`` is a symlink that must stay one), or None when not found."""
+    if not argv:
+        return None
+    return shutil.which(argv[0], path=env.get("PATH", os.defpath))
+
+
+def parse(argv: Sequence[str]) -> Optional[tuple[str, str, list[str]]]:
+    """``("script", path, args)`` or ``("module", name, args)`` for ``python [-u] script.py args`` or
+    ``python [-u] -m name args``; None for any other interpreter option (``-c``, ``-X``, ``-O``...), which a fork
+    could not reproduce."""
+    rest = list(argv[1:])
+    while rest and rest[0] == "-u":  # unbuffered: every rank gets PYTHONUNBUFFERED=1 anyway
+        rest.pop(0)
+    if not rest:
+        return None
+    if rest[0] == "-m":
+        return ("module", rest[1], rest[2:]) if len(rest) > 1 and not rest[1].startswith("-") else None
+    if rest[0].startswith("-"):
+        return None
+    return "script", rest[0], rest[1:]
+
+
+def eligible(argv: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Whether a fork from this server would run ``argv`` as a fresh ``python`` process would: a Python
+    interpreter (its name starts with ``python``) started as ``python [-u] script|-m module ...``, and fork
+    servers not disabled (``TM_FORK_SERVER=0``)."""
+    if env.get(DISABLE_ENV, "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    exe = interpreter(argv, env)
+    return exe is not None and os.path.basename(os.path.realpath(exe)).startswith("python") \
+        and parse(argv) is not None
+
+
+def common_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without the rank's identity variables: what every rank of the job, and the server, share."""
+    return {k: v for k, v in env.items() if k not in IDENTITY}
+
+
+def preload() -> None:
+    """Import what every rank imports. Runs no torch operation: no thread pool may exist at fork time."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    import worker.session  # noqa: F401  (the mover Backend, the session and their torch.distributed imports)
+
+
+def _exit_code(e: SystemExit) -> int:
+    """The exit status a fresh interpreter gives ``raise SystemExit(code)``."""
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code & 0xFF
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def _become(request: dict, added_env: Mapping[str, str]) -> NoReturn:
+    """In the forked rank: take the request's stdio, environment, working directory and command line, run the
+    script as ``__main__``, and end the process as a fresh interpreter ends it (non-daemon threads joined,
+    ``atexit`` handlers run, streams flushed; the interpreter's teardown is skipped)."""
+    code = 1
+    try:
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(null)
+        os.environ.clear()
+        os.environ.update({**added_env, **request["env"]})  # what the imports set, as in a fresh process
+        set_process_name(f"tm-{os.environ.get('TM_NODE', '')}.{os.environ.get('TM_LOCAL_RANK', '')}")
+        os.chdir(request["cwd"])
+        kind, target, args = parse(request["argv"])  # type: ignore[misc]  (checked by tmd before the request)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            if kind == "script":
+                sys.argv = [target, *args]
+                sys.path[0] = os.path.dirname(os.path.realpath(target))
+                runpy.run_path(target, run_name="__main__")
+            else:
+                sys.argv = ["-m", *args]  # run_module puts the module's file in argv[0]
+                sys.path[0] = os.getcwd()
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = _exit_code(e)
+        except BaseException:  # noqa: BLE001 - an uncaught exception: the hook prints it (worker.session's reports it)
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter does: join non-daemon threads
+        import atexit
+
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - never return into the server's loop
+        traceback.print_exc()
+    finally:
+        flush_stdio()
+        os._exit(code)
+
+
+def spawn(request: dict, server_fd: int, added_env: Mapping[str, str]) -> int:
+    """Fork the rank of ``request`` (twice: it is re-parented to tmd) and return its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # the middle process: fork the rank, tell its pid, exit at once
+        try:
+            os.close(r)
+            rank = os.fork()
+            if rank == 0:
+                os.close(w)
+                os.close(server_fd)
+                _become(request, added_env)
+            os.write(w, str(rank).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        pid = f.read()
+    os.waitpid(middle, 0)
+    if not pid:
+        raise RuntimeError("the fork failed")
+    return int(pid)
+
+
+def serve(fd: int) -> int:
+    """Serve tmd on the inherited socket ``fd`` until tmd closes it. Returns the exit code."""
+    os.set_inheritable(fd, False)  # not into what the ranks execute
+    set_process_name(SERVER_NAME)
+    server = socket.socket(fileno=fd)
+    before = dict(os.environ)
+    try:
+        preload()
+    except Exception as e:  # noqa: BLE001 - tmd then starts every process itself
+        server.sendall(json.dumps({"error": f"preload failed: {type(e).__name__}: {e}"}).encode() + b"\n")
+        return 1
+    added_env = {k: v for k, v in os.environ.items() if k not in before}
+    if threading.active_count() > 1:  # a fork would copy locks that other threads hold
+        print(f"[fork-server] warning: {threading.active_count()} threads after the imports", file=sys.stderr)
+    reader = server.makefile("rb")
+    server.sendall(json.dumps({"ready": os.getpid()}).encode() + b"\n")
+    for line in reader:
+        try:
+            request = json.loads(line)
+            if not isinstance(request, dict) or {"argv", "env", "cwd", "log"} - request.keys():
+                raise ValueError("malformed request")
+            if parse(request["argv"]) is None:
+                raise ValueError("not a `python script.py` or `python -m module` command")
+            if common_env(request["env"]) != common_env(before):
+                raise ValueError("the environment differs from the fork server's beyond the rank's identity")
+            reply = {"pid": spawn(request, fd, added_env)}
+        except Exception as e:  # noqa: BLE001 - one refused request; tmd starts that process itself
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        server.sendall(json.dumps(reply).encode() + b"\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve(int(sys.argv[1])))
