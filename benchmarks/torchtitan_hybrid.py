@@ -15,7 +15,7 @@ request, lowest stayer), ``stayer_pause_s`` (the longest a stayer stood still at
 
 Workloads, per layout: ``train_llama`` (examples.train_llama ``--tiny``: dim 32, 2 layers; FSDP2 ``--dp-shard 4``,
 or ``--tp 2 --dp-shard 2``) and ``torchtitan`` (torchtitan 0.3.0's Trainer through worker.integrations.torchtitan:
-``llama3_debugmodel``, 6 layers, dim 256, sequence 64, batch 2 per data-parallel rank, examples/torchtitan; FSDP2
+``llama3_tiny``: ``llama3_debugmodel`` cut to 2 layers, dim 256, sequence 64, batch 2 per data-parallel rank; FSDP2
 over 4, or ``--parallelism.tensor-parallel-degree 2``). ``ratio_to_train_llama`` divides torchtitan's figures by
 train_llama's. ``--verify`` also runs each job uninterrupted and compares every rank's final hash
 (``bit_identical``). Needs torchtitan (``pip install -e .[torchtitan]``); exits 1 when a job failed, did not
@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                      "migrate_at": args.migrate_at, "kill_at": args.kill_at, "snapshot_every": args.snapshot_every,
                      "min_step_time_s": args.min_step_time_s,
                      "train_llama": "examples.train_llama --tiny (dim 32, 2 layers)",
-                     "torchtitan": "torchtitan 0.3.0 llama3_debugmodel (6 layers, dim 256), seq 64, batch 2"},
+                     "torchtitan": "torchtitan 0.3.0 llama3_tiny: llama3_debugmodel cut to 2 layers (dim 256), "
+                                   "seq 64, batch 2"},
         "verified": args.verify,
         "layouts": jobs,
         "jobs_ok": {f"{layout}/{name}": jobs[layout][name]["ok"] for layout in layouts for name in workloads},

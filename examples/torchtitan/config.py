@@ -3,11 +3,11 @@
 ``llama3_tiny``: torchtitan's own ``llama3_debugmodel`` (dim 256, vocab 2048, flex attention) with a step
 small enough for a CPU: the first 2 of its 6 layers, sequence 64, batch 2 per data-parallel rank, 32 steps,
 warm-up 2, seed 0 and deterministic algorithms, activation checkpointing off. The dataset is ``c4_test``'s
-format (``{"text": ...}`` JSON lines) read from ``--dataloader.dataset-path`` (``python -m examples.torchtitan.make_data DIR`` writes one;
-the hub is never asked), the tokenizer torchtitan's test tokenizer shipped beside this file. The SPMD backend is
-``partial_dtensor`` (docs/limits.md: ``spmd_types`` under FSDP). torchtitan's checkpoints
-(``--checkpoint.enable``) and validation are off, metrics logged every 8 steps, unless the command line says
-otherwise.
+format (``{"text": ...}`` JSON lines) read from ``--dataloader.dataset-path``
+(``python -m examples.torchtitan.make_data DIR`` writes one; the hub is never asked), the tokenizer torchtitan's
+test tokenizer shipped beside this file. The SPMD backend is ``partial_dtensor`` (docs/limits.md: ``spmd_types``
+under FSDP). torchtitan's checkpoints (``--checkpoint.enable``) and validation are off, metrics logged every 8
+steps, unless the command line says otherwise.
 """
 from __future__ import annotations
 

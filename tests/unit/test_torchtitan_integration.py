@@ -88,6 +88,19 @@ def test_raw_state_reads_and_writes_the_parameters_themselves():
     assert [n for n, _ in raw.named_parameters()] == ["model.0.wqkv"]  # the runtime finds the trained parameters
 
 
+def test_raw_state_goes_through_the_runtime_checkpoints_state_dict_calls():
+    """worker.checkpoint saves a managed module with get_model_state_dict and loads it with set_model_state_dict
+    (keyword arguments, as nn.Module's): the hooks stay bypassed both ways, the names are named_parameters()'."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model = torch.nn.Sequential(Fused())
+    raw = RawState(model)
+    state = get_model_state_dict(raw)
+    assert sorted(state) == ["model.0.count", "model.0.wqkv"]
+    set_model_state_dict(raw, {"model.0.wqkv": torch.full((6,), 3.0), "model.0.count": torch.full((), 2.0)})
+    assert model[0].wqkv.tolist() == [3.0] * 6 and model[0].count.item() == 2.0
+
+
 def test_data_position_is_plain_data_and_rewinds_the_loader(tmp_path):
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader

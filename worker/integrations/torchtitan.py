@@ -14,9 +14,9 @@ What the integration does, on a subclass of the config's own trainer class (``Tr
 * ``init_distributed``: ``worker.init()`` (a standby blocks there until it is given a rank), so the default process
   group is the mover's world; torchtitan's ``dist_utils.init_distributed`` would return early on it anyway.
   The ``ParallelDims`` are torchtitan's, from ``--parallelism.*``; every mesh is built from mover groups.
-* ``train``: torchtitan's loop with the runtime's step boundary: ``checkpointer.load`` (not on a joiner), then ``session.run`` over
-  the steps, each one ``train_step`` (torchtitan's, unchanged) and ``checkpointer.save``. A joiner's shadow
-  iterations save nothing. After a failure the interrupted step is redone from the same data.
+* ``train``: torchtitan's loop with the runtime's step boundary: ``checkpointer.load`` (not on a joiner), then
+  ``session.run`` over the steps, each one ``train_step`` (torchtitan's, unchanged) and ``checkpointer.save``. A
+  joiner's shadow iterations save nothing. After a failure the interrupted step is redone from the same data.
 * the state that moves with a rank is what torchtitan's ``CheckpointManager`` lists in its ``states``: the model
   parts (their parameters and buffers as held, :class:`RawState`: without the state_dict hooks), each optimizer
   of the ``OptimizersContainer`` and the ``LRSchedulersContainer`` (replicated state); the dataloader's position
@@ -81,16 +81,18 @@ class RawState(torch.nn.Module):
         """{name: the parameter or buffer itself} (not detached copies: the runtime copies what it keeps)."""
         return {k: v.detach() for k, v in self._tensors().items()}
 
-    def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        """Copy ``state``'s tensors into the parameters and buffers of the same names (no collective: a DTensor
-        into a DTensor of the same layout). Raises KeyError for an unknown name, and with ``strict`` for a
-        missing one; nothing is copied then."""
+    def load_state_dict(self, state_dict: Any, strict: bool = True,  # type: ignore[override]
+                        assign: bool = False) -> Any:
+        """Copy ``state_dict``'s tensors into the parameters and buffers of the same names (no collective: a
+        DTensor into a DTensor of the same layout). The arguments are ``nn.Module``'s (``set_model_state_dict``,
+        which the runtime's checkpoints load with, passes them by name). Raises KeyError for an unknown name, and
+        with ``strict`` for a missing one; nothing is copied then."""
         own = self._tensors()
-        unknown, missing = set(state) - set(own), (set(own) - set(state)) if strict else set()
+        unknown, missing = set(state_dict) - set(own), (set(own) - set(state_dict)) if strict else set()
         if unknown or missing:
             raise KeyError(f"model state: unknown keys {sorted(unknown)[:5]}, missing keys {sorted(missing)[:5]}")
         with torch.no_grad():
-            for k, v in state.items():
+            for k, v in state_dict.items():
                 own[k].copy_(v)
         return torch.nn.modules.module._IncompatibleKeys([], [])
 
