@@ -16,7 +16,7 @@ from worker.integrations import torchtitan_cpu  # noqa: E402
 
 torchtitan_cpu.apply()  # before anything imports torchtitan (a no-op if this process did it already)
 
-from worker.integrations.torchtitan import DataPosition, RawState  # noqa: E402
+from worker.integrations.torchtitan import DataPosition, RawState, loads_torchtitan_checkpoint  # noqa: E402
 
 TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                          "examples", "torchtitan", "tokenizer")
@@ -99,6 +99,15 @@ def test_raw_state_goes_through_the_runtime_checkpoints_state_dict_calls():
     assert sorted(state) == ["model.0.count", "model.0.wqkv"]
     set_model_state_dict(raw, {"model.0.wqkv": torch.full((6,), 3.0), "model.0.count": torch.full((), 2.0)})
     assert model[0].wqkv.tolist() == [3.0] * 6 and model[0].count.item() == 2.0
+
+
+def test_torchtitan_loads_its_checkpoint_only_where_the_runtime_does_not_restore_the_state():
+    from tmd.protocol import WorkerRole
+
+    assert loads_torchtitan_checkpoint(WorkerRole.ACTIVE, {})
+    assert not loads_torchtitan_checkpoint(WorkerRole.JOINER, {})  # from its leaver or a replica
+    assert not loads_torchtitan_checkpoint(WorkerRole.ACTIVE, {"TM_RESUME_FROM": "ckpts"})  # the runtime's wins
+    assert loads_torchtitan_checkpoint(WorkerRole.ACTIVE, {"TM_CHECKPOINT_DIR": "ckpts", "TM_CHECKPOINT_EVERY": "5"})
 
 
 def test_data_position_is_plain_data_and_rewinds_the_loader(tmp_path):

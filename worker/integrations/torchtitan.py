@@ -14,7 +14,8 @@ What the integration does, on a subclass of the config's own trainer class (``Tr
 * ``init_distributed``: ``worker.init()`` (a standby blocks there until it is given a rank), so the default process
   group is the mover's world; torchtitan's ``dist_utils.init_distributed`` would return early on it anyway.
   The ``ParallelDims`` are torchtitan's, from ``--parallelism.*``; every mesh is built from mover groups.
-* ``train``: torchtitan's loop with the runtime's step boundary: ``checkpointer.load`` (not on a joiner), then
+* ``train``: torchtitan's loop with the runtime's step boundary: ``checkpointer.load`` (not on a joiner, nor
+  where the runtime resumes from its own checkpoint: :func:`loads_torchtitan_checkpoint`), then
   ``session.run`` over the steps, each one ``train_step`` (torchtitan's, unchanged) and ``checkpointer.save``. A
   joiner's shadow iterations save nothing. After a failure the interrupted step is redone from the same data.
 * the state that moves with a rank is what torchtitan's ``CheckpointManager`` lists in its ``states``: the model
@@ -43,7 +44,7 @@ import torch.distributed as dist
 
 from worker.integrations import torchtitan_cpu
 
-__all__ = ["mover_trainer", "mover_trainer_class", "main", "RawState"]
+__all__ = ["mover_trainer", "mover_trainer_class", "main", "RawState", "loads_torchtitan_checkpoint"]
 
 #: the flags torchtitan's ConfigManager needs (the config registry's module and function); every other flag is
 #: torchtitan's own (tyro, from the config's fields)
@@ -146,6 +147,19 @@ class TrainState:
         self._trainer.ntokens_seen = int(state["ntokens_seen"])
 
 
+def loads_torchtitan_checkpoint(role: Any, env: Optional[dict] = None) -> bool:
+    """Whether torchtitan's own ``checkpointer.load`` runs at the start of ``train()`` on this process: not on a
+    joiner (a migration's or a failure's: its state comes from its leaver or a replica, and the load's collectives
+    are not in the recording its shadow iterations replay), and not where tmd starts the ranks from the runtime's
+    own checkpoint (``TM_RESUME_FROM`` in ``env``, default ``os.environ``: ``--resume-from``, or tmd's restart
+    after a failure in-memory recovery could not repair); that checkpoint is the state the job continues from,
+    and the two would otherwise load one over the other."""
+    from tmd.protocol import WorkerRole
+    from worker.checkpointing import Settings
+
+    return role != WorkerRole.JOINER and Settings.from_env(env).resume_from is None
+
+
 def _inner_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
     """The torch optimizers an ``OptimizersContainer`` steps (its ``optimizers`` list), else ``[optimizers]``."""
     inner = getattr(optimizers, "optimizers", None)
@@ -183,11 +197,7 @@ def mover_trainer_class(base: type) -> type:
 
         def train(self) -> None:
             config, session = self.config, self.session
-            from tmd.protocol import WorkerRole
-
-            # a joiner (a migration's, or a failure's replacement) gets its state from its leaver or a replica, not
-            # from disk: loading there would issue collectives its recording does not have
-            if session.role != WorkerRole.JOINER:
+            if loads_torchtitan_checkpoint(session.role):
                 self.checkpointer.load(step=config.checkpoint.load_step)
             data, state = self.manage_state(self.step)
             total = config.training.steps
