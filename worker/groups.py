@@ -102,6 +102,7 @@ class Group:
 @dataclasses.dataclass
 class _Pending:
     migration_id: int
+    generation: int = -1  # the generation phase 1 builds
     cancelled: bool = False
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: str = ""
@@ -122,6 +123,9 @@ class GroupManager:
         self.replay_dir: Optional[str] = None  # a joiner in its sandbox: where the groups' recordings are
         self.groups: dict[str, Group] = {}  # this rank's groups by name, the world group included
         self.generation = -1  # the highest generation this process built or installed a group of
+        # the generation of the world group in use: the same on every active rank at a step boundary (a phase 1
+        # builds a higher one on stayers only, and a leaver builds none), so what a collective of every rank keys on
+        self.world_generation = -1
         self._lock = threading.Lock()
         self._pending: Optional[_Pending] = None
         self._trim_due = False  # a swap retired a generation: trim the heap once the next step committed
@@ -154,6 +158,7 @@ class GroupManager:
         ranks = list(range(self.world_size))
         self.generation = max(self.generation, generation)
         world = p.layout.WORLD_GROUP
+        self.world_generation = generation
         inner = self._inner(generation, world, ranks) if connect else None
         self.world = mb.init_mover_world(self.store, self.rank, self.world_size, inner, mode)
         self.groups[world] = Group(world, ranks, self.world, setup=mb.setup_of(inner) if inner is not None else None)
@@ -193,7 +198,7 @@ class GroupManager:
         """Build generation ``generation`` of the groups that contain a leaver, in the background, then call
         ``on_done(ok, error, rebuilt_group_names)`` from that thread. ``role``: this rank's part (stayer,
         leaver or joiner); leaver and joiner also build their transfer group under ``transfer_prefix``."""
-        pending = _Pending(migration_id)
+        pending = _Pending(migration_id, generation)
         with self._lock:
             if self._pending is not None:
                 self._pending.cancelled = True
@@ -259,6 +264,8 @@ class GroupManager:
             for name in pending.staged:
                 self.groups[name].mover.commit()
                 self.groups[name].swap_setup(pending.setups.pop(name, None))
+            if p.layout.WORLD_GROUP in pending.staged:
+                self.world_generation = pending.generation
         self._retire(pending)
         self._trim_due, self._trim_armed = True, False
         return self.world.generation
@@ -319,9 +326,9 @@ class GroupManager:
             raise
         return built
 
-    def install(self, built: dict[str, object]) -> None:
-        """Stage and commit what :meth:`build_all` built (clears each mover's failure latch; the old inners are
-        dropped on C++ threads)."""
+    def install(self, built: dict[str, object], generation: int) -> None:
+        """Stage and commit what :meth:`build_all` built as generation ``generation`` (clears each mover's failure
+        latch; the old inners are dropped on C++ threads)."""
         with self._lock:
             if self._pending is not None:
                 self._pending.cancelled = True
@@ -335,6 +342,8 @@ class GroupManager:
                 mover.stage(inner)
                 mover.commit()
                 self.groups[name].swap_setup(mb.setup_of(inner))
+            if p.layout.WORLD_GROUP in built:
+                self.world_generation = generation
         self._trim_due, self._trim_armed = True, False
 
     def step_committed(self, at_backward: Optional[Callable[[Callable[[], None]], bool]] = None) -> None:

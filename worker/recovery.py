@@ -328,7 +328,7 @@ class Recovery:
         if rollback:
             self.exchange.kept = self.exchange.exchanged = None  # rank-state copies of steps that are redone
         self.exchange.snapshot_round = None  # a round of the interrupted step: the ranks resume with a fresh one (want)
-        groups.install(result["built"])
+        groups.install(result["built"], plan.generation)
         self.stopper.reset_reducers()
         if rng_next is not None:
             torch.set_rng_state(rng_next)

@@ -353,7 +353,7 @@ class Session:
         record_base = 0  # the step the job's recording starts at (a job resumed from a checkpoint: that step)
         if a.role == p.WorkerRole.ACTIVE and self._checkpoints is not None:
             try:
-                step = record_base = self._checkpoints.start(self.rank, self.world_size, self._groups.world.generation,
+                step = record_base = self._checkpoints.start(self.rank, self.world_size, self._groups.world_generation,
                                                              self._ledger.replicated, self._ledger.local)
             except CheckpointError as e:
                 self._fail(p.FailureKind.SCRIPT_ERROR, str(e))
@@ -395,7 +395,7 @@ class Session:
                     step += 1
                     self._groups.step_committed(self._stopper.at_next_backward)
                     if self._checkpoints is not None and control.role == p.WorkerRole.ACTIVE:
-                        self._checkpoints.after_commit(step, self.rank, self.world_size, self._groups.world.generation,
+                        self._checkpoints.after_commit(step, self.rank, self.world_size, self._groups.world_generation,
                                                        self._ledger.replicated, self._ledger.local)
                     continue
                 done = self._ledger.committed(step)

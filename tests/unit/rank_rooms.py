@@ -35,7 +35,7 @@ class Groups:
     def build_all(self, generation, store):
         return {}
 
-    def install(self, built):
+    def install(self, built, generation):
         self.installed.append(built)
 
 

@@ -41,7 +41,7 @@ def test_a_swap_trims_the_heap_only_after_the_next_step_committed(monkeypatch):
     manager = groups.GroupManager(None, 0, 1, None)
     manager.step_committed()
     assert started == []  # nothing swapped yet
-    manager.install({})  # a recovery's swap (nothing to stage here)
+    manager.install({}, 1)  # a recovery's swap (nothing to stage here)
     assert started == []
     manager.step_committed()
     assert started == [1]
@@ -57,7 +57,7 @@ def test_the_trim_waits_for_the_next_step_s_backward_pass_where_one_can_be_armed
     started, armed = [], []
     monkeypatch.setattr(groups, "trim_heap_when_released", lambda *a, **k: started.append(1))
     manager = groups.GroupManager(None, 0, 1, None)
-    manager.install({})
+    manager.install({}, 1)
     manager.step_committed(lambda fn: armed.append(fn) or True)
     assert started == [] and len(armed) == 1
     armed[0]()  # the backward pass began
@@ -66,7 +66,7 @@ def test_the_trim_waits_for_the_next_step_s_backward_pass_where_one_can_be_armed
     manager.step_committed(lambda fn: armed.append(fn) or True)
     assert started == [1] and len(armed) == 1
 
-    manager.install({})
+    manager.install({}, 1)
     manager.step_committed(lambda fn: armed.append(fn) or True)
     assert started == [1] and len(armed) == 2
     manager.step_committed(lambda fn: armed.append(fn) or True)  # that step ran no backward pass
@@ -74,10 +74,49 @@ def test_the_trim_waits_for_the_next_step_s_backward_pass_where_one_can_be_armed
     armed[1]()
     assert started == [1, 1]
 
-    manager.install({})
+    manager.install({}, 1)
     manager.step_committed(lambda fn: armed.append(fn) or True)
-    manager.install({})  # a recovery in the armed step: its redone step must not trim
+    manager.install({}, 1)  # a recovery in the armed step: its redone step must not trim
     armed[2]()
     assert started == [1, 1]
     manager.step_committed(lambda fn: False)  # nothing can be armed (no DDP gradient hooks): at once
     assert started == [1, 1, 1]
+
+
+def test_the_world_generation_is_the_one_in_use_not_the_highest_built(monkeypatch):
+    """A stayer's phase 1 builds generation g+1 while the leaver builds none: a collective of every active rank
+    (the checkpoint saver's group) keys on the world generation in use, which moves at the switch or a recovery's
+    install only."""
+    import threading
+
+    from tmd import protocol as p
+    from worker import groups
+
+    class Mover:
+        generation = 0
+
+        def stage(self, inner):
+            pass
+
+        def commit(self):
+            self.generation += 1
+
+        def discard_staged(self):
+            pass
+
+    monkeypatch.setattr(groups.mb, "build_inner", lambda *a, **k: object())
+    monkeypatch.setattr(groups.mb, "setup_of", lambda inner: None)
+    monkeypatch.setattr(groups, "trim_heap_when_released", lambda *a, **k: None)
+    manager = groups.GroupManager(None, 0, 2, None)
+    world = Mover()
+    manager.world = world
+    manager.groups[p.layout.WORLD_GROUP] = groups.Group(p.layout.WORLD_GROUP, [0, 1], world)
+    manager.world_generation = manager.generation = 0
+    done = threading.Event()
+    manager.prepare(7, 1, p.MigrationRole.STAYER, [1], "tm/t", lambda ok, error, names: done.set())
+    assert done.wait(10)
+    assert (manager.generation, manager.world_generation) == (1, 0)  # built, not in use: the leaver is still at 0
+    manager.commit(7)
+    assert manager.world_generation == 1
+    manager.install({p.layout.WORLD_GROUP: object()}, 5)  # a recovery's generation 5
+    assert manager.world_generation == 5
