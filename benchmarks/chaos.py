@@ -48,6 +48,7 @@ from worker import checkpoint as ck
 KINDS = ("kill", "stop", "migrate", "standby_kill", "all_active", "corrupt_all_active")
 GAP_STEPS = 6  # steps of training between two events (past the previous one's redone or resumed step)
 EVENT_TIMEOUT_S = 240.0
+QUICK_S_MAX = 480.0  # --quick: the whole soak (the uninterrupted run not included) within 8 minutes
 NUMERICS = ("--dropout", "0.1", "--seed-mode", "per-rank")
 NOT_COVERED = ["kill -9 of tmd then tmd resume", "a network partition (--netns-node: root)",
                "TP x FSDP2 (examples/train_llama.py) with a node lost together with its snapshot keeper"]
@@ -256,13 +257,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {
         "workload": {"model": "tiny" if tiny else "gpt-256x4", "parallelism": "DDP", "nodes": 2, "ranks_per_node": 2,
                      "standbys": 3, "steps": steps, "checkpoint_every": 10, "seed": args.seed, "quick": args.quick},
-        "events": soak.events, "events_done": len(soak.events),
+        "faults": soak.events, "faults_done": len(soak.events),
         "tiers": {t: sum(1 for e in soak.events if e.get("tier") == t)
                   for t in ("replica", "snapshot", "checkpoint", "migration", "none")},
         "uninterrupted_median_step_s": round(median_s, 6), **ettr(evs, median_s),
         "bit_identical": finals(soak.job.run_dir) == finals(ref_dir) and len(finals(ref_dir)) == 4,
         "exit_code": rc, "soak_s": round(time.monotonic() - started, 1), "not_covered": NOT_COVERED,
     }
+    result["targets"] = {"faults": n, **({"soak_s_max": QUICK_S_MAX} if args.quick else {})}
+    result["met"] = {"bit_identical": result["bit_identical"], "exit_code_0": rc == 0,
+                     "every_fault_fired": len(soak.events) == n,
+                     **({"within_8_minutes": result["soak_s"] <= QUICK_S_MAX} if args.quick else {})}
     print(json.dumps(result, default=str), flush=True)
     if not args.no_save:
         report.save("chaos", result, [ref_dir, soak.job.run_dir])
