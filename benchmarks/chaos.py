@@ -48,6 +48,10 @@ from worker import checkpoint as ck
 KINDS = ("kill", "stop", "migrate", "standby_kill", "all_active", "corrupt_all_active")
 GAP_STEPS = 6  # steps of training between two events (past the previous one's redone or resumed step)
 EVENT_TIMEOUT_S = 240.0
+# valid checkpoints an event needs before it fires: one to restart from; for a corruption, one to corrupt and one to
+# fall back to. (Runs here fired them too early: a save in flight when a node was stopped or killed never
+# commits, and the job then rightly failed with nothing to restart from.)
+CHECKPOINTS_NEEDED = {"all_active": 1, "corrupt_all_active": 2}
 QUICK_S_MAX = 480.0  # --quick: the whole soak (the uninterrupted run not included) within 8 minutes
 NUMERICS = ("--dropout", "0.1", "--seed-mode", "per-rank")
 NOT_COVERED = ["kill -9 of tmd then tmd resume", "a network partition (--netns-node: root)",
@@ -205,10 +209,10 @@ class Soak:
                 print(f"[chaos] {kind}: no steps left for it", file=sys.stderr, flush=True)
                 break
             st = self.ready(next_step)
-            if kind == "corrupt_all_active":  # one to corrupt and one to fall back to (the soak's first run here
-                # corrupted the only valid one right after a restart: the job then rightly failed)
-                wait_until(lambda: len([1 for _, d in ck.checkpoints(self.root) if ck.verify(d)[0] is None]) >= 2,
-                           EVENT_TIMEOUT_S, "two valid checkpoints", poll_s=0.2)
+            need = CHECKPOINTS_NEEDED.get(kind, 0)
+            if need:
+                wait_until(lambda: len([1 for _, d in ck.checkpoints(self.root) if ck.verify(d)[0] is None]) >= need,
+                           EVENT_TIMEOUT_S, f"{need} valid checkpoints", poll_s=0.2)
                 st = self.ready(next_step)
             after = max((e["seq"] for e in self.journal()), default=0)
             info = self.follow(self.fire(kind, st, rng), after)
