@@ -48,6 +48,11 @@ from worker import checkpoint as ck
 KINDS = ("kill", "stop", "migrate", "standby_kill", "all_active", "corrupt_all_active")
 GAP_STEPS = 6  # steps of training between two events (past the previous one's redone or resumed step)
 EVENT_TIMEOUT_S = 240.0
+# valid checkpoints an event needs before it fires: one to restart from; for a corruption, one to corrupt and one to
+# fall back to. (Runs here fired them too early: a save in flight when a node was stopped or killed never
+# commits, and the job then rightly failed with nothing to restart from.)
+CHECKPOINTS_NEEDED = {"all_active": 1, "corrupt_all_active": 2}
+QUICK_S_MAX = 480.0  # --quick: the whole soak (the uninterrupted run not included) within 8 minutes
 NUMERICS = ("--dropout", "0.1", "--seed-mode", "per-rank")
 NOT_COVERED = ["kill -9 of tmd then tmd resume", "a network partition (--netns-node: root)",
                "TP x FSDP2 (examples/train_llama.py) with a node lost together with its snapshot keeper"]
@@ -204,10 +209,10 @@ class Soak:
                 print(f"[chaos] {kind}: no steps left for it", file=sys.stderr, flush=True)
                 break
             st = self.ready(next_step)
-            if kind == "corrupt_all_active":  # one to corrupt and one to fall back to (the soak's first run here
-                # corrupted the only valid one right after a restart: the job then rightly failed)
-                wait_until(lambda: len([1 for _, d in ck.checkpoints(self.root) if ck.verify(d)[0] is None]) >= 2,
-                           EVENT_TIMEOUT_S, "two valid checkpoints", poll_s=0.2)
+            need = CHECKPOINTS_NEEDED.get(kind, 0)
+            if need:
+                wait_until(lambda: len([1 for _, d in ck.checkpoints(self.root) if ck.verify(d)[0] is None]) >= need,
+                           EVENT_TIMEOUT_S, f"{need} valid checkpoints", poll_s=0.2)
                 st = self.ready(next_step)
             after = max((e["seq"] for e in self.journal()), default=0)
             info = self.follow(self.fire(kind, st, rng), after)
@@ -256,13 +261,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {
         "workload": {"model": "tiny" if tiny else "gpt-256x4", "parallelism": "DDP", "nodes": 2, "ranks_per_node": 2,
                      "standbys": 3, "steps": steps, "checkpoint_every": 10, "seed": args.seed, "quick": args.quick},
-        "events": soak.events, "events_done": len(soak.events),
+        "faults": soak.events, "faults_done": len(soak.events),
         "tiers": {t: sum(1 for e in soak.events if e.get("tier") == t)
                   for t in ("replica", "snapshot", "checkpoint", "migration", "none")},
         "uninterrupted_median_step_s": round(median_s, 6), **ettr(evs, median_s),
         "bit_identical": finals(soak.job.run_dir) == finals(ref_dir) and len(finals(ref_dir)) == 4,
         "exit_code": rc, "soak_s": round(time.monotonic() - started, 1), "not_covered": NOT_COVERED,
     }
+    result["targets"] = {"faults": n, **({"soak_s_max": QUICK_S_MAX} if args.quick else {})}
+    result["met"] = {"bit_identical": result["bit_identical"], "exit_code_0": rc == 0,
+                     "every_fault_fired": len(soak.events) == n,
+                     **({"within_8_minutes": result["soak_s"] <= QUICK_S_MAX} if args.quick else {})}
     print(json.dumps(result, default=str), flush=True)
     if not args.no_save:
         report.save("chaos", result, [ref_dir, soak.job.run_dir])

@@ -34,9 +34,9 @@ batch of data-parallel index ``d = replicate_index * dp_shard + shard_index`` at
 same batch and a redone step sees the same data. Rank 0 prints the loss every ``--log-every`` steps (under PP the
 last stage's loss is summed over the pipeline group so that every rank has it).
 
-At the end each rank writes ``<run_dir>/final/rank<r>.json`` with ``{"rank", "steps", "state_sha256", "loss"}``
-(the hash covers this rank's LOCAL shards of the model and optimizer state, see ``examples.state_hash``) and
-reports the hash via ``session.finish``.
+At the end each rank writes ``<run_dir>/final/rank<r>.json`` with ``{"rank", "steps", "state_sha256", "loss",
+"rng_sha256"}`` (the hash covers this rank's LOCAL shards of the model and optimizer state, see
+``examples.state_hash``; ``rng_sha256`` the CPU RNG state's) and reports the hash via ``session.finish``.
 
 Without the runtime (``--plain``, or ``TM_PLAIN=1``): the default process group is a plain gloo group built from
 torchrun-style environment variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and a minimal
@@ -63,7 +63,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from examples.data import ShakespeareStream, load_corpus  # noqa: E402
 from examples.llama import LlamaConfig, Transformer, loss as lm_loss  # noqa: E402
 from examples.state_hash import final_state_hash  # noqa: E402
-from examples.train_gpt import FaultPhase, kill_node, parse_faults, write_final  # noqa: E402
+from examples.train_gpt import FaultPhase, kill_node, parse_faults, rng_sha256, write_final  # noqa: E402
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # torchtitan's order, outermost first
 
@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     digest = final_state_hash(trained, opt)
     if not session.is_shadow:
         # data.next_step counts the job's completed steps, including those a leaver ran before handing over.
-        write_final(session.run_dir, session.rank, max(data.next_step, last["step"] + 1), digest, last["loss"])
+        write_final(session.run_dir, session.rank, max(data.next_step, last["step"] + 1), digest, last["loss"],
+                    rng_sha256())
     session.finish(digest)
 
 

@@ -6,7 +6,9 @@ Every job is compared, rank by rank, with one uninterrupted run (module-scoped):
 hash (``state_sha256``) and the CPU RNG state's hash (``rng_sha256``). Launches are few: one job goes through a save
 whose directory cannot be made (a failed save: journalled, training goes on, nothing deleted), a torn save and a
 corrupted newest checkpoint, and the loss of every active node at once; a second job resumes from its checkpoints
-after it ended; a third, of another layout, is refused.
+after it ended; a third, of another layout, is refused. A fourth job, TP x FSDP2 (examples.train_llama on 4 nodes
+of 1 rank: no state has a replica), loses a node together with the node that keeps its buddy snapshots and is
+compared with an uninterrupted run of its own.
 """
 from __future__ import annotations
 
@@ -154,3 +156,38 @@ def test_another_world_size_or_layout_is_refused_in_one_line(chaos, tmp_path):
     (failed,) = job.events("job_failed")
     assert f"checkpoint {newest} was written under tensor model." in failed["reason"], failed
     assert "this job has" in failed["reason"] and "\n" not in failed["reason"]
+
+
+# TP x FSDP2 on 4 nodes of 1 rank: TP over (n1, n2) and (n3, n4), FSDP2 over (n1, n3) and (n2, n4), so no rank's
+# state has a replica, and rank r's buddy snapshot is kept by rank r + 1 (the next node, a ring)
+LLAMA = {"nodes": 4, "ranks_per_node": 1, "script": "examples.train_llama"}
+LLAMA_MESH = ("--tp", "2", "--dp-shard", "2")
+LLAMA_STEPS = 20
+
+
+@pytest.mark.timeout(600)
+def test_a_node_lost_with_its_snapshot_keeper_restarts_from_the_checkpoint_tp_fsdp2(tmp_path):
+    uninterrupted = Job(str(tmp_path / "uninterrupted"), 0, LLAMA_STEPS, *LLAMA_MESH, **LLAMA)
+    assert uninterrupted.finish() == 0
+    expected = finals(uninterrupted.run_dir)
+    assert len(expected) == 4 and len({s for s, _ in expected.values()}) == 4  # four different shards
+    root = str(tmp_path / "ckpt")
+    job = Job(str(tmp_path / "job"), 0, LLAMA_STEPS, *LLAMA_MESH, *PADDING, **LLAMA,
+              tmd_args=("--snapshot-every", "2", "--checkpoint-dir", root, "--checkpoint-every", str(EVERY)))
+    try:
+        classes = job.wait_event("replica_classes", timeout_s=120)
+        assert classes["keepers"] == {"0": 1, "1": 2, "2": 3, "3": 0}, classes
+        job.wait_event("checkpoint_committed", timeout_s=120)
+        lost = job.pids("n1") + job.pids("n2")  # rank 0, and rank 1, which keeps rank 0's snapshot
+        for pid in lost:
+            os.kill(pid, signal.SIGKILL)
+        rc = job.finish(timeout_s=300)
+    finally:
+        job.close()
+    assert rc == 0, [e for e in job.events() if e["event"] in ("job_failed", "recovery_failed")]
+    (restart,) = job.events("job_restarting")
+    assert restart["tier"] == "checkpoint" and "snapshot" in restart["reason"] and \
+        "is lost too" in restart["reason"], restart
+    assert restart["step"] >= EVERY and restart["step"] % EVERY == 0, restart
+    assert finals(job.run_dir) == expected
+    assert not job.events("job_failed")
