@@ -4,13 +4,6 @@ writes what it ended with to ``<out>/rank<r>.json``.
     python tests/unit/checkpoint_job.py --rank R --world W --store FILE --root DIR --out DIR --total N
         [--every E] [--keep K] [--stop S] [--resume] [--resume-from DIR] [--model ddp|fsdp]
         [--job-id ID] [--kill-in-commit STEP] [--disk-full-at STEP]
-    python tests/unit/checkpoint_job.py --serve
-
-``--serve`` launches the jobs of a test module from one process: it imports torch once (about 5 s of CPU here
-with the checkpoint and FSDP modules: two fresh ranks per job paid it twice a job), then forks each job's ranks
-from that image. It reads one request a line on stdin, ``{"world": W, "args": [...]}`` (the options above but
-``--rank`` and ``--world``), and answers ``{"rc": [exit code of each rank]}`` on stdout once every rank ended, a
-rank killed by a signal as ``-N`` (as subprocess reports it). The ranks write to its stderr.
 
 The model uses dropout (the CPU RNG), the optimizer is AdamW, the scheduler a StepLR, and each rank has a
 rank-local data sampler (a torch.Generator). ``--stop S`` ends the process after step S (the job "crashes");
@@ -26,7 +19,6 @@ import os
 import resource
 import signal
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -78,7 +70,7 @@ def digest(*values) -> str:
     return h.hexdigest()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     p = argparse.ArgumentParser()
     for name in ("--rank", "--world", "--total", "--every", "--keep", "--stop", "--kill-in-commit", "--disk-full-at"):
         p.add_argument(name, type=int, default=None)
@@ -86,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(name, default=None)
     p.add_argument("--model", default="ddp")
     p.add_argument("--resume", action="store_true")
-    a = p.parse_args(argv)
+    a = p.parse_args()
     dist.init_process_group("gloo", store=dist.FileStore(a.store, a.world), rank=a.rank, world_size=a.world)
     out = {"rank": a.rank, "errors": [], "refused": []}
     torch.manual_seed(0)
@@ -154,38 +146,5 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
-def serve() -> None:
-    """Answer the job requests on stdin (module docstring) until it closes. Runs no torch operation itself: no
-    thread pool may exist when a rank is forked."""
-    import torch.distributed.checkpoint  # noqa: F401  (what the ranks import: paid once, here)
-    import torch.distributed.device_mesh  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
-
-    for line in sys.stdin:
-        request = json.loads(line)
-        world = int(request["world"])
-        pids = []
-        for rank in range(world):
-            pid = os.fork()
-            if pid == 0:  # the rank: its stdout is the reply channel, so it writes to stderr only
-                code = 1
-                try:
-                    os.dup2(2, 1)
-                    main([*map(str, request["args"]), "--rank", str(rank), "--world", str(world)])
-                    code = 0
-                except BaseException:
-                    traceback.print_exc()
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            pids.append(pid)
-        rcs = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-        print(json.dumps({"rc": rcs}), flush=True)
-
-
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--serve"]:
-        serve()
-    else:
-        main()
+    main()

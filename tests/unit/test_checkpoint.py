@@ -4,8 +4,8 @@ disk, a crash in the middle of a save, a corrupted shard, another world size, an
 plain ``torch.distributed.checkpoint.load`` without this project.
 
 The jobs are launched once per module and each test checks one outcome of them. Their ranks are forked from one
-process that imported torch once (``checkpoint_job.py --serve``): started fresh, each rank paid some 5 s of CPU in
-imports, 60 s of the module's 2-core budget for its 6 jobs of 2 ranks."""
+process that imported torch once (tests/support/forked.py): started fresh, each rank paid some 5 s of CPU in
+imports, 60 s of CPU for the module's 6 jobs of 2 ranks."""
 from __future__ import annotations
 
 import json
@@ -16,25 +16,25 @@ import sys
 import pytest
 import torch
 
+from tests.support.forked import Launcher
 from worker import checkpoint
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_job.py")
 
 
-def launch(launcher: subprocess.Popen, tmp, name: str, world: int = 2, **options) -> dict:
-    """Run the job with ``world`` ranks forked by ``launcher`` (``checkpoint_job.py --serve``); {"rc": [exit
-    codes], "ranks": [rank<r>.json or None], "out": dir}."""
+def launch(launcher: Launcher, tmp, name: str, world: int = 2, **options) -> dict:
+    """Run the job with ``world`` ranks, forked by ``launcher``; {"rc": [exit codes], "ranks": [rank<r>.json or
+    None], "out": dir}."""
     out = tmp / name
     out.mkdir()
-    args = ["--store", str(out / "store"), "--out", str(out)]
+    args = []
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         args += [flag] if value is True else [flag, str(value)]
-    launcher.stdin.write(json.dumps({"world": world, "args": args}) + "\n")
-    launcher.stdin.flush()
-    reply = launcher.stdout.readline()
-    assert reply, f"the job launcher exited with {launcher.wait()}"
-    rcs = json.loads(reply)["rc"]
+    rcs = launcher.run([{"argv": [sys.executable, JOB, "--rank", str(r), "--world", str(world), "--store",
+                                  str(out / "store"), "--out", str(out), *args],
+                         "env": dict(os.environ), "cwd": os.getcwd(), "log": str(out / f"rank{r}.log")}
+                        for r in range(world)])
     ranks = []
     for r in range(world):
         path = out / f"rank{r}.json"
@@ -44,18 +44,9 @@ def launch(launcher: subprocess.Popen, tmp, name: str, world: int = 2, **options
 
 @pytest.fixture(scope="module")
 def launcher():
-    """``checkpoint_job.py --serve``: forks each job's ranks from one warm process."""
-    proc = subprocess.Popen([sys.executable, JOB, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
-    try:
-        yield proc
-    finally:
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """Forks each job's ranks from one process that imported torch and these modules once (tests.support.forked)."""
+    with Launcher(["torch.distributed.checkpoint", "torch.distributed.fsdp", "worker.checkpoint"]) as launcher:
+        yield launcher
 
 
 @pytest.fixture(scope="module")
