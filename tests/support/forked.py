@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import multiprocessing
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 from typing import Mapping, Optional, Sequence
@@ -31,6 +33,45 @@ from worker import fork_server
 from worker.exit import flush_stdio
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def torchrun_env() -> dict[str, str]:
+    """The environment of a launcher for torchrun-style plain jobs (:func:`torchrun`): this process's, one thread
+    per process (``OMP_NUM_THREADS``, read when torch is imported), gloo on the loopback interface unless set, this
+    repository importable, and no ``TM_PLAIN``."""
+    env = {k: v for k, v in os.environ.items() if k != "TM_PLAIN"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def torchrun(launcher: "Launcher", argv: list[str], world: int, log_dir: str) -> list[subprocess.CompletedProcess]:
+    """Run ``argv`` (``python -m module ...``) on ``world`` ranks forked by ``launcher`` (started with
+    :func:`torchrun_env`), each with torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT``: a free port); every rank's result, its log (``log_dir/rank<r>.log``, both
+    streams) as stdout and stderr."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.makedirs(log_dir, exist_ok=True)
+    procs = [{"argv": argv, "env": dict(torchrun_env(), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+              "cwd": REPO, "log": os.path.join(log_dir, f"rank{rank}.log")} for rank in range(world)]
+    results = []
+    for proc, code in zip(procs, launcher.run(procs)):
+        with open(proc["log"], errors="replace") as f:
+            log = f.read()
+        results.append(subprocess.CompletedProcess(argv, code, log, log))
+    return results
+
+
+def forkserver(*modules: str) -> str:
+    """The start method for ``torch.multiprocessing.start_processes`` whose processes are forked from
+    multiprocessing's fork server once it imported torch, torch.distributed and ``modules`` (instead of "spawn":
+    a fresh interpreter importing them for each process). The preload list counts when that server starts, on its
+    first use in this process, and its processes get the environment this process had then."""
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", *modules])
+    return "forkserver"
 
 
 class Launcher:
