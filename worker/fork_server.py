@@ -130,10 +130,11 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
-def _become(request: dict, added_env: Mapping[str, str]) -> NoReturn:
+def become(request: dict, added_env: Mapping[str, str]) -> NoReturn:
     """In the forked rank: take the request's stdio, environment, working directory and command line, run the
     script as ``__main__``, and end the process as a fresh interpreter ends it (non-daemon threads joined,
-    ``atexit`` handlers run, streams flushed; the interpreter's teardown is skipped)."""
+    ``atexit`` handlers run, streams flushed; the interpreter's teardown is skipped). Also used by the tests'
+    launcher of small jobs (tests/support/forked.py)."""
     code = 1
     try:
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -188,7 +189,7 @@ def spawn(request: dict, server_fd: int, added_env: Mapping[str, str]) -> int:
             if rank == 0:
                 os.close(w)
                 os.close(server_fd)
-                _become(request, added_env)
+                become(request, added_env)
             os.write(w, str(rank).encode())
         finally:
             os._exit(0)
@@ -234,4 +235,8 @@ def serve(fd: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(serve(int(sys.argv[1])))
+    # The interpreter's teardown of the imported torch costs 0.5-1.5 s here, and tmd waits for this process at the
+    # end of every job: the server holds nothing to save but its stdio, so it ends the way its ranks do.
+    code = serve(int(sys.argv[1]))
+    flush_stdio()
+    os._exit(code)

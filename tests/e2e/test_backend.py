@@ -1,6 +1,7 @@
 """The mover Backend (csrc/, worker.backend): swap under DDP, record/replay, abort, counters.
 
-Multi-rank tests spawn real processes (world size 2) that meet on a TCPStore hosted by the test process.
+Multi-rank tests start real processes (world size 2, forked from a fork server that imported torch once) that meet
+on a TCPStore hosted by the test process.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.support.forked import forkserver
 from worker import backend as mb
 
 HOST = "127.0.0.1"
@@ -38,7 +40,7 @@ def run_ranks(fn, out_dir, *args, world_size: int = 2, timeout_s: float = 40.0) 
     A child's exception is re-raised here (with its traceback) and the other children are killed."""
     store = dist.TCPStore(HOST, 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
     ctx = mp.start_processes(_entry, args=(fn, world_size, store.port, str(out_dir), args), nprocs=world_size,
-                             join=False, start_method="spawn")
+                             join=False, start_method=forkserver(__name__))
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1.0):

@@ -38,22 +38,34 @@ def assert_recovered(job: Job, reference: dict[int, str], rc: int, incidents: in
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("phase", ["optimizer"])  # forward and between: test_two_failures_in_a_row_*; backward: below
-def test_kill_node_during_a_step(start_job, reference, phase):
-    # Also: long and slow steps are not failures. Rank 3 sleeps 2.5 s in its first step and in step 6 (its peers
-    # wait at the collective, its heartbeats go on): the only node failure is the kill of n1 at step 12. n1 holds
-    # rank 0, the root of DDP's bucket regrouping, which its replacement replays before its first step.
-    job = start_job(1, STEPS, *BASE, "--fault", f"n1:12:{phase}", "--slow-rank", "3", "--slow-steps", "0,6",
-                    "--slow-s", "2.5")
-    done = assert_recovered(job, reference, job.finish())
+def test_kill_node_during_a_step_then_with_no_standby_left_the_job_waits_then_resumes(start_job, reference):
+    """Two incidents, one job (one start-up). n1 is killed in step 12's optimizer step and recovered onto the
+    standby s1; then n2 dies half-way through step 30's backward pass, no standby is left, the job waits until
+    ``tmctl standby add s9`` gives it one, and resumes.
+
+    Also: long and slow steps are not failures. Rank 3 sleeps 2.5 s in its first step and in step 6 (its peers
+    wait at the collective, its heartbeats go on): the only node failures are the kills. n1 holds rank 0, the root
+    of DDP's bucket regrouping, which its replacement replays before its first step. (Kills in the forward pass
+    and between steps: test_two_failures_in_a_row_*.)"""
+    job = start_job(1, STEPS, *BASE, "--fault", "n1:12:optimizer", "--fault", "n2:30:backward", "--slow-rank", "3",
+                    "--slow-steps", "0,6", "--slow-s", "2.5")
+    job.wait_event("recovery_waiting")
+    status = json.loads(job.tmctl("status", "--json").stdout)
+    assert status["recovery"]["waiting_standby"] is True and status["recovery"]["lost_ranks"] == [2, 3]
+    assert "waiting for a standby" in job.tmctl("status").stdout
+    step = status["step"]
+    r = job.tmctl("standby", "add", "s9")
+    assert r.returncode == 0, r.stderr
+    assert job.tmctl("standby", "add", "s9").returncode == 2  # a name in use: refused, nothing changes
+    done = assert_recovered(job, reference, job.finish(), incidents=2)
     failed = job.events("node_failed")
-    assert [(e["node"], e["signal"]) for e in failed] == [("n1", "process_exit")]
-    assert len(job.events("recovery_started")) == 1
-    started = job.events("recovery_started")[0]
-    assert started["lost_ranks"] == [0, 1] and started["survivors"] == [2, 3]
-    # Before the update the step is redone; killed between steps (or as it updates: its all-reduce finished on
-    # the survivors), step 12 committed and the job resumes after it.
-    assert done[0]["resume_step"] in {"forward": (12,), "backward": (12,), "optimizer": (12, 13), "between": (13,)}[phase]
+    assert [(e["node"], e["signal"]) for e in failed] == [("n1", "process_exit"), ("n2", "process_exit")]
+    started = job.events("recovery_started")
+    assert len(started) == 2
+    assert started[0]["lost_ranks"] == [0, 1] and started[0]["survivors"] == [2, 3]
+    # Killed as it updates (its all-reduce finished on the survivors), step 12 is redone or committed: the job
+    # resumes at 12 or after it.
+    assert done[0]["resume_step"] in (12, 13)
     assert done[0]["standbys"] == {"n1": "s1"}
     plan = job.events("recovery_plan")[0]
     assert sorted(dst for _, dst in plan["sends"]) == [0, 1]  # the replacements get state from replicas
@@ -61,6 +73,9 @@ def test_kill_node_during_a_step(start_job, reference, phase):
     # the replacements regrouped their DDP buckets from the recording and ran the redone step as their first
     # (Session._no_shadow_iteration_needed): one step less on the failure's critical path
     assert done[0]["shadow_steps"] == {"0": 0, "1": 0}, done[0]
+    # the second incident waited for the standby added by request, and resumed where it stopped
+    assert done[1]["standbys"] == {"n2": "s9"}
+    assert done[1]["resume_step"] <= step + 1
 
 
 # A SIGSTOP hang, then SIGCONT: test_fidelity.test_sigstop_hang_then_sigcont_is_fenced_and_bit_identical
@@ -116,22 +131,6 @@ def test_a_migration_to_the_guard_of_its_node_skips_the_warm_up(start_job, refer
     # no warm-up: phase 1 started right after the request, and the joiners' only shadow iterations were the guard's
     requested, prepare = job.events("migration_requested")[0], job.events("migration_phase")[0]
     assert prepare["phase"] == "prepare_started" and prepare["seq"] - requested["seq"] <= 2, (requested, prepare)
-
-
-@pytest.mark.timeout(300)
-def test_without_a_standby_the_job_waits_then_resumes(start_job, reference):
-    job = start_job(0, STEPS, *BASE, "--fault", "n2:10:backward")  # n2 dies half-way through its backward pass
-    job.wait_event("recovery_waiting")
-    status = json.loads(job.tmctl("status", "--json").stdout)
-    assert status["recovery"]["waiting_standby"] is True and status["recovery"]["lost_ranks"] == [2, 3]
-    assert "waiting for a standby" in job.tmctl("status").stdout
-    step = status["step"]
-    r = job.tmctl("standby", "add", "s9")
-    assert r.returncode == 0, r.stderr
-    assert job.tmctl("standby", "add", "s9").returncode == 2  # a name in use: refused, nothing changes
-    assert_recovered(job, reference, job.finish())
-    assert job.events("recovery_done")[0]["standbys"] == {"n2": "s9"}
-    assert job.events("recovery_done")[0]["resume_step"] <= step + 1
 
 
 @pytest.mark.timeout(300)

@@ -1,6 +1,7 @@
 """The hybrid-parallel layouts of ``examples/train_llama.py`` trained without the runtime (``--plain``: a gloo
-world of 4 processes, 1 thread each, started torchrun-style from the environment): FSDP2 over 4, HSDP 2x2,
-PP 2 x FSDP2 2 (1F1B), PP 2 x DDP 2 (GPipe).
+world of 4 processes, 1 thread each, started torchrun-style from the environment; forked from one process that
+imported torch once, tests/support/forked.py): FSDP2 over 4, HSDP 2x2, PP 2 x FSDP2 2 (1F1B), PP 2 x DDP 2
+(GPipe).
 
 Each layout trains ``--tiny`` for a few steps; the loss must be finite and lower at the end than at the start and
 every rank must write its final JSON; for PP x FSDP2 (not run under the runtime by tests/e2e/test_hybrid.py, which
@@ -15,48 +16,32 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.forked import Launcher, torchrun, torchrun_env
+
 WORLD = 4
 STEPS = 4
+LAYOUT_MODULES = ["examples.train_llama", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
+                  "torch.distributed.pipelining"]  # what the launcher imports once for every rank
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="module")
+def launcher():
+    """Forks every rank from one process that imported torch and the layouts' modules once (tests.support.forked):
+    the module's 6 jobs of 2-4 ranks paid 3-5 s of CPU per fresh interpreter."""
+    with Launcher(LAYOUT_MODULES, torchrun_env()) as launcher:
+        yield launcher
 
 
-def _launch(run_dir: str, world: int, extra: list[str], timeout_s: float = 240.0) -> list[subprocess.CompletedProcess]:
-    """Run ``examples.train_llama --plain --tiny`` on ``world`` ranks (one process each); returns their results."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ)
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        env.pop("TM_PLAIN", None)
-        cmd = [sys.executable, "-m", "examples.train_llama", "--plain", "--tiny", "--steps", str(STEPS),
-               "--log-every", "1", "--run-dir", run_dir, *extra]
-        procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout_s)
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
+def _launch(launcher: Launcher, run_dir: str, world: int, extra: list[str]) -> list[subprocess.CompletedProcess]:
+    """Run ``examples.train_llama --plain --tiny`` on ``world`` ranks (one process each, torchrun-style
+    environment); returns their results (stdout and stderr: the rank's log, both streams)."""
+    return torchrun(launcher, [sys.executable, "-m", "examples.train_llama", "--plain", "--tiny", "--steps", str(STEPS),
+                               "--log-every", "1", "--run-dir", run_dir, *extra], world, run_dir)
 
 
 def _finals(run_dir: str, world: int) -> dict[int, dict]:
@@ -67,12 +52,12 @@ def _finals(run_dir: str, world: int) -> dict[int, dict]:
     return out
 
 
-def _train(run_dir: str, extra: list[str]) -> tuple[dict[int, dict], list[float]]:
+def _train(launcher: Launcher, run_dir: str, extra: list[str]) -> tuple[dict[int, dict], list[float]]:
     """Train one layout; returns every rank's final JSON and rank 0's logged losses (one per step)."""
-    results = _launch(run_dir, WORLD, extra)
+    results = _launch(launcher, run_dir, WORLD, extra)
     for rank, r in enumerate(results):
         assert r.returncode == 0, f"rank {rank} exited {r.returncode}:\n{r.stderr[-3000:]}"
-    losses = [float(m) for m in re.findall(r"loss (\S+)", results[0].stdout)]
+    losses = [float(m) for m in re.findall(r"^step\s+\d+/\d+\s+loss (\S+)", results[0].stdout, re.MULTILINE)]
     return _finals(run_dir, WORLD), losses
 
 
@@ -88,8 +73,8 @@ LAYOUTS = {
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_trains_and_is_deterministic(layout, tmp_path):
-    first, losses = _train(str(tmp_path / "a"), LAYOUTS[layout])
+def test_layout_trains_and_is_deterministic(layout, tmp_path, launcher):
+    first, losses = _train(launcher, str(tmp_path / "a"), LAYOUTS[layout])
     assert len(losses) == STEPS, losses
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], f"loss did not go down: {losses}"
@@ -97,7 +82,7 @@ def test_layout_trains_and_is_deterministic(layout, tmp_path):
         assert d["rank"] == rank and d["steps"] == STEPS and len(d["state_sha256"]) == 64
         assert d["loss"] is not None and math.isfinite(d["loss"])
     if layout == "pp2_fsdp2_1f1b":  # the others' determinism is checked under the runtime (tests/e2e/test_hybrid.py)
-        second, losses2 = _train(str(tmp_path / "b"), LAYOUTS[layout])
+        second, losses2 = _train(launcher, str(tmp_path / "b"), LAYOUTS[layout])
         assert losses2 == losses
         assert {r: d["state_sha256"] for r, d in second.items()} == {r: d["state_sha256"] for r, d in first.items()}
     if layout == "fsdp4":  # every rank holds its own quarter of the parameters and optimizer state
@@ -112,8 +97,8 @@ def test_layout_trains_and_is_deterministic(layout, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_world_size_not_the_product_of_the_degrees_is_a_clear_error(tmp_path):
-    results = _launch(str(tmp_path), 2, ["--tp", "2", "--dp-shard", "2"])
+def test_world_size_not_the_product_of_the_degrees_is_a_clear_error(tmp_path, launcher):
+    results = _launch(launcher, str(tmp_path), 2, ["--tp", "2", "--dp-shard", "2"])
     for r in results:
         assert r.returncode != 0
         assert "world size 2 != pp 1 x dp_replicate 1 x dp_shard 2 x tp 2 = 4" in r.stderr

@@ -182,4 +182,4 @@ def test_final_state_is_bit_identical_to_an_uninterrupted_run(job):
     assert timed == set(range(STEPS)), sorted(set(range(STEPS)) - timed)
 
 
-# SIGTERM to tmd stopping a local job and all its processes: test_stragglers.py (its job ends that way)
+# SIGTERM to tmd stopping a local job and all its processes: test_user_errors.py (its unmanaged job ends that way)

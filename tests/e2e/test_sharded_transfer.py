@@ -1,6 +1,7 @@
 """Sharded state (DTensors) moves leaver -> joiner exactly: worker.transfer with FSDP2 and tensor parallel.
 
-One spawn of 4 gloo ranks (1 thread each, a TCPStore hosted by the test process) runs both layouts in turn:
+One start of 4 gloo ranks (1 thread each, a TCPStore hosted by the test process; forked from a fork server that
+imported torch once) runs both layouts in turn:
 ``fsdp`` (fully_shard over a 1-D mesh of 4) and ``tp_fsdp`` (ColwiseParallel/RowwiseParallel over "tp", then
 fully_shard over "dp" of a (2, 2) mesh). In each, every rank trains a model A and a differently seeded model B two
 steps with AdamW, then:
@@ -32,6 +33,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.support.forked import forkserver
 
 HOST = "127.0.0.1"
 WORLD = 4
@@ -208,7 +211,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("sharded")
     store = dist.TCPStore(HOST, 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
     ctx = mp.start_processes(_entry, args=(store.port, str(out_dir)), nprocs=WORLD, join=False,
-                             start_method="spawn")
+                             start_method=forkserver(__name__))
     deadline = time.monotonic() + 120
     try:
         while not ctx.join(timeout=1.0):

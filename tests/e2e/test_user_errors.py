@@ -1,6 +1,7 @@
 """The user's errors, end to end in local mode: a mistake of the training script fails the job at once, loudly,
 and spends no standby; misuse is refused. Small scripts (tests/e2e/scripts/user_error.py: a DDP linear model),
-2 nodes x 2 ranks; every job here ends within seconds."""
+2 nodes x 2 ranks; every job here ends within seconds. The job that never manages its model also carries the
+straggler detection and the end of a local job by SIGTERM."""
 from __future__ import annotations
 
 import json
@@ -10,11 +11,13 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from tmctl.localjob import events, job_client, wait_until
 from tmd import protocol as p
 from tmd.protocol.vocab import Event, ExitCode, FailureKind
+from worker.fork_server import SERVER_NAME
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "user_error.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,9 +137,11 @@ def test_a_steps_loop_that_does_not_catch_step_aborted_is_named_not_taken_for_lo
 
 
 @pytest.mark.timeout(120)
-def test_a_job_that_never_manages_its_model_is_warned_and_not_migrated(tmp_path):
+def test_a_job_that_never_manages_its_model_is_warned_and_not_migrated_and_sigterm_stops_it(tmp_path):
+    """Also, on the same job (one start-up): straggler detection (rank 3 sleeps 50 ms more than its peers in every
+    step), then SIGTERM to tmd stops the local job and every process it started."""
     run_dir = str(tmp_path / "job")
-    proc = subprocess.Popen(tmd_local(run_dir, 1, *script("--unmanaged", "--steps", "2000")),
+    proc = subprocess.Popen(tmd_local(run_dir, 1, *script("--unmanaged", "--steps", "2000", "--slow-rank", "3")),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     try:
         client = job_client(run_dir, proc)
@@ -151,7 +156,22 @@ def test_a_job_that_never_manages_its_model_is_warned_and_not_migrated(tmp_path)
         r = tmctl(run_dir, "migrate", "--from", "n2", "--to", "s1")
         assert r.returncode == 2 and "refused" in r.stderr and st.warnings[0]["code"] in r.stderr, r
         assert not named(run_dir, Event.MIGRATION_REQUESTED)
+
+        detected = wait_until(lambda: named(run_dir, Event.STRAGGLER_DETECTED), 60, "a straggler_detected event")
+        assert [(e["rank"], e["node"]) for e in detected] == [(3, "n2")] and detected[0]["lateness"] > 0.2
+        nodes = {n["name"]: n for n in client.request(p.StatusRequest()).nodes}
+        assert nodes["n2"]["stragglers"] == [3] and nodes["n1"]["stragglers"] == []
+
+        # SIGTERM to tmd (local mode): exit code 128 + 15, and no process it started is left behind
+        children = psutil.Process(proc.pid).children(recursive=True)  # with the fork server, if used
+        assert len([c for c in children if c.name() != SERVER_NAME]) == 6  # 2 nodes x 2 ranks + the standby's 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, alive
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
+    names = [e["event"] for e in events(run_dir)]
+    assert Event.TMD_SIGNALLED in names and names[-1] == Event.TMD_STOPPED

@@ -3,8 +3,9 @@ round trips (model, AdamW, StepLR, a rank-local sampler, the RNG) with DDP and F
 disk, a crash in the middle of a save, a corrupted shard, another world size, another job's directory, and
 plain ``torch.distributed.checkpoint.load`` without this project.
 
-The jobs are launched once per module (they cost seconds each on a loaded machine) and each test checks one
-outcome of them."""
+The jobs are launched once per module and each test checks one outcome of them. Their ranks are forked from one
+process that imported torch once (tests/support/forked.py): started fresh, each rank paid some 5 s of CPU in
+imports, 60 s of CPU for the module's 6 jobs of 2 ranks."""
 from __future__ import annotations
 
 import json
@@ -15,23 +16,25 @@ import sys
 import pytest
 import torch
 
+from tests.support.forked import Launcher
 from worker import checkpoint
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_job.py")
 
 
-def launch(tmp, name: str, world: int = 2, **options) -> dict:
-    """Run the job with ``world`` ranks; {"rc": [exit codes], "ranks": [rank<r>.json or None], "out": dir}."""
+def launch(launcher: Launcher, tmp, name: str, world: int = 2, **options) -> dict:
+    """Run the job with ``world`` ranks, forked by ``launcher``; {"rc": [exit codes], "ranks": [rank<r>.json or
+    None], "out": dir}."""
     out = tmp / name
     out.mkdir()
     args = []
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         args += [flag] if value is True else [flag, str(value)]
-    procs = [subprocess.Popen([sys.executable, JOB, "--rank", str(r), "--world", str(world), "--store",
-                               str(out / "store"), "--out", str(out), *args],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(world)]
-    rcs = [p.wait(timeout=300) for p in procs]
+    rcs = launcher.run([{"argv": [sys.executable, JOB, "--rank", str(r), "--world", str(world), "--store",
+                                  str(out / "store"), "--out", str(out), *args],
+                         "env": dict(os.environ), "cwd": os.getcwd(), "log": str(out / f"rank{r}.log")}
+                        for r in range(world)])
     ranks = []
     for r in range(world):
         path = out / f"rank{r}.json"
@@ -40,17 +43,24 @@ def launch(tmp, name: str, world: int = 2, **options) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def launcher():
+    """Forks each job's ranks from one process that imported torch and these modules once (tests.support.forked)."""
+    with Launcher(["torch.distributed.checkpoint", "torch.distributed.fsdp", "worker.checkpoint"]) as launcher:
+        yield launcher
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, launcher):
     tmp = tmp_path_factory.mktemp("ckpt")
     full, torn = tmp / "full", tmp / "torn"
     r = {"tmp": tmp, "full_root": full, "torn_root": torn}
     # the reference: 8 steps, a checkpoint every 2, keep 2, the save of step 8 on a "full disk"
-    r["full"] = launch(tmp, "full", root=full, total=8, every=2, disk_full_at=8)
+    r["full"] = launch(launcher, tmp, "full", root=full, total=8, every=2, disk_full_at=8)
     # a crash: rank 0 SIGKILLed as it is about to commit step 4; the job ends after step 5
-    r["crash"] = launch(tmp, "crash", root=torn, total=8, every=2, stop=5, kill_in_commit=4)
+    r["crash"] = launch(launcher, tmp, "crash", root=torn, total=8, every=2, stop=5, kill_in_commit=4)
     torn_dirs = sorted(os.listdir(torn))
     # restart: step 4 is torn, step 2 is loaded; the job trains to 8 (saving 4, 6, 8)
-    r["resume"] = launch(tmp, "resume", root=torn, total=8, every=2, resume=True)
+    r["resume"] = launch(launcher, tmp, "resume", root=torn, total=8, every=2, resume=True)
     r["torn_dirs"] = torn_dirs
     # a corrupted shard in the newest checkpoint: refused by name, step 6 loaded
     step8 = checkpoint.step_dir(str(torn), 8)
@@ -60,10 +70,10 @@ def runs(tmp_path_factory):
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    r["corrupt"] = launch(tmp, "corrupt", root=torn, total=8, every=2, resume=True)
+    r["corrupt"] = launch(launcher, tmp, "corrupt", root=torn, total=8, every=2, resume=True)
     # FSDP2: the reference, then a resume from its step-2 checkpoint into a new root (--resume-from)
-    r["fsdp"] = launch(tmp, "fsdp", root=tmp / "fsdp", total=4, every=2, model="fsdp")
-    r["fsdp_resume"] = launch(tmp, "fsdp_resume", root=tmp / "fsdp2", total=4, every=2, model="fsdp",
+    r["fsdp"] = launch(launcher, tmp, "fsdp", root=tmp / "fsdp", total=4, every=2, model="fsdp")
+    r["fsdp_resume"] = launch(launcher, tmp, "fsdp_resume", root=tmp / "fsdp2", total=4, every=2, model="fsdp",
                               resume_from=checkpoint.step_dir(str(tmp / "fsdp"), 2))
     return r
 

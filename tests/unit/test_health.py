@@ -1,4 +1,5 @@
-"""Straggler detection: the detector on synthetic counters (a real job: tests/e2e/test_stragglers.py)."""
+"""Straggler detection: the detector on synthetic counters (a real job: tests/e2e/test_user_errors.py, the job
+that never manages its model)."""
 import pytest
 
 from tmd.health import StragglerDetector

@@ -1,9 +1,11 @@
 """A tiny data-parallel job (a DDP linear model) for tests/e2e/test_user_errors.py, with the user's mistakes on
 demand: die before ``worker.init()`` on one process, raise in a step on one rank, never manage the model, or train
-in a plain ``session.steps()`` loop that does not catch ``StepAborted`` while one rank is killed in a step.
+in a plain ``session.steps()`` loop that does not catch ``StepAborted`` while one rank is killed in a step; and a
+straggler on demand (``--slow-rank``).
 
     python tests/e2e/scripts/user_error.py --steps 20 [--die NODE/LOCAL_RANK:CODE] [--raise-at STEP --raise-rank R]
                                            [--unmanaged] [--step-time-s S] [--uncaught-at STEP --kill-rank R]
+                                           [--slow-rank R --slow-s S]
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ def main() -> None:
     ap.add_argument("--uncaught-at", type=int, default=-1, help="a plain steps() loop that does not catch "
                                                                  "StepAborted; SIGKILL --kill-rank in this step ...")
     ap.add_argument("--kill-rank", type=int, default=-1, help="... after its forward pass (a node failure)")
+    ap.add_argument("--slow-rank", type=int, default=-1, help="a straggler: this rank sleeps --slow-s more ...")
+    ap.add_argument("--slow-s", type=float, default=0.05, help="... in every step (seconds)")
     args = ap.parse_args()
     if args.die:
         where, code = args.die.split(":")
@@ -58,7 +62,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         if not session.is_shadow:
-            time.sleep(args.step_time_s)
+            time.sleep(args.step_time_s + (args.slow_s if session.rank == args.slow_rank else 0.0))
 
     if args.uncaught_at >= 0:
         for step in session.steps(args.steps):
