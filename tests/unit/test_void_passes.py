@@ -10,6 +10,16 @@ from worker.control import Attempt
 from worker.step_ledger import StepAborted
 from tests.unit.rank_rooms import WithUnused, make, world_of_one
 
+
+@pytest.fixture(autouse=True)
+def _no_pipelining_imported(monkeypatch):
+    """The stopper leaves every pass alone once ``torch.distributed.pipelining`` is imported (worker.void_passes
+    ``_stoppable``). torchtitan imports it whatever the layout, and test_torchtitan_integration imports torchtitan
+    in this same process, so these tests of a plain DDP model take the module out of ``sys.modules`` meanwhile."""
+    import sys
+
+    monkeypatch.delitem(sys.modules, "torch.distributed.pipelining", raising=False)
+
 pytestmark = pytest.mark.timeout(10)
 
 
