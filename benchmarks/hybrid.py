@@ -294,6 +294,17 @@ def versus_baseline(r: dict, base: dict) -> dict:
     return out
 
 
+def checked_job_args(ap: argparse.ArgumentParser, args: argparse.Namespace, known: dict) -> list[str]:
+    """The layouts named by ``args.layouts`` (comma-separated, each one of ``known``), after checking
+    2 <= --migrate-at < --kill-at < --steps and --snapshot-every >= 1; ``ap.error`` (exit 2) otherwise."""
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    if unknown := [x for x in layouts if x not in known]:
+        ap.error(f"unknown layout(s): {unknown}; choose from {sorted(known)}")
+    if not 2 <= args.migrate_at < args.kill_at < args.steps or args.snapshot_every < 1:
+        ap.error("need 2 <= --migrate-at < --kill-at < --steps and --snapshot-every >= 1")
+    return layouts
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
@@ -311,13 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.migrate_at, args.kill_at = QUICK["steps"], QUICK["migrate_at"], QUICK["kill_at"]
-    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-    if unknown := [x for x in layouts if x not in LAYOUTS]:
-        ap.error(f"unknown layout(s): {unknown}; choose from {sorted(LAYOUTS)}")
+    layouts = checked_job_args(ap, args, LAYOUTS)
     if BASELINE not in layouts:
         layouts.insert(0, BASELINE)  # the ratios need it
-    if not 2 <= args.migrate_at < args.kill_at < args.steps or args.snapshot_every < 1:
-        ap.error("need 2 <= --migrate-at < --kill-at < --steps and --snapshot-every >= 1")
 
     results = {}
     for layout in layouts:

@@ -73,11 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify", action="store_true", help="also run each job uninterrupted and compare hashes")
     ap.add_argument("--run-dir", default="tmrun/bench_torchtitan")
     args = ap.parse_args(argv)
-    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-    if unknown := [x for x in layouts if x not in LAYOUTS]:
-        ap.error(f"unknown layout(s): {unknown}; choose from {sorted(LAYOUTS)}")
-    if not 2 <= args.migrate_at < args.kill_at < args.steps or args.snapshot_every < 1:
-        ap.error("need 2 <= --migrate-at < --kill-at < --steps and --snapshot-every >= 1")
+    layouts = hybrid.checked_job_args(ap, args, LAYOUTS)
     from examples.torchtitan.make_data import write
 
     root = args.run_dir
