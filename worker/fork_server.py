@@ -118,6 +118,9 @@ def preload() -> None:
     import torch.distributed  # noqa: F401
 
     import worker.session  # noqa: F401  (the mover Backend, the session and their torch.distributed imports)
+    # DistributedDataParallel's constructor (and torch.compile) imports torch._dynamo: ~1 s of CPU per rank here,
+    # paid by every rank at once on the job's first step unless the image has it
+    import torch._dynamo  # noqa: F401
 
 
 def _exit_code(e: SystemExit) -> int:
