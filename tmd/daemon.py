@@ -557,9 +557,11 @@ class Daemon:
                 if self.evacuation.flagged(n) or self.evacuation.gpu_unhealthy(n)}
 
     def _done(self, w: Worker, msg: p.Done) -> None:
-        w.done = True
-        self.journal.record(Event.RANK_LEFT if msg.left else Event.RANK_DONE, node=w.node, local_rank=w.local_rank,
-                            rank=msg.rank, final_step=msg.final_step)
+        if not w.done:  # a resent copy (its first ack was late) is acknowledged again, not journalled again
+            w.done = True
+            self.journal.record(Event.RANK_LEFT if msg.left else Event.RANK_DONE, node=w.node,
+                                local_rank=w.local_rank, rank=msg.rank, final_step=msg.final_step)
+        self.send(w, p.DoneAck(rank=msg.rank))
 
     def _rank_failed(self, w: Worker, msg: p.RankFailed) -> None:
         if w.rank is not None and self.registry.rank_owner.get(w.rank) is not w and not w.fenced:

@@ -46,6 +46,7 @@ class Commands:
             p.Prepare: self.on_prepare,
             p.Switch: self.on_switch,
             p.Decide: self.on_decide,
+            p.DoneAck: self.reports.on_done_ack,
         }
 
     def on_message(self, msg: p.Message) -> None:

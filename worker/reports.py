@@ -5,16 +5,23 @@ A migration's or a recovery's phase goes out through one method, :meth:`Reporter
 :class:`tmd.protocol.RecoveryPhase` a ``RecoveryReport`` of that incident. Step times and the end of the loop
 (``StepReport``, ``Done``), a failure of the rank's own making (``RankFailed``) and misuse found at start
 (``RankWarning``) go out here too. Sending never blocks (worker.agent queues the message); any thread
-may report.
+may report. Only :meth:`Reporter.done` waits: for tmd's acknowledgement, before the process may exit.
 """
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from typing import Callable, Optional, Sequence, Union
 
 from tmd import protocol as p
 
+log = logging.getLogger("worker.reports")
+
 Phase = Union[p.MigrationPhase, p.RecoveryPhase]
 TRACEBACK_CHARS = 8000  # a RankFailed carries at most this much of a traceback (its tail)
+DONE_RESEND_S = 0.5  # Done is sent again after this many seconds without tmd's DoneAck...
+DONE_BUDGET_S = 3.0  # ...until this many seconds have passed (then the process ends anyway: tmd may be gone)
 
 
 def describe_error(error: Union[str, BaseException]) -> str:
@@ -29,6 +36,7 @@ class Reporter:
     def __init__(self, send: Callable[[p.Message], None], rank: Callable[[], int]) -> None:
         self.send = send
         self.rank = rank
+        self._done_acked = threading.Event()
 
     def report(self, episode_id: int, phase: Phase, *, ok: bool = True, error: Union[str, BaseException] = "",
                step: int = -1, bytes_moved: int = 0, seconds: float = 0.0,
@@ -85,6 +93,20 @@ class Reporter:
         own; the buddy's it keeps is as large), ``seconds`` for the host copy (the step-time overhead)."""
         self.send(p.SnapshotReport(rank=self.rank(), step=step, bytes_per_copy=nbytes, copy_s=seconds))
 
-    def done(self, final_step: int, left: bool) -> None:
-        """The training loop ended after ``final_step`` (``left``: as a leaver that handed over)."""
-        self.send(p.Done(rank=self.rank(), final_step=final_step, left=left))
+    def done(self, final_step: int, left: bool, budget_s: float = DONE_BUDGET_S) -> bool:
+        """The training loop ended after ``final_step`` (``left``: as a leaver that handed over): send ``Done``
+        every DONE_RESEND_S seconds until tmd acknowledges it (:meth:`on_done_ack`), for at most ``budget_s``
+        seconds. Returns whether it was acknowledged. Without this wait, a process that exits at once could be
+        gone (and its queued message with it) before tmd read its Done: tmd would take its exit for a death."""
+        deadline = time.monotonic() + budget_s
+        while True:
+            self.send(p.Done(rank=self.rank(), final_step=final_step, left=left))
+            if self._done_acked.wait(max(0.0, min(DONE_RESEND_S, deadline - time.monotonic()))):
+                return True
+            if time.monotonic() >= deadline:
+                log.warning("tmd did not acknowledge this rank's end within %g s", budget_s)
+                return False
+
+    def on_done_ack(self, msg: p.DoneAck) -> None:
+        """tmd has this rank's Done (agent thread)."""
+        self._done_acked.set()

@@ -224,3 +224,13 @@ def test_recovery_impossible_in_slurm_mode_requeues_the_job_or_fails_it_saying_w
     assert daemon.cluster.calls == 1 and daemon.restart is not None and daemon.restart.step == 5
     requeued = [e for e in daemon.journal.since(0, 1000) if e["event"] == Event.JOB_REQUEUED]
     assert requeued[-1]["error"] is None and requeued[-1]["step"] == 5
+
+
+def test_each_copy_of_a_done_is_acknowledged_and_journalled_once(daemon):
+    """A rank resends its Done until acknowledged (worker.reports.Reporter.done): every copy gets a DoneAck, the
+    journal one rank_done."""
+    d = daemon
+    for _ in range(2):
+        d.on_frames([b"n1/0", p.encode(p.Done(rank=0, final_step=9, left=False))])
+    assert [msg for dest, msg in d.sent if dest == "n1/0"] == [p.DoneAck(rank=0)] * 2
+    assert events(d).count(Event.RANK_DONE) == 1 and d.registry.nodes["n1"].workers[0].done

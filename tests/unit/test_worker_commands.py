@@ -140,3 +140,28 @@ def test_one_report_method_picks_the_message_by_the_phase_kind():
         r.report(1, "warmed")
     with pytest.raises(ValueError):
         r.report(1, p.RecoveryPhase.HALTED, groups=["world"])
+
+
+def test_done_is_resent_until_tmd_acknowledges_it_then_the_rank_may_exit():
+    """A rank that exits at once after its Done could be gone, its queued message with it, before tmd read it:
+    tmd would take the exit for a death and start a recovery with no standby to finish it (seen at a job's end).
+    The Done is sent again every DONE_RESEND_S until tmd's DoneAck comes through the agent's dispatch."""
+    sent = []
+    reports = Reporter(sent.append, lambda: 3)
+    commands = Commands(Control(), reports, lambda *a: None, dict)
+
+    def send(msg):  # the first copy is lost; tmd acknowledges the second
+        sent.append(msg)
+        if len(sent) == 2:
+            commands.on_message(p.DoneAck(rank=3))
+
+    reports.send = send
+    assert reports.done(41, left=False, budget_s=5.0)
+    assert sent == [p.Done(rank=3, final_step=41, left=False)] * 2
+
+
+def test_done_without_an_acknowledgement_gives_up_after_its_budget():
+    sent = []
+    reports = Reporter(sent.append, lambda: 0)
+    assert not reports.done(7, left=True, budget_s=0.1)
+    assert sent and set(map(type, sent)) == {p.Done}

@@ -189,7 +189,10 @@ class Rejoin(Message, sender=Sender.WORKER):
 
 @dataclasses.dataclass(kw_only=True)
 class Done(Message, sender=Sender.WORKER):
-    """A rank finished its training loop (``final_step`` is the last step it ran) or, as a leaver, left."""
+    """A rank finished its training loop (``final_step`` is the last step it ran) or, as a leaver, left. tmd
+    answers each copy with a :class:`DoneAck` and journals the first; the process resends until acknowledged and
+    exits only then (or after its time budget), so that its exit is never taken for a death before its Done was
+    read."""
 
     rank: int
     final_step: int
@@ -448,6 +451,13 @@ class NodeNotice(Message, sender=Sender.HOOK):
     job_id: str
     hook: HookKind
     detail: str
+
+
+@dataclasses.dataclass(kw_only=True)
+class DoneAck(Message, sender=Sender.COORDINATOR):
+    """tmd has rank ``rank``'s :class:`Done` (journalled once): the process may exit."""
+
+    rank: int
 
 
 @dataclasses.dataclass(kw_only=True)
