@@ -12,13 +12,14 @@ The reference of each layout is torchtitan's own loop under ``torchrun`` (``--pl
    the last buddy snapshot (``--snapshot-every``) and redoes the steps since;
 3. every rank's final model and optimizer hash (its local shards) equals the plain torchrun run's.
 
-In the FSDP job torchtitan's own checkpoints are on (``--checkpoint.enable``, DCP under ``--dump-folder``, every 10
-steps): they are all written through the migration and the kill, and change no number. (The runtime's
-``--checkpoint-dir`` beside them is left out: a save due after a recovery's new generation hung in its saver group's
-rendezvous, a checkpoint-tier matter reported with the logs.) One more job, the runtime's uninterrupted FSDP run, gives the plain run's hashes: the runtime
+In the FSDP job both kinds of checkpoint are on: torchtitan's own (``--checkpoint.enable``, DCP under
+``--dump-folder``, every 10 steps) and the runtime's (tmd ``--checkpoint-dir``, every 5 steps, the 4 newest kept).
+They are all written through the migration and the kill, the runtime's of the steps after the recovery too (its
+saver group is keyed by the world generation in use), each valid against its manifest, and they change no number.
+One more job, the runtime's uninterrupted FSDP run, gives the plain run's hashes: the runtime
 changes nothing in the numerics. Skipped where torchtitan is not installed (``pip install -e .[torchtitan]``).
 
-The suite's default runs the FSDP job only (about 3.5 minutes here, its plain reference included): the uninterrupted
+The suite's default runs the FSDP job only (about 3 minutes here: 178 s, its plain reference 70 s of it): the uninterrupted
 run and the TP 2 x FSDP2 2 job add about 5 minutes, over the suite's 15-minute budget on 2 cores. Set
 ``TM_TEST_TORCHTITAN=all`` to run them too (they pass: see docs/torchtitan.md).
 """
@@ -34,6 +35,7 @@ import pytest
 
 from tmctl.localjob import Job, final_hashes, wait_until
 from tmd import protocol as p
+from worker import checkpoint as ck
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e .[torchtitan])")
 ALL = os.environ.get("TM_TEST_TORCHTITAN") == "all"
@@ -42,6 +44,7 @@ every_layout = pytest.mark.skipif(not ALL, reason="set TM_TEST_TORCHTITAN=all (a
 STEPS = 20
 SNAPSHOT_EVERY = 4
 CHECKPOINT_EVERY = 10  # torchtitan's own (fsdp job): steps 10 and 20
+RUNTIME_CHECKPOINT_EVERY = 5  # the runtime's (fsdp job): steps 5, 10, 15, 20, all kept
 LAYOUTS = {
     "fsdp": (),
     "tp_fsdp": ("--parallelism.tensor-parallel-degree", "2"),
@@ -108,8 +111,12 @@ def test_migration_then_kill_is_bit_identical(tmp_path, layout, data_dir, plain)
     titan_dump = tmp_path / "titan"
     extra = ("--checkpoint.enable", "--checkpoint.interval", str(CHECKPOINT_EVERY),
              "--dump-folder", str(titan_dump)) if checkpoints else ()
+    runtime_root = str(tmp_path / "checkpoints")
+    runtime_saves = list(range(RUNTIME_CHECKPOINT_EVERY, STEPS + 1, RUNTIME_CHECKPOINT_EVERY))
+    tmd_args = ("--checkpoint-dir", runtime_root, "--checkpoint-every", str(RUNTIME_CHECKPOINT_EVERY),
+                "--checkpoint-keep", str(len(runtime_saves))) if checkpoints else ()
     run_dir = str(tmp_path / "job")
-    with job(run_dir, layout, data_dir, 2, extra) as moved:
+    with job(run_dir, layout, data_dir, 2, extra, tmd_args) as moved:
         def warm() -> bool:
             return {n["name"] for n in moved.status().nodes if n["warm"] and n["role"] == "standby"} >= {"s1", "s2"}
 
@@ -145,3 +152,11 @@ def test_migration_then_kill_is_bit_identical(tmp_path, layout, data_dir, plain)
         return
     saved = sorted(os.listdir(titan_dump / "checkpoint"))
     assert saved == [f"step-{s}" for s in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY)], saved
+    # the runtime's: every save due is there and valid, and at least one was committed after the recovery
+    assert not of(p.Event.CHECKPOINT_FAILED), of(p.Event.CHECKPOINT_FAILED)
+    verdicts = {step: ck.verify(path) for step, path in ck.checkpoints(runtime_root)}
+    assert sorted(verdicts) == runtime_saves, verdicts
+    for step, (why, manifest) in verdicts.items():
+        assert why is None and manifest["step"] == step and manifest["layout"]["world_size"] == 4, (step, why)
+    committed = {s: os.path.getmtime(os.path.join(ck.step_dir(runtime_root, s), ck.MANIFEST)) for s in verdicts}
+    assert any(t > done["ts"] for t in committed.values()), (committed, done["ts"])
