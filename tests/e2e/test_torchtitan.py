@@ -3,8 +3,9 @@
 examples.torchtitan.train), 2 nodes x 2 ranks, gloo on CPU, in two layouts: ``fsdp`` (FSDP2 over the 4 ranks) and
 ``tp_fsdp`` (tensor parallel 2 in node x FSDP2 2 across nodes).
 
-The reference of each layout is torchtitan's own loop under ``torchrun`` (``--plain``: ``config.build()`` and
-``Trainer.train``, no runtime), run once per layout and shared by the tests (module-scoped). Per layout, one job:
+The reference of each layout is torchtitan's own loop on 4 ranks with torchrun's environment (``--plain``:
+``config.build()`` and ``Trainer.train``, no runtime; forked from one warm process, tests/support/forked.py), run
+once per layout and shared by the tests (module-scoped). Per layout, one job:
 
 1. a planned migration ``n2 -> s1`` once training runs and the standbys are warm;
 2. once ``s1`` holds n2's ranks and took its first buddy snapshot, both its processes are killed with SIGKILL and
@@ -19,7 +20,7 @@ saver group is keyed by the world generation in use), each valid against its man
 One more job, the runtime's uninterrupted FSDP run, gives the plain run's hashes: the runtime
 changes nothing in the numerics. Skipped where torchtitan is not installed (``pip install -e .[torchtitan]``).
 
-The suite's default runs the FSDP job only (about 3 minutes here: 178 s, its plain reference 70 s of it): the uninterrupted
+The suite's default runs the FSDP job only (about 2.5 minutes here: 152 s, its plain reference 51 s of it): the uninterrupted
 run and the TP 2 x FSDP2 2 job add about 5 minutes, over the suite's 15-minute budget on 2 cores. Set
 ``TM_TEST_TORCHTITAN=all`` to run them too (they pass: see docs/torchtitan.md).
 """
@@ -27,12 +28,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
+from tests.support.forked import Launcher, torchrun, torchrun_env
 from tmctl.localjob import Job, final_hashes, wait_until
 from tmd import protocol as p
 from worker import checkpoint as ck
@@ -67,18 +68,20 @@ def titan_args(layout: str, data_dir: str) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory, data_dir):
-    """``plain(layout)``: every rank's final hash of torchtitan's own loop under torchrun (4 processes, one node),
-    run on first use and kept for the module."""
+    """``plain(layout)``: every rank's final hash of torchtitan's own loop on 4 ranks with torchrun's environment
+    (one node), run on first use and kept for the module. The ranks are forked from one process that imported
+    torch and most of torchtitan once (tests.support.forked, tests.support.torchtitan_image), as torchrun's 4 fresh
+    interpreters would each have done."""
     done: dict[str, dict[int, str]] = {}
 
     def run(layout: str) -> dict[int, str]:
         if layout not in done:
             run_dir = str(tmp_path_factory.mktemp(f"plain-{layout}"))
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                   "-m", "examples.torchtitan.train", "--plain", "--run-dir", run_dir, "--steps", str(STEPS),
-                   *titan_args(layout, data_dir)]
-            with open(os.path.join(run_dir, "torchrun.log"), "wb") as log:
-                subprocess.run(cmd, check=True, timeout=400, stdout=log, stderr=subprocess.STDOUT)
+            argv = [sys.executable, "-m", "examples.torchtitan.train", "--plain", "--run-dir", run_dir,
+                    "--steps", str(STEPS), *titan_args(layout, data_dir)]
+            with Launcher(["tests.support.torchtitan_image"], torchrun_env()) as launcher:
+                ranks = torchrun(launcher, argv, 4, os.path.join(run_dir, "logs"))
+            assert [r.returncode for r in ranks] == [0] * 4, ranks[0].stderr[-3000:]
             done[layout] = final_hashes(run_dir)
             assert len(done[layout]) == 4, done[layout]
         return done[layout]
