@@ -21,7 +21,7 @@ One more job, the runtime's uninterrupted FSDP run, gives the plain run's hashes
 changes nothing in the numerics. Skipped where torchtitan is not installed (``pip install -e .[torchtitan]``).
 
 The suite's default runs the FSDP job only (about 2.5 minutes here: 152 s, its plain reference 51 s of it): the uninterrupted
-run and the TP 2 x FSDP2 2 job add about 5 minutes, over the suite's 15-minute budget on 2 cores. Set
+run and the TP 2 x FSDP2 2 job add about 3 minutes (all three: 340 s), over the suite's 15-minute budget on 2 cores. Set
 ``TM_TEST_TORCHTITAN=all`` to run them too (they pass: see docs/torchtitan.md).
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ from worker import checkpoint as ck
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e .[torchtitan])")
 ALL = os.environ.get("TM_TEST_TORCHTITAN") == "all"
-every_layout = pytest.mark.skipif(not ALL, reason="set TM_TEST_TORCHTITAN=all (about 5 more minutes)")
+every_layout = pytest.mark.skipif(not ALL, reason="set TM_TEST_TORCHTITAN=all (about 3 more minutes)")
 
 STEPS = 20
 SNAPSHOT_EVERY = 4
