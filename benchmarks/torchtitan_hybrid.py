@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dirs = []
     for layout in layouts:
         for name, workload in workloads.items():
-            hybrid.log(f"{layout} / {name}: {' '.join(workload.layouts[layout])}")
+            hybrid.log(f"{layout} / {name}: {' '.join(workload.layouts[layout]) or '(no layout flag)'}")
             args.run_dir = os.path.join(root, name)
             r = hybrid.run_layout(layout, args, workload)
             jobs[layout][name] = row(r)

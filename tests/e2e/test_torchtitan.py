@@ -3,8 +3,9 @@
 examples.torchtitan.train), 2 nodes x 2 ranks, gloo on CPU, in two layouts: ``fsdp`` (FSDP2 over the 4 ranks) and
 ``tp_fsdp`` (tensor parallel 2 in node x FSDP2 2 across nodes).
 
-The reference of each layout is torchtitan's own loop under ``torchrun`` (``--plain``: ``config.build()`` and
-``Trainer.train``, no runtime), run once per layout and shared by the tests (module-scoped). Per layout, one job:
+The reference of each layout is torchtitan's own loop on 4 ranks with torchrun's environment (``--plain``:
+``config.build()`` and ``Trainer.train``, no runtime; forked from one warm process, tests/support/forked.py), run
+once per layout and shared by the tests (module-scoped). Per layout, one job:
 
 1. a planned migration ``n2 -> s1`` once training runs and the standbys are warm;
 2. once ``s1`` holds n2's ranks and took its first buddy snapshot, both its processes are killed with SIGKILL and
@@ -12,36 +13,39 @@ The reference of each layout is torchtitan's own loop under ``torchrun`` (``--pl
    the last buddy snapshot (``--snapshot-every``) and redoes the steps since;
 3. every rank's final model and optimizer hash (its local shards) equals the plain torchrun run's.
 
-In the FSDP job torchtitan's own checkpoints are on (``--checkpoint.enable``, DCP under ``--dump-folder``, every 10
-steps): they are all written through the migration and the kill, and change no number. (The runtime's
-``--checkpoint-dir`` beside them is left out: a save due after a recovery's new generation hung in its saver group's
-rendezvous, a checkpoint-tier matter reported with the logs.) One more job, the runtime's uninterrupted FSDP run, gives the plain run's hashes: the runtime
+In the FSDP job both kinds of checkpoint are on: torchtitan's own (``--checkpoint.enable``, DCP under
+``--dump-folder``, every 10 steps) and the runtime's (tmd ``--checkpoint-dir``, every 5 steps, the 4 newest kept).
+They are all written through the migration and the kill, the runtime's of the steps after the recovery too (its
+saver group is keyed by the world generation in use), each valid against its manifest, and they change no number.
+One more job, the runtime's uninterrupted FSDP run, gives the plain run's hashes: the runtime
 changes nothing in the numerics. Skipped where torchtitan is not installed (``pip install -e .[torchtitan]``).
 
-The suite's default runs the FSDP job only (about 3.5 minutes here, its plain reference included): the uninterrupted
-run and the TP 2 x FSDP2 2 job add about 5 minutes, over the suite's 15-minute budget on 2 cores. Set
+The suite's default runs the FSDP job only (about 2.5 minutes here: 152 s, its plain reference 51 s of it): the uninterrupted
+run and the TP 2 x FSDP2 2 job add about 3 minutes (all three: 340 s), over the suite's 15-minute budget on 2 cores. Set
 ``TM_TEST_TORCHTITAN=all`` to run them too (they pass: see docs/torchtitan.md).
 """
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
+from tests.support.forked import Launcher, torchrun, torchrun_env
 from tmctl.localjob import Job, final_hashes, wait_until
 from tmd import protocol as p
+from worker import checkpoint as ck
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e .[torchtitan])")
 ALL = os.environ.get("TM_TEST_TORCHTITAN") == "all"
-every_layout = pytest.mark.skipif(not ALL, reason="set TM_TEST_TORCHTITAN=all (about 5 more minutes)")
+every_layout = pytest.mark.skipif(not ALL, reason="set TM_TEST_TORCHTITAN=all (about 3 more minutes)")
 
 STEPS = 20
 SNAPSHOT_EVERY = 4
 CHECKPOINT_EVERY = 10  # torchtitan's own (fsdp job): steps 10 and 20
+RUNTIME_CHECKPOINT_EVERY = 5  # the runtime's (fsdp job): steps 5, 10, 15, 20, all kept
 LAYOUTS = {
     "fsdp": (),
     "tp_fsdp": ("--parallelism.tensor-parallel-degree", "2"),
@@ -64,18 +68,20 @@ def titan_args(layout: str, data_dir: str) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory, data_dir):
-    """``plain(layout)``: every rank's final hash of torchtitan's own loop under torchrun (4 processes, one node),
-    run on first use and kept for the module."""
+    """``plain(layout)``: every rank's final hash of torchtitan's own loop on 4 ranks with torchrun's environment
+    (one node), run on first use and kept for the module. The ranks are forked from one process that imported
+    torch and most of torchtitan once (tests.support.forked, tests.support.torchtitan_image), as torchrun's 4 fresh
+    interpreters would each have done."""
     done: dict[str, dict[int, str]] = {}
 
     def run(layout: str) -> dict[int, str]:
         if layout not in done:
             run_dir = str(tmp_path_factory.mktemp(f"plain-{layout}"))
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                   "-m", "examples.torchtitan.train", "--plain", "--run-dir", run_dir, "--steps", str(STEPS),
-                   *titan_args(layout, data_dir)]
-            with open(os.path.join(run_dir, "torchrun.log"), "wb") as log:
-                subprocess.run(cmd, check=True, timeout=400, stdout=log, stderr=subprocess.STDOUT)
+            argv = [sys.executable, "-m", "examples.torchtitan.train", "--plain", "--run-dir", run_dir,
+                    "--steps", str(STEPS), *titan_args(layout, data_dir)]
+            with Launcher(["tests.support.torchtitan_image"], torchrun_env()) as launcher:
+                ranks = torchrun(launcher, argv, 4, os.path.join(run_dir, "logs"))
+            assert [r.returncode for r in ranks] == [0] * 4, ranks[0].stderr[-3000:]
             done[layout] = final_hashes(run_dir)
             assert len(done[layout]) == 4, done[layout]
         return done[layout]
@@ -108,8 +114,12 @@ def test_migration_then_kill_is_bit_identical(tmp_path, layout, data_dir, plain)
     titan_dump = tmp_path / "titan"
     extra = ("--checkpoint.enable", "--checkpoint.interval", str(CHECKPOINT_EVERY),
              "--dump-folder", str(titan_dump)) if checkpoints else ()
+    runtime_root = str(tmp_path / "checkpoints")
+    runtime_saves = list(range(RUNTIME_CHECKPOINT_EVERY, STEPS + 1, RUNTIME_CHECKPOINT_EVERY))
+    tmd_args = ("--checkpoint-dir", runtime_root, "--checkpoint-every", str(RUNTIME_CHECKPOINT_EVERY),
+                "--checkpoint-keep", str(len(runtime_saves))) if checkpoints else ()
     run_dir = str(tmp_path / "job")
-    with job(run_dir, layout, data_dir, 2, extra) as moved:
+    with job(run_dir, layout, data_dir, 2, extra, tmd_args) as moved:
         def warm() -> bool:
             return {n["name"] for n in moved.status().nodes if n["warm"] and n["role"] == "standby"} >= {"s1", "s2"}
 
@@ -145,3 +155,11 @@ def test_migration_then_kill_is_bit_identical(tmp_path, layout, data_dir, plain)
         return
     saved = sorted(os.listdir(titan_dump / "checkpoint"))
     assert saved == [f"step-{s}" for s in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY)], saved
+    # the runtime's: every save due is there and valid, and at least one was committed after the recovery
+    assert not of(p.Event.CHECKPOINT_FAILED), of(p.Event.CHECKPOINT_FAILED)
+    verdicts = {step: ck.verify(path) for step, path in ck.checkpoints(runtime_root)}
+    assert sorted(verdicts) == runtime_saves, verdicts
+    for step, (why, manifest) in verdicts.items():
+        assert why is None and manifest["step"] == step and manifest["layout"]["world_size"] == 4, (step, why)
+    committed = {s: os.path.getmtime(os.path.join(ck.step_dir(runtime_root, s), ck.MANIFEST)) for s in verdicts}
+    assert any(t > done["ts"] for t in committed.values()), (committed, done["ts"])

@@ -56,6 +56,19 @@ def test_dense_flex_attention_matches_flex_attention_and_has_a_backward():
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+def test_attention_masks_are_built_without_torch_compile():
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.common.attention import create_attention_mask, get_causal_mask_mod
+
+    causal = get_causal_mask_mod()
+    torch._dynamo.reset()
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    got = create_attention_mask(causal, 2, None, 16, 16, device="cpu")
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames  # no frame went through Dynamo
+    want = create_block_mask(causal, 2, None, 16, 16, device="cpu")
+    assert torch.equal(got.to_dense(), want.to_dense()) and got.mask_mod is causal
+
+
 class Fused(torch.nn.Module):
     """A module whose state_dict hook renames and copies a parameter, as torchtitan's FusedQKVLinear does."""
 
