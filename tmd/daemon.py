@@ -557,8 +557,9 @@ class Daemon:
                 if self.evacuation.flagged(n) or self.evacuation.gpu_unhealthy(n)}
 
     def _done(self, w: Worker, msg: p.Done) -> None:
-        if not w.done:  # a resent copy (its first ack was late) is acknowledged again, not journalled again
-            w.done = True
+        w.done = True
+        if not w.done_journalled:  # a resent copy (its first ack was late) is acknowledged again, not journalled
+            w.done_journalled = True
             self.journal.record(Event.RANK_LEFT if msg.left else Event.RANK_DONE, node=w.node,
                                 local_rank=w.local_rank, rank=msg.rank, final_step=msg.final_step)
         self.send(w, p.DoneAck(rank=msg.rank))

@@ -37,7 +37,8 @@ class Worker:
     step: int = -1
     step_time_s: Optional[float] = None
     counters: dict = dataclasses.field(default_factory=dict)
-    done: bool = False
+    done: bool = False  # its rank's work is over (its Done came, or, for a leaver, the commit was decided)
+    done_journalled: bool = False  # its Done is in the journal (a resent copy is acknowledged, not journalled)
     exited: bool = False
     fenced: bool = False  # its node was declared failed: it must not take part again
     fence_sent: bool = False

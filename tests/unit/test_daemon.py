@@ -234,3 +234,8 @@ def test_each_copy_of_a_done_is_acknowledged_and_journalled_once(daemon):
         d.on_frames([b"n1/0", p.encode(p.Done(rank=0, final_step=9, left=False))])
     assert [msg for dest, msg in d.sent if dest == "n1/0"] == [p.DoneAck(rank=0)] * 2
     assert events(d).count(Event.RANK_DONE) == 1 and d.registry.nodes["n1"].workers[0].done
+    n2 = d.registry.nodes["n2"].workers[0]
+    n2.done = True  # a leaver: done since its migration's commit was decided; its Done(left) still goes on record
+    for _ in range(2):
+        d.on_frames([b"n2/0", p.encode(p.Done(rank=1, final_step=9, left=True))])
+    assert events(d).count(Event.RANK_LEFT) == 1
