@@ -41,7 +41,7 @@ import time
 from typing import Optional
 
 from benchmarks import report
-from tmctl.localjob import Job, events, tmd_command, wait_until
+from tmctl.localjob import Job, diagnose, events, tmd_command, wait_until
 from tmd import protocol as p
 from worker import checkpoint as ck
 
@@ -54,6 +54,9 @@ EVENT_TIMEOUT_S = 240.0
 CHECKPOINTS_NEEDED = {"all_active": 1, "corrupt_all_active": 2}
 QUICK_S_MAX = 480.0  # --quick: the whole soak (the uninterrupted run not included) within 8 minutes
 NUMERICS = ("--dropout", "0.1", "--seed-mode", "per-rank")
+# the soak's step floor, in the uninterrupted run too: its median step is the ETTR's unit, so both must be paced
+# alike (a reference run at the tiny GPT's unpaced ~0.06 s/step made the 0.1 s steps of the soak count as lost time)
+PACING = ("--min-step-time-s", "0.1")
 NOT_COVERED = ["kill -9 of tmd then tmd resume", "a network partition (--netns-node: root)",
                "TP x FSDP2 (examples/train_llama.py) with a node lost together with its snapshot keeper"]
 
@@ -110,13 +113,27 @@ def outcome(evs: list[dict], after_seq: int) -> Optional[dict]:
     return None
 
 
+def migration_downtime(evs: list[dict], migration_id: int) -> Optional[tuple[float]]:
+    """``(downtime_s,)`` of migration ``migration_id`` from its ``migration_downtime`` entry (None while there is
+    none: tmd writes it a window of steps after ``migration_committed``)."""
+    for e in evs:
+        if e["event"] == p.Event.MIGRATION_DOWNTIME and e.get("migration_id") == migration_id:
+            return (e.get("downtime_s"),)
+    return None
+
+
+def reference_command(run_dir: str, steps: int, tiny: bool) -> list[str]:
+    """The uninterrupted run: the soak's job (numerics and pacing alike), no standby, no checkpoints."""
+    return tmd_command(run_dir, 0, steps, tiny, True, NUMERICS + PACING)
+
+
 class Soak:
     """The job under the schedule (tmctl.localjob.Job) and what each event did."""
 
     def __init__(self, run_dir: str, steps: int, tiny: bool) -> None:
         self.run_dir = run_dir
         self.root = os.path.join(run_dir, "ckpt")
-        self.job = Job(os.path.join(run_dir, "job"), 3, steps, *NUMERICS, "--min-step-time-s", "0.1", tiny=tiny,
+        self.job = Job(os.path.join(run_dir, "job"), 3, steps, *NUMERICS, *PACING, tiny=tiny,
                        tmd_args=("--checkpoint-dir", self.root, "--checkpoint-every", "10"))
         self.events: list[dict] = []
         self.added = 0
@@ -136,6 +153,8 @@ class Soak:
         asked = [0.0]
 
         def check():
+            if self.job.proc.poll() is not None:  # the job ended (failed): nothing left to wait for
+                raise AssertionError(f"tmd exited with {self.job.proc.returncode} before step {min_step}")
             st = self.status()
             if st is None or st.step < min_step or st.recovery and st.recovery.get("state") in ("halting", "recovering"):
                 return None
@@ -195,10 +214,10 @@ class Soak:
             ends = wait_until(lambda: {s: v for s, v in step_ends(self.journal()).items()
                                        if v[0] > got["ts"]} or None, EVENT_TIMEOUT_S, "a step after the restart")
             info["downtime_s"] = round(min(ts for ts, _ in ends.values()) - info["ts"], 3)
-        elif got["tier"] == "migration":
-            down = next((e for e in self.journal() if e["event"] == p.Event.MIGRATION_DOWNTIME
-                         and e.get("migration_id") == got.get("migration_id")), {})
-            info["downtime_s"] = down.get("downtime_s")
+        elif got["tier"] == "migration":  # tmd journals it once a window of steps after the switch has run
+            info["downtime_s"] = wait_until(lambda: migration_downtime(self.journal(), got["migration_id"]),
+                                            EVENT_TIMEOUT_S, f"the downtime of migration {got['migration_id']}",
+                                            poll_s=0.2)[0]
         info["next_step"] = (resume or info["step"]) + GAP_STEPS
         return info
 
@@ -245,7 +264,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     shutil.rmtree(args.run_dir, ignore_errors=True)
     ref_dir = os.path.join(args.run_dir, "uninterrupted")
     os.makedirs(ref_dir)
-    subprocess.run(tmd_command(ref_dir, 0, steps, tiny, True, NUMERICS), check=True, timeout=7200,
+    subprocess.run(reference_command(ref_dir, steps, tiny), check=True, timeout=7200,
                    stdout=subprocess.DEVNULL)
     ref_ends = step_ends(events(ref_dir))
     median_s = statistics.median(sec for _, sec in ref_ends.values())
@@ -255,6 +274,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         soak.drive(schedule(n, args.seed), rng, steps)
         rc = soak.job.finish(timeout_s=3600)
+    except AssertionError:  # a wait timed out: the journal's tail and every rank's stacks, for the diagnosis
+        print(diagnose(soak.job.run_dir), file=sys.stderr, flush=True)
+        raise
     finally:
         soak.job.close()
     evs = events(soak.job.run_dir)

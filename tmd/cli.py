@@ -375,10 +375,9 @@ def _tier(job: str, world_size: int, config: JobConfig, resume_from: Optional[st
             print("error: --checkpoint-every and --standby-wait-s need --checkpoint-dir", file=sys.stderr)
             raise typer.Exit(ExitCode.REFUSED)
         return None
-    from tmd.tiers import CheckpointConfig, Tier
+    from tmd.tiers import Tier
 
-    tier = Tier(CheckpointConfig(dir=c.checkpoint_dir, every=c.checkpoint_every, keep=c.checkpoint_keep,
-                                 resume_from=resume_from, standby_wait_s=c.standby_wait_s), job, world_size)
+    tier = Tier(c, job, world_size, resume_from)
     why = tier.refusal()
     if why is not None:
         print(f"error: {why}", file=sys.stderr)

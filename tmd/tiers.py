@@ -24,33 +24,13 @@ import os
 import time
 from typing import Optional
 
+from tmd.config import CheckpointTierConfig
 from tmd.journal import Journal
 from tmd.protocol.vocab import Event
 from worker import checkpoint as ck
 
 WATCH_EVERY_S = 1.0  # how often tmd looks for a newly committed checkpoint (a listdir and a stat)
 MAX_RESTARTS_FROM_ONE_STEP = 3  # restarts from the same checkpoint after which the job fails (a crash loop)
-
-
-@dataclasses.dataclass
-class CheckpointConfig:
-    """The checkpoint options of ``tmd local|slurm`` (one group, to nest in the job's configuration).
-
-    ``dir``: where the ranks write checkpoints (None: no saves, and no restart from the checkpoint tier).
-    ``every``: steps between checkpoints (0: none). ``keep``: checkpoints kept (at least 1).
-    ``resume_from``: a checkpoint (a root of checkpoints or one ``step-*`` directory, any job's) to start from.
-    ``standby_wait_s``: seconds a recovery waits for a standby before the job restarts from the checkpoint tier
-    instead (0: it waits as long as it takes)."""
-
-    dir: Optional[str] = None
-    every: int = 0
-    keep: int = 2
-    resume_from: Optional[str] = None
-    standby_wait_s: float = 0.0
-
-    @property
-    def enabled(self) -> bool:
-        return self.dir is not None or self.resume_from is not None
 
 
 @dataclasses.dataclass
@@ -102,10 +82,15 @@ def choose(source: str, job_id: Optional[str] = None) -> tuple[Optional[tuple[in
 
 class Tier:
     """tmd's checkpoint tier of one job (kept across the restarts it plans: the same object goes to each
-    daemon). ``job``: the job's name (its id is derived from it); ``world_size``: ranks."""
+    daemon). ``config``: the job configuration's ``checkpoint`` section (tmd.config.CheckpointTierConfig:
+    ``--checkpoint-dir/-every/-keep``, ``--standby-wait-s``, each default defined there); ``job``: the job's name
+    (its id is derived from it); ``world_size``: ranks; ``resume_from``: ``--resume-from`` (a root of checkpoints
+    or one ``step-*`` directory, any job's) or None."""
 
-    def __init__(self, config: CheckpointConfig, job: str, world_size: int) -> None:
+    def __init__(self, config: CheckpointTierConfig, job: str, world_size: int,
+                 resume_from: Optional[str] = None) -> None:
         self.config = config
+        self.source = resume_from  # --resume-from as given (resume_from: the step directory it resolves to)
         self.job_id = ck.job_identity(job)
         self.world_size = world_size
         self.journal: Optional[Journal] = None
@@ -132,27 +117,25 @@ class Tier:
         from (:attr:`resume_from`): ``--resume-from``'s newest valid one, else the newest valid one of this job
         in ``--checkpoint-dir`` (the same ``--job`` run again, a requeued SLURM job); what it passed over is
         journalled once a daemon is attached (:meth:`started`)."""
-        c = self.config
-        if c.every < 0 or c.keep < 1:
-            return f"--checkpoint-every must be at least 0 and --checkpoint-keep at least 1 (got {c.every}, {c.keep})"
-        if c.every > 0 and c.dir is None:
+        root, source = self.config.checkpoint_dir, self.source  # the ranges are checked by the config section
+        if self.config.checkpoint_every > 0 and root is None:
             return "--checkpoint-every needs --checkpoint-dir"
-        if c.dir is not None:
-            why = owner_in_path(c.dir, self.job_id)
+        if root is not None:
+            why = owner_in_path(root, self.job_id)
             if why is not None:
                 return f"{why}: give another --checkpoint-dir (to start from them: --resume-from)"
-            if os.path.exists(c.dir) and not os.path.isdir(c.dir):
-                return f"--checkpoint-dir {c.dir} is not a directory"
-        if c.resume_from is None and c.dir is not None and os.path.isdir(c.dir):
-            chosen, self._refused = choose(c.dir, self.job_id)  # this job's own: it goes on from there
+            if os.path.exists(root) and not os.path.isdir(root):
+                return f"--checkpoint-dir {root} is not a directory"
+        if source is None and root is not None and os.path.isdir(root):
+            chosen, self._refused = choose(root, self.job_id)  # this job's own: it goes on from there
             self.resume_from = chosen[1] if chosen else None
-        if c.resume_from is not None:
-            if not os.path.isdir(c.resume_from):
-                return f"--resume-from {c.resume_from} is not a directory"
-            chosen, refused = choose(c.resume_from)
+        if source is not None:
+            if not os.path.isdir(source):
+                return f"--resume-from {source} is not a directory"
+            chosen, refused = choose(source)
             self._refused = refused
             if chosen is None:
-                return f"--resume-from {c.resume_from} holds no valid checkpoint" + \
+                return f"--resume-from {source} holds no valid checkpoint" + \
                     (f" ({refused[0]})" if refused else "")
             step, path, manifest = chosen
             saved = manifest["layout"].get("world_size")
@@ -170,9 +153,10 @@ class Tier:
     def env(self) -> dict[str, Optional[str]]:
         """The variables of every process tmd starts (None: unset it)."""
         c = self.config
-        return {"TM_CHECKPOINT_DIR": os.path.abspath(c.dir) if c.dir else None,
-                "TM_CHECKPOINT_EVERY": str(c.every) if c.dir else None,
-                "TM_CHECKPOINT_KEEP": str(c.keep) if c.dir else None,
+        root = c.checkpoint_dir
+        return {"TM_CHECKPOINT_DIR": os.path.abspath(root) if root else None,
+                "TM_CHECKPOINT_EVERY": str(c.checkpoint_every) if root else None,
+                "TM_CHECKPOINT_KEEP": str(c.checkpoint_keep) if root else None,
                 "TM_CHECKPOINT_JOB": self.job_id,
                 "TM_RESUME_FROM": self.resume_from,
                 "TM_CHECKPOINT_RESTART": "1" if self.restarts else None}
@@ -189,10 +173,10 @@ class Tier:
     def tick(self, now_mono: float) -> None:
         """Every :data:`WATCH_EVERY_S`: journal ``checkpoint_committed`` for a newly committed checkpoint (its
         manifest exists; the sha256s are checked when one is loaded)."""
-        if self.config.dir is None or now_mono - self._watched_at < WATCH_EVERY_S:
+        if self.config.checkpoint_dir is None or now_mono - self._watched_at < WATCH_EVERY_S:
             return
         self._watched_at = now_mono
-        for step, path in ck.checkpoints(self.config.dir):
+        for step, path in ck.checkpoints(self.config.checkpoint_dir):
             if self.latest is not None and step <= self.latest:
                 return
             if os.path.exists(os.path.join(path, ck.MANIFEST)):
@@ -211,13 +195,13 @@ class Tier:
         """In-memory recovery failed for ``reason``: the restart from the newest valid checkpoint of this job, or
         (None, why not). Journals each checkpoint passed over and, for a restart, ``job_restarting``; the next
         launch loads it (:attr:`resume_from`)."""
-        if self.config.dir is None:
+        if self.config.checkpoint_dir is None:
             return None, "no --checkpoint-dir"
-        chosen, refused = choose(self.config.dir, self.job_id)
+        chosen, refused = choose(self.config.checkpoint_dir, self.job_id)
         for line in refused:
             self._record(Event.CHECKPOINT_REFUSED, message=line)
         if chosen is None:
-            return None, f"no valid checkpoint in {self.config.dir}"
+            return None, f"no valid checkpoint in {self.config.checkpoint_dir}"
         step, path, manifest = chosen
         if sum(1 for r in self.restarts if r.step == step) >= MAX_RESTARTS_FROM_ONE_STEP:
             return None, f"restarted {MAX_RESTARTS_FROM_ONE_STEP} times from step {step} already"
@@ -232,6 +216,7 @@ class Tier:
     def status(self) -> dict:
         """What ``tmctl status`` shows of the tier (StatusReply.checkpoints)."""
         c = self.config
-        return {"dir": os.path.abspath(c.dir) if c.dir else None, "every": c.every, "keep": c.keep,
+        root = c.checkpoint_dir
+        return {"dir": os.path.abspath(root) if root else None, "every": c.checkpoint_every, "keep": c.checkpoint_keep,
                 "latest": self.latest, "failed": self.failed, "resume_from": self.resume_from,
                 "restarts": [r.to_dict() for r in self.restarts]}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks import chaos
 from benchmarks.chaos import KINDS, ettr, outcome, schedule
 
 
@@ -31,3 +32,33 @@ def test_ettr_counts_the_steps_over_the_wall_time_of_every_attempt():
     journal = [{"seq": 1, "ts": 0, "event": "step_times", "steps": [[0, 100.0, 1.0], [1, 101.0, 1.0]]},
                {"seq": 2, "ts": 0, "event": "step_times", "steps": [[1, 110.0, 1.0], [2, 111.0, 1.0]]}]  # restarted
     assert ettr(journal, median_s=1.0) == {"steps": 2, "wall_s": 11.0, "ettr": 0.18182}
+
+
+def test_a_migrations_downtime_is_waited_for_as_tmd_journals_it_after_the_commit(monkeypatch):
+    committed = {"seq": 2, "ts": 5.0, "event": "migration_committed", "migration_id": 7, "switch_step": 30}
+    downtime = {"seq": 3, "ts": 6.0, "event": "migration_downtime", "migration_id": 7, "downtime_s": 0.12}
+    other = {"seq": 4, "ts": 6.5, "event": "migration_downtime", "migration_id": 6, "downtime_s": 9.0}
+    reads = iter([[committed], [committed], [committed, other], [committed, other, downtime]])
+    monkeypatch.setattr(chaos, "wait_until", lambda f, *a, **k: next(v for v in iter(f, object()) if v))
+    soak = object.__new__(chaos.Soak)
+    soak.journal = lambda: next(reads, [committed, other, downtime])
+    info = soak.follow({"kind": "migrate", "step": 20, "ts": 4.0}, after_seq=1)
+    assert (info["tier"], info["downtime_s"], info["next_step"]) == ("migration", 0.12, 30 + chaos.GAP_STEPS)
+
+
+def test_the_uninterrupted_run_is_paced_as_the_soak_is():
+    cmd = chaos.reference_command("/tmp/x", 40, True)
+    assert " ".join(chaos.PACING) in " ".join(cmd) and " ".join(chaos.NUMERICS) in " ".join(cmd)
+
+
+def test_waiting_for_the_next_event_stops_when_the_job_ended():
+    class Ended:
+        returncode = 1
+
+        def poll(self):
+            return 1
+
+    soak = object.__new__(chaos.Soak)
+    soak.job = type("J", (), {"proc": Ended()})()
+    with pytest.raises(AssertionError, match="tmd exited with 1 before step 12"):
+        soak.ready(12)

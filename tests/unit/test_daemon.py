@@ -177,19 +177,20 @@ def test_a_stayer_lost_after_the_commit_decision_takes_the_undecided_joiners_wit
 def test_recovery_impossible_restarts_a_local_job_from_its_newest_checkpoint_or_fails_it(daemon, tmp_path):
     from tests.unit.test_tiers import write_checkpoint
     from tmd.local import LocalLauncher
-    from tmd.tiers import CheckpointConfig, Tier
+    from tmd.config import CheckpointTierConfig
+    from tmd.tiers import Tier
 
     daemon._recovery_impossible("every rank is lost (n1 and n2)")  # noqa: SLF001 - no tier: the job fails
     assert daemon.exit_code == 1 and daemon.restart is None
     daemon.exit_code = None
-    daemon.tier = Tier(CheckpointConfig(dir=str(tmp_path / "ck"), every=5), "t", 2)
+    daemon.tier = Tier(CheckpointTierConfig(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=5), "t", 2)
     daemon.tier.attach(daemon.journal)
     daemon._recovery_impossible("every rank is lost")  # noqa: SLF001 - no checkpoint yet: fails, saying why
     failed = [e for e in daemon.journal.since(0, 1000) if e["event"] == Event.JOB_FAILED]
     assert failed[-1]["reason"] == "every rank is lost (no restart from a checkpoint: tmd starts no processes)"
     daemon.exit_code = None
     daemon.launcher = LocalLauncher(["true"], str(tmp_path), "tcp://x:1", 1, echo=False)
-    path = write_checkpoint(daemon.tier.config.dir, 5, daemon.tier.job_id)
+    path = write_checkpoint(daemon.tier.config.checkpoint_dir, 5, daemon.tier.job_id)
     daemon._recovery_impossible("every rank is lost")  # noqa: SLF001
     assert daemon.restart is not None and daemon.restart.path == path and daemon.exit_code == 1
     restarting = [e for e in daemon.journal.since(0, 1000) if e["event"] == Event.JOB_RESTARTING]
@@ -199,7 +200,8 @@ def test_recovery_impossible_restarts_a_local_job_from_its_newest_checkpoint_or_
 
 def test_recovery_impossible_in_slurm_mode_requeues_the_job_or_fails_it_saying_why(daemon, tmp_path):
     from tests.unit.test_tiers import write_checkpoint
-    from tmd.tiers import CheckpointConfig, Tier
+    from tmd.config import CheckpointTierConfig
+    from tmd.tiers import Tier
 
     class Cluster:  # the part of tmd.slurm.SlurmCluster this uses
         def __init__(self, error):
@@ -209,9 +211,9 @@ def test_recovery_impossible_in_slurm_mode_requeues_the_job_or_fails_it_saying_w
             self.calls += 1
             return self.error
 
-    daemon.tier = Tier(CheckpointConfig(dir=str(tmp_path / "ck"), every=5), "4711", 2)
+    daemon.tier = Tier(CheckpointTierConfig(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=5), "4711", 2)
     daemon.tier.attach(daemon.journal)
-    write_checkpoint(daemon.tier.config.dir, 5, daemon.tier.job_id)
+    write_checkpoint(daemon.tier.config.checkpoint_dir, 5, daemon.tier.job_id)
     daemon.cluster = Cluster("scontrol: error: Requested operation is presently disabled")
     daemon._recovery_impossible("n1 lost with its snapshot keeper")  # noqa: SLF001
     assert daemon.restart is None and daemon.exit_code == 1

@@ -11,7 +11,8 @@ import pytest
 
 from tmd.journal import Journal
 from tmd.protocol.vocab import Event
-from tmd.tiers import CheckpointConfig, Tier, choose, owner_in_path
+from tmd.config import CheckpointTierConfig, ConfigError
+from tmd.tiers import Tier, choose, owner_in_path
 from worker import checkpoint as ck
 
 
@@ -34,8 +35,12 @@ def write_checkpoint(root: str, step: int, job_id: str, world_size: int = 2, whe
     return path
 
 
-def tier(tmp_path, **options) -> Tier:
-    t = Tier(CheckpointConfig(**options), "job-a", world_size=2)
+def tier(tmp_path, resume_from=None, **options) -> Tier:
+    """A tier of job ``job-a`` (2 ranks) with the ``checkpoint`` section's ``options`` (short names: ``dir``,
+    ``every``, ``keep``)."""
+    names = {"dir": "checkpoint_dir", "every": "checkpoint_every", "keep": "checkpoint_keep"}
+    config = CheckpointTierConfig(**{names.get(k, k): v for k, v in options.items()})
+    t = Tier(config, "job-a", world_size=2, resume_from=resume_from)
     t.attach(Journal(None))
     return t
 
@@ -45,7 +50,7 @@ def events(t: Tier, name: Event) -> list[dict]:
 
 
 def test_another_jobs_directory_or_one_inside_it_is_refused(tmp_path):
-    other = Tier(CheckpointConfig(), "job-b", 2).job_id
+    other = Tier(CheckpointTierConfig(), "job-b", 2).job_id
     write_checkpoint(str(tmp_path / "ck"), 5, other)
     for d in (tmp_path / "ck", tmp_path / "ck" / "step-000000005", tmp_path / "ck" / "sub"):
         why = tier(tmp_path, dir=str(d), every=5).refusal()
@@ -80,7 +85,7 @@ def test_resume_from_picks_the_newest_valid_and_exports_it(tmp_path, monkeypatch
 
 def test_a_restart_falls_back_past_a_torn_and_a_corrupted_checkpoint(tmp_path):
     t = tier(tmp_path, dir=str(tmp_path / "ck"), every=5)
-    root = t.config.dir
+    root = t.config.checkpoint_dir
     good = write_checkpoint(root, 5, t.job_id, when=time.time() - 30)
     corrupted = write_checkpoint(root, 10, t.job_id)
     os.truncate(os.path.join(corrupted, "__0_0.distcp"), 3)
@@ -98,7 +103,7 @@ def test_a_restart_falls_back_past_a_torn_and_a_corrupted_checkpoint(tmp_path):
 def test_no_restart_without_a_valid_checkpoint_or_in_a_crash_loop(tmp_path):
     t = tier(tmp_path, dir=str(tmp_path / "ck"), every=5)
     assert t.plan_restart("lost")[0] is None and "no valid checkpoint" in t.plan_restart("lost")[1]
-    write_checkpoint(t.config.dir, 5, t.job_id)
+    write_checkpoint(t.config.checkpoint_dir, 5, t.job_id)
     for _ in range(3):
         assert t.plan_restart("lost")[0] is not None
     restart, why = t.plan_restart("lost")
@@ -110,7 +115,7 @@ def test_a_failed_save_warns_beside_the_newest_committed_step(tmp_path):
     t.save_failed(0, "n1", "checkpoint at step 5 not saved (...): OSError: [Errno 28] No space left on device")
     assert "No space left" in t.status()["failed"]
     assert events(t, Event.CHECKPOINT_FAILED)[0]["node"] == "n1"
-    write_checkpoint(t.config.dir, 10, t.job_id)
+    write_checkpoint(t.config.checkpoint_dir, 10, t.job_id)
     t.tick(100.0)
     assert "No space left" in t.status()["failed"] and t.status()["latest"] == 10
     assert events(t, Event.CHECKPOINT_COMMITTED)[0]["step"] == 10
@@ -122,16 +127,25 @@ def test_choose_takes_one_step_directory_too(tmp_path):
     assert (step, got, refused) == (5, path, [])
 
 
-@pytest.mark.parametrize("options, word", [({"every": 5}, "needs --checkpoint-dir"),
-                                            ({"dir": "d", "keep": 0}, "--checkpoint-keep")])
-def test_bad_options_are_refused(tmp_path, options, word):
-    assert word in tier(tmp_path, **options).refusal()
+def test_bad_options_are_refused(tmp_path):
+    assert "needs --checkpoint-dir" in tier(tmp_path, every=5).refusal()
+    with pytest.raises(ConfigError, match="--checkpoint-keep"):  # ranges: the config section's, checked once
+        tier(tmp_path, dir="d", keep=0)
+
+
+def test_the_tier_takes_its_defaults_from_the_job_configuration(tmp_path):
+    from tmd.config import JobConfig
+
+    t = Tier(JobConfig().checkpoint, "job-a", 2)
+    assert t.env()["TM_CHECKPOINT_DIR"] is None and t.status()["keep"] == JobConfig().checkpoint.checkpoint_keep
+    t = Tier(JobConfig().with_options(checkpoint_dir=str(tmp_path / "ck")).checkpoint, "job-a", 2)
+    assert t.env()["TM_CHECKPOINT_KEEP"] == str(JobConfig().checkpoint.checkpoint_keep)
 
 
 def test_the_same_job_run_again_goes_on_from_its_own_newest_checkpoint(tmp_path):
     t = tier(tmp_path, dir=str(tmp_path / "ck"), every=5)
-    write_checkpoint(t.config.dir, 5, t.job_id)
-    newest = write_checkpoint(t.config.dir, 10, t.job_id)
+    write_checkpoint(t.config.checkpoint_dir, 5, t.job_id)
+    newest = write_checkpoint(t.config.checkpoint_dir, 10, t.job_id)
     again = tier(tmp_path, dir=str(tmp_path / "ck"), every=5)  # the same --job name (or SLURM job id): same id
     assert again.refusal() is None and again.resume_from == newest
     assert tier(tmp_path, dir=str(tmp_path / "fresh"), every=5).refusal() is None
