@@ -252,7 +252,7 @@ class Migration:
             control.enter(Stage.LEFT)
             self.reports.done(switch.step - 1, left=True)
             self.finish_agent()
-            flush_sent()  # the Done must be on the wire before os._exit: tmd journals rank_left from it
+            flush_sent()  # what is still queued goes out before os._exit (the Done too, if tmd's ack did not come)
             print(f"[worker] rank {control.rank} handed over at step {switch.step}; leaving", flush=True)
             # The script's own finally blocks still run as LeaverExit unwinds; then skip the interpreter's
             # teardown (seconds of CPU for torch, stolen from co-located ranks that train on).

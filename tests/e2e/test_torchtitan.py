@@ -17,12 +17,12 @@ In the FSDP job both kinds of checkpoint are on: torchtitan's own (``--checkpoin
 ``--dump-folder``, every 10 steps) and the runtime's (tmd ``--checkpoint-dir``, every 5 steps, the 4 newest kept).
 They are all written through the migration and the kill, the runtime's of the steps after the recovery too (its
 saver group is keyed by the world generation in use), each valid against its manifest, and they change no number.
-One more job, the runtime's uninterrupted FSDP run, gives the plain run's hashes: the runtime
-changes nothing in the numerics. Skipped where torchtitan is not installed (``pip install -e .[torchtitan]``).
+One more job, the runtime's uninterrupted FSDP run, gives the plain run's hashes: the runtime changes nothing in the
+numerics. Skipped where torchtitan is not installed (``pip install -e .[torchtitan]``).
 
-The suite's default runs the FSDP job only (about 2.5 minutes here: 152 s, its plain reference 51 s of it): the uninterrupted
-run and the TP 2 x FSDP2 2 job add about 3 minutes (all three: 340 s), over the suite's 15-minute budget on 2 cores. Set
-``TM_TEST_TORCHTITAN=all`` to run them too (they pass: see docs/torchtitan.md).
+The suite's default runs the FSDP job only (about 2.5 minutes here: 152 s, its plain reference 51 s of it): the
+uninterrupted run and the TP 2 x FSDP2 2 job add about 3 minutes (all three: 340 s), over the suite's 15-minute
+budget on 2 cores. Set ``TM_TEST_TORCHTITAN=all`` to run them too (they pass: see docs/torchtitan.md).
 """
 from __future__ import annotations
 
