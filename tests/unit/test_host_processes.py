@@ -34,17 +34,17 @@ def test_exiting_reads_the_pf_exiting_flag_after_any_command_name(tmp_path):
     assert not exiting(os.getpid())  # this very process, on Linux's real /proc
 
 
-def test_a_killed_process_counts_as_died_before_it_is_a_zombie():
-    """The child is single-threaded, so the thread that frees its 2 GB is its main thread: the whole time, the
-    process is neither a zombie nor reapable. HostProcesses must call it DIED within that window."""
+def _died_before_reapable(procs: HostProcesses) -> bool:
+    """Kill a child that holds HOLD_MB and poll ``procs`` until it says DIED. Returns whether the child could not
+    be reaped yet at that moment, i.e. DIED was seen during the kernel's teardown rather than after it."""
     child = subprocess.Popen(
         [sys.executable, "-c",
-         f"b = bytearray({HOLD_MB} << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\n"
+         # nice 19: on a loaded machine the child's teardown (run in its own context) is what waits for a core
+         f"import os\nos.nice(19)\nb = bytearray({HOLD_MB} << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\n"
          "print('held', flush=True)\nimport time\ntime.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "held"
-        procs = HostProcesses("here")
         w = Worker(b"n1/0", "n1", 0, child.pid, "here")
         assert procs.state(w) is None  # alive and asleep
         os.kill(child.pid, signal.SIGKILL)
@@ -53,7 +53,22 @@ def test_a_killed_process_counts_as_died_before_it_is_a_zombie():
             assert time.monotonic() < deadline, "the killed child never counted as died"
         assert state is ProcessState.DIED
         reaped, _ = os.waitpid(child.pid, os.WNOHANG)
-        assert reaped == 0, "DIED was seen only once the child could be reaped: not before its teardown"
+        return reaped == 0
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_killed_process_counts_as_died_before_it_is_a_zombie():
+    """The child is single-threaded, so the thread that frees its 2 GB is its main thread: the whole time, the
+    process is neither a zombie nor reapable. HostProcesses must call it DIED within that window.
+
+    The window is ~0.1 s, and a loaded 2-core machine can deschedule this test's polling for longer, so up to 3
+    kills are tried and one must be caught in its teardown. A detector that sees only zombies fails all 3."""
+    procs = HostProcesses("here")
+    outcomes = []
+    for _ in range(3):
+        outcomes.append(_died_before_reapable(procs))
+        if outcomes[-1]:
+            break
+    assert outcomes[-1], f"DIED was seen only once the child could be reaped, in all {len(outcomes)} kills"
