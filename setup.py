@@ -13,7 +13,9 @@ setup(
         CppExtension(
             name="worker._C",
             sources=["csrc/mover_backend.cpp", "csrc/bindings.cpp"],
-            extra_compile_args=["-O2", "-std=c++17"],
+            # -g0: Python's own CFLAGS add -g, and debug information for torch's headers doubled the compile time
+            # (mover_backend.cpp 49 -> 25 s here); the symbols a backtrace needs stay in the symbol table.
+            extra_compile_args=["-O2", "-g0", "-std=c++17"],
             extra_link_args=[f"-Wl,-rpath,{TORCH_LIB}"],
         )
     ],

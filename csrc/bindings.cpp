@@ -1,5 +1,7 @@
 // Python bindings for the mover backend: `worker._C`.
-#include <torch/extension.h>
+// torch/python.h, not torch/extension.h: the latter adds torch/all.h (the C++ frontend: nn, optim, data), which
+// nothing here uses (this file's compile: 49 -> 34 s here; with -g as before, 75 s).
+#include <torch/python.h>
 
 #include "mover_backend.hpp"
 

