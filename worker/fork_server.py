@@ -9,7 +9,8 @@ zygote.)
 Who uses it: :class:`tmd.local.LocalLauncher`, for a job command that a fresh interpreter would run the same way
 (:func:`eligible`: ``python [-u] script.py ARGS`` or ``python [-u] -m module ARGS`` with the interpreter that runs
 this server), when no CPU sets or network namespaces wrap the processes. Anything else, and ``TM_FORK_SERVER=0``,
-starts each process with ``subprocess.Popen`` as before.
+starts each process with ``subprocess.Popen`` as before. ``TM_FORK_PRELOAD`` names more modules for the image,
+those a job's ranks import anyway (:func:`preload`; for torchtitan, ``worker.integrations.torchtitan_image``).
 
 Protocol (a private ``socketpair`` between tmd and this process, not a network socket; JSON lines, nothing
 executed): this process writes ``{"ready": pid}`` once its imports are done, then answers each request
@@ -29,6 +30,7 @@ OpenMP read some of them at import.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import os
 import runpy
@@ -46,6 +48,9 @@ from worker.exit import flush_stdio
 # at import time, so a rank may set them after the fork.
 IDENTITY = ("TM_NODE", "TM_LOCAL_RANK", "TM_STANDBY", "TM_GLOO_HOST")
 DISABLE_ENV = "TM_FORK_SERVER"
+# modules the server imports too, after its own (comma-separated): what the job's ranks import anyway, e.g.
+# worker.integrations.torchtitan_image for torchtitan's Trainer; each must leave no thread running
+PRELOAD_ENV = "TM_FORK_PRELOAD"
 SERVER_NAME = "tm-fork-server"  # the server's process name (comm, as ps -o comm and psutil's name() show it)
 PR_SET_NAME = 15  # linux/prctl.h
 PR_SET_CHILD_SUBREAPER = 36
@@ -112,8 +117,11 @@ def common_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in IDENTITY}
 
 
-def preload() -> None:
-    """Import what every rank imports. Runs no torch operation: no thread pool may exist at fork time."""
+def preload(extra: str = "") -> None:
+    """Import what every rank imports, then the modules named in ``extra`` (``TM_FORK_PRELOAD``'s value: module
+    names, comma-separated). Runs no torch operation: no thread pool may exist at fork time. Raises what an import
+    raises, and RuntimeError when a module of ``extra`` left a thread running (a fork would copy the locks it
+    holds); the server then refuses to serve, and tmd starts every process itself."""
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
@@ -121,6 +129,13 @@ def preload() -> None:
     # DistributedDataParallel's constructor (and torch.compile) imports torch._dynamo: ~1 s of CPU per rank here,
     # paid by every rank at once on the job's first step unless the image has it
     import torch._dynamo  # noqa: F401
+
+    for name in filter(None, (part.strip() for part in extra.split(","))):
+        threads = threading.active_count()
+        importlib.import_module(name)
+        if threading.active_count() > threads:
+            raise RuntimeError(f"{PRELOAD_ENV}: importing {name} started a thread, and a rank forked from it "
+                               f"would copy the locks that thread holds")
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -212,7 +227,7 @@ def serve(fd: int) -> int:
     server = socket.socket(fileno=fd)
     before = dict(os.environ)
     try:
-        preload()
+        preload(os.environ.get(PRELOAD_ENV, ""))
     except Exception as e:  # noqa: BLE001 - tmd then starts every process itself
         server.sendall(json.dumps({"error": f"preload failed: {type(e).__name__}: {e}"}).encode() + b"\n")
         return 1

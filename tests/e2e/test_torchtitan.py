@@ -20,8 +20,8 @@ saver group is keyed by the world generation in use), each valid against its man
 One more job, the runtime's uninterrupted FSDP run, gives the plain run's hashes: the runtime changes nothing in the
 numerics. Skipped where torchtitan is not installed (``pip install -e .[torchtitan]``).
 
-The suite's default runs the FSDP job only (about 2.5 minutes here: 152 s, its plain reference 51 s of it): the
-uninterrupted run and the TP 2 x FSDP2 2 job add about 3 minutes (all three: 340 s), over the suite's 15-minute
+The suite's default runs the FSDP job only (about 1 minute here: 62 s, its plain reference included): the
+uninterrupted run and the TP 2 x FSDP2 2 job add about 2 minutes (all three: 175 s), over the suite's 15-minute
 budget on 2 cores. Set ``TM_TEST_TORCHTITAN=all`` to run them too (they pass: see docs/torchtitan.md).
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ from worker import checkpoint as ck
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e .[torchtitan])")
 ALL = os.environ.get("TM_TEST_TORCHTITAN") == "all"
-every_layout = pytest.mark.skipif(not ALL, reason="set TM_TEST_TORCHTITAN=all (about 3 more minutes)")
+every_layout = pytest.mark.skipif(not ALL, reason="set TM_TEST_TORCHTITAN=all (about 2 more minutes)")
 
 STEPS = 20
 SNAPSHOT_EVERY = 4
@@ -50,6 +50,14 @@ LAYOUTS = {
     "fsdp": (),
     "tp_fsdp": ("--parallelism.tensor-parallel-degree", "2"),
 }
+# what the ranks' image imports once (TM_FORK_PRELOAD, worker/fork_server.py), the driver's helpers too
+IMAGE = "worker.integrations.torchtitan_image,examples.train_gpt"
+
+
+@pytest.fixture(autouse=True)
+def image(monkeypatch):
+    """Every ``tmd local`` job here forks its ranks and standbys from a fork server that imported torchtitan."""
+    monkeypatch.setenv("TM_FORK_PRELOAD", IMAGE)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +78,8 @@ def titan_args(layout: str, data_dir: str) -> tuple[str, ...]:
 def plain(tmp_path_factory, data_dir):
     """``plain(layout)``: every rank's final hash of torchtitan's own loop on 4 ranks with torchrun's environment
     (one node), run on first use and kept for the module. The ranks are forked from one process that imported
-    torch and most of torchtitan once (tests.support.forked, tests.support.torchtitan_image), as torchrun's 4 fresh
-    interpreters would each have done."""
+    torch and most of torchtitan once (tests.support.forked, IMAGE), as torchrun's 4 fresh interpreters would each
+    have done."""
     done: dict[str, dict[int, str]] = {}
 
     def run(layout: str) -> dict[int, str]:
@@ -79,7 +87,7 @@ def plain(tmp_path_factory, data_dir):
             run_dir = str(tmp_path_factory.mktemp(f"plain-{layout}"))
             argv = [sys.executable, "-m", "examples.torchtitan.train", "--plain", "--run-dir", run_dir,
                     "--steps", str(STEPS), *titan_args(layout, data_dir)]
-            with Launcher(["tests.support.torchtitan_image"], torchrun_env()) as launcher:
+            with Launcher(IMAGE.split(","), torchrun_env()) as launcher:
                 ranks = torchrun(launcher, argv, 4, os.path.join(run_dir, "logs"))
             assert [r.returncode for r in ranks] == [0] * 4, ranks[0].stderr[-3000:]
             done[layout] = final_hashes(run_dir)

@@ -113,6 +113,46 @@ def test_forked_ranks_run_as_fresh_processes_and_report_their_exit(tmp_path, mon
     assert launcher.fork_server.proc.returncode is not None  # the server ended with the launcher
 
 
+PROBE = "import os\nwith open(os.environ['PROBE_LOG'], 'a') as f:\n    f.write(f'{os.getpid()}\\n')\n"
+THREADED = "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+SEES = "import json, sys\nprint(json.dumps(sorted(m for m in sys.modules if m.startswith('tm_probe'))), flush=True)\n"
+
+
+def test_preloaded_modules_are_imported_once_by_the_server_and_one_that_starts_a_thread_is_refused(
+        tmp_path, monkeypatch):
+    """TM_FORK_PRELOAD: the server imports the named modules once, and every forked rank has them without importing
+    them; a module that leaves a thread running makes the server refuse, and the ranks start as fresh processes."""
+    (tmp_path / "tm_probe.py").write_text(PROBE)
+    (tmp_path / "tm_probe_threaded.py").write_text(THREADED)
+    script = tmp_path / "sees.py"
+    script.write_text(SEES)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PROBE_LOG", str(tmp_path / "imported-by"))
+    monkeypatch.setenv("TM_FORK_SERVER", "1")
+    monkeypatch.setenv("TM_FORK_PRELOAD", "tm_probe, json")
+    launcher = LocalLauncher([PY, str(script)], str(tmp_path / "run"), "tcp://127.0.0.1:1", 2, echo=False)
+    try:
+        launcher.start_node("n1", standby=False)
+        assert all(isinstance(p.popen, Forked) for p in launcher.procs)
+        assert sorted(p.returncode for p in _wait_exits(launcher, 2)) == [0, 0]
+        for proc in launcher.procs:
+            assert open(launcher._log_path("n1", proc.local_rank)).read().split() == ['["tm_probe"]']
+        assert open(tmp_path / "imported-by").read().split() == [str(launcher.fork_server.proc.pid)]
+    finally:
+        launcher.terminate_all(grace_s=2)
+
+    monkeypatch.setenv("TM_FORK_PRELOAD", "tm_probe_threaded")
+    launcher = LocalLauncher([PY, str(script)], str(tmp_path / "run2"), "tcp://127.0.0.1:1", 1, echo=False)
+    try:
+        launcher.start_node("n1", standby=False)
+        assert not any(isinstance(p.popen, Forked) for p in launcher.procs)
+        assert "importing tm_probe_threaded started a thread" in launcher.fork_server.broken
+        assert sorted(p.returncode for p in _wait_exits(launcher, 1)) == [0]
+        assert open(launcher._log_path("n1", 0)).read().split() == ["[]"]  # a fresh interpreter
+    finally:
+        launcher.terminate_all(grace_s=2)
+
+
 def test_other_commands_and_a_disabled_server_start_processes_directly(tmp_path, monkeypatch):
     launcher = LocalLauncher([PY, "-c", "import sys; sys.exit(3)"], str(tmp_path), "tcp://127.0.0.1:1", 1,
                              echo=False)

@@ -56,6 +56,11 @@ VARIABLES: tuple[EnvVar, ...] = (
            "`0`: tmd local starts every rank with a fresh interpreter instead of forking it from a fork server that "
            "imported torch once (worker/fork_server.py; only `python script.py` and `python -m module` commands "
            "without CPU sets or namespaces are forked)."),
+    EnvVar("TM_FORK_PRELOAD", "unset", CLI + " (tmd local)",
+           "Modules (comma-separated) the fork server imports after torch and the worker package, before it forks "
+           "the ranks: what they import anyway, e.g. `worker.integrations.torchtitan_image` for torchtitan "
+           "(docs/torchtitan.md). A module that fails to import or leaves a thread running makes tmd start every "
+           "process with a fresh interpreter."),
     EnvVar("TM_GLOO_HOST", "the address routing to tmd's store", RANKS + "; tmd local sets it",
            "The address gloo binds and advertises (local mode: 127.0.0.1, or the node's namespace address)."),
     EnvVar("TM_IFNAME", "unset (the interface routing to tmd)", "tmd local / tmd slurm (`--iface`); ranks",
