@@ -213,9 +213,9 @@ class Soak:
             info["node"] = standby[0]
         else:
             pids = [pid for ps in active.values() for pid in ps]
-            for pid in pids:
-                os.kill(pid, signal.SIGSTOP)  # frozen: no save commits while the checkpoint is corrupted
-            if kind == "corrupt_all_active":
+            if kind == "corrupt_all_active":  # before the processes stop: tmd may find one stopped and choose the
+                # checkpoint to restart from at once (a run here chose it, valid, before it was corrupted; the ranks
+                # then refused it). A save that commits after this one is newer: the restart takes that one.
                 valid = [path for _, path in ck.checkpoints(self.root) if ck.verify(path)[0] is None]
                 if valid:
                     data = sorted(glob.glob(os.path.join(valid[0], "__*.distcp")))[0]
@@ -224,6 +224,8 @@ class Soak:
                         f.seek(0)
                         f.write(bytes([b[0] ^ 0xFF]))
                     info["corrupted"] = valid[0]
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)  # all at once: none goes on alone
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
         return info
