@@ -13,17 +13,22 @@ request when none is left):
 - ``migrate``: a planned migration of one active node to a warm standby;
 - ``standby_kill``: kill -9 a standby's processes (it is started again and warms; the job is untouched);
 - ``all_active``: kill -9 every active process at once (checkpoint tier: every process relaunched);
-- ``corrupt_all_active``: one byte of the newest checkpoint flipped, then ``all_active`` (the checkpoint before it).
+- ``corrupt_all_active``: one byte of the newest checkpoint flipped, then ``all_active`` (the checkpoint before it);
+- ``tmd_kill``: kill -9 of ``tmd local``, then ``tmd resume --run-dir`` (the ranks train on; the resumed tmd
+  re-learns the job and keeps the checkpoint tier: a later ``all_active`` is restarted by it).
 
 Per event: its ``tier`` (``replica``, ``snapshot``, ``checkpoint``, ``migration`` or ``none``), ``downtime_s``
 (a recovery's detection to recovered; a migration's downtime; a restart's failure to the first step after it) and
-``work_lost_s`` (a restart's: training since the checkpoint; 0 where only the interrupted step is redone). Per run:
+``work_lost_s`` (a restart's: training since the checkpoint; 0 where only the interrupted step is redone); for
+``tmd_kill`` (tier ``none``) the rank's view: the longest gap between two consecutive steps' ends in ``step_times``
+from the kill to a step after the re-learning, less that step's own time, and ``relearn_s`` (tmd's re-learning).
+Per run:
 ``ettr`` (steps x the uninterrupted median step / the wall time of training), ``bit_identical`` (every rank's
 final parameter, optimizer and RNG hash equals the uninterrupted run's) and the exit code.
 
-Not in this soak (said in its output, ``not_covered``): kill -9 of tmd with ``tmd resume`` (the restart loop of
-the checkpoint tier lives in the ``tmd local`` process), a network partition (``--netns-node`` needs root), the
-TP x FSDP2 job of examples/train_llama.py with a node lost together with its snapshot keeper.
+Not in this soak (said in its output, ``not_covered``): a network partition (``--netns-node``; a tmd restarted
+by ``tmd resume`` cannot recreate namespaces, so it would not restart such a job from a checkpoint), the TP x FSDP2
+job of examples/train_llama.py with a node lost together with its snapshot keeper.
 """
 from __future__ import annotations
 
@@ -45,19 +50,23 @@ from tmctl.localjob import Job, diagnose, events, tmd_command, wait_until
 from tmd import protocol as p
 from worker import checkpoint as ck
 
-KINDS = ("kill", "stop", "migrate", "standby_kill", "all_active", "corrupt_all_active")
+KINDS = ("kill", "stop", "migrate", "standby_kill", "all_active", "corrupt_all_active", "tmd_kill")
 GAP_STEPS = 6  # steps of training between two events (past the previous one's redone or resumed step)
 EVENT_TIMEOUT_S = 240.0
 # valid checkpoints an event needs before it fires: one to restart from; for a corruption, one to corrupt and one to
 # fall back to. (Runs here fired them too early: a save in flight when a node was stopped or killed never
 # commits, and the job then rightly failed with nothing to restart from.)
 CHECKPOINTS_NEEDED = {"all_active": 1, "corrupt_all_active": 2}
+# steps a kind needs left after it: tmd resume takes seconds to start, and the ranks train on meanwhile (a run here
+# fired tmd_kill near the end: the ranks finished while tmd was down, and the resumed tmd, seeing none come back,
+# restarted the job from its last checkpoint)
+STEPS_AFTER = {"tmd_kill": 100}
 QUICK_S_MAX = 480.0  # --quick: the whole soak (the uninterrupted run not included) within 8 minutes
 NUMERICS = ("--dropout", "0.1", "--seed-mode", "per-rank")
 # the soak's step floor, in the uninterrupted run too: its median step is the ETTR's unit, so both must be paced
 # alike (a reference run at the tiny GPT's unpaced ~0.06 s/step made the 0.1 s steps of the soak count as lost time)
 PACING = ("--min-step-time-s", "0.1")
-NOT_COVERED = ["kill -9 of tmd then tmd resume", "a network partition (--netns-node: root)",
+NOT_COVERED = ["a network partition (--netns-node: a tmd restarted by tmd resume cannot recreate namespaces)",
                "TP x FSDP2 (examples/train_llama.py) with a node lost together with its snapshot keeper"]
 
 
@@ -108,9 +117,19 @@ def outcome(evs: list[dict], after_seq: int) -> Optional[dict]:
         if e["event"] == p.Event.MIGRATION_ABORTED:
             return {"tier": "none", "aborted": e.get("reason"), "work_lost_s": 0.0, "resume_step": None,
                     "ts": e["ts"]}
+        if e["event"] == p.Event.JOB_RELEARNED:  # a tmd restarted by tmd resume re-learned every rank
+            return {"tier": "none", "work_lost_s": 0.0, "resume_step": e.get("step"), "ts": e["ts"],
+                    "relearn_s": e.get("after_s"), "tmd_restart": True}
         if e["event"] == p.Event.STANDBY_RESTARTED:
             return {"tier": "none", "downtime_s": 0.0, "work_lost_s": 0.0, "resume_step": None, "ts": e["ts"]}
     return None
+
+
+def step_gap(ends: dict[int, tuple[float, float]], since: float) -> Optional[float]:
+    """The ranks' view of a pause from ``since`` (a wall time) on: the longest gap between the ends of two
+    consecutive steps, less the later step's own seconds (None without such a pair)."""
+    gaps = [ends[s][0] - ends[s - 1][0] - ends[s][1] for s in ends if s - 1 in ends and ends[s][0] >= since]
+    return round(max(0.0, max(gaps)), 3) if gaps else None
 
 
 def migration_downtime(evs: list[dict], migration_id: int) -> Optional[tuple[float]]:
@@ -182,6 +201,11 @@ class Soak:
         elif kind == "migrate":
             target = next(n["name"] for n in st.nodes if n["role"] == p.NodeRole.STANDBY and n["warm"])
             info.update(node=node, target=target, id=self.job.migrate(node, target))
+        elif kind == "tmd_kill":  # the ranks train on; tmd resume re-learns the job from the journal and them
+            os.kill(self.job.proc.pid, signal.SIGKILL)
+            self.job.proc.wait()
+            self.job.proc = subprocess.Popen([sys.executable, "-m", "tmd.cli", "resume", "--run-dir",
+                                              self.job.run_dir, "--quiet"], stdout=subprocess.DEVNULL)
         elif kind == "standby_kill":
             standby = sorted(self.pids(st, (p.NodeRole.STANDBY,)).items())[0]
             for pid in standby[1]:
@@ -189,9 +213,9 @@ class Soak:
             info["node"] = standby[0]
         else:
             pids = [pid for ps in active.values() for pid in ps]
-            for pid in pids:
-                os.kill(pid, signal.SIGSTOP)  # frozen: no save commits while the checkpoint is corrupted
-            if kind == "corrupt_all_active":
+            if kind == "corrupt_all_active":  # before the processes stop: tmd may find one stopped and choose the
+                # checkpoint to restart from at once (a run here chose it, valid, before it was corrupted; the ranks
+                # then refused it). A save that commits after this one is newer: the restart takes that one.
                 valid = [path for _, path in ck.checkpoints(self.root) if ck.verify(path)[0] is None]
                 if valid:
                     data = sorted(glob.glob(os.path.join(valid[0], "__*.distcp")))[0]
@@ -201,6 +225,8 @@ class Soak:
                         f.write(bytes([b[0] ^ 0xFF]))
                     info["corrupted"] = valid[0]
             for pid in pids:
+                os.kill(pid, signal.SIGSTOP)  # all at once: none goes on alone
+            for pid in pids:
                 os.kill(pid, signal.SIGKILL)
         return info
 
@@ -208,12 +234,17 @@ class Soak:
         """Wait for the event's repair, then for training past its resumed step; fill in its figures."""
         got = wait_until(lambda: outcome(self.journal(), after_seq), EVENT_TIMEOUT_S, f"the repair of {info}",
                          poll_s=0.2)
+        fired = info["ts"]
         info.update(got)
         resume = got.get("resume_step")
         if got.get("restart"):  # downtime: the failure to the end of the first step after the restart
             ends = wait_until(lambda: {s: v for s, v in step_ends(self.journal()).items()
                                        if v[0] > got["ts"]} or None, EVENT_TIMEOUT_S, "a step after the restart")
             info["downtime_s"] = round(min(ts for ts, _ in ends.values()) - info["ts"], 3)
+        elif got.get("tmd_restart"):  # the rank's view: the gap in step_times around the kill
+            ends = wait_until(lambda: (lambda e: e if any(ts > got["ts"] + 1.0 for ts, _ in e.values()) else None)(
+                step_ends(self.journal())), EVENT_TIMEOUT_S, "a step after the re-learning")
+            info["downtime_s"] = step_gap(ends, fired)
         elif got["tier"] == "migration":  # tmd journals it once a window of steps after the switch has run
             info["downtime_s"] = wait_until(lambda: migration_downtime(self.journal(), got["migration_id"]),
                                             EVENT_TIMEOUT_S, f"the downtime of migration {got['migration_id']}",
@@ -224,7 +255,7 @@ class Soak:
     def drive(self, kinds: list[str], rng: random.Random, steps: int) -> None:
         next_step = 12  # past the recorded first steps and the first checkpoint
         for kind in kinds:
-            if next_step > steps - 2 * GAP_STEPS:
+            if next_step > steps - 2 * GAP_STEPS - STEPS_AFTER.get(kind, 0):
                 print(f"[chaos] {kind}: no steps left for it", file=sys.stderr, flush=True)
                 break
             st = self.ready(next_step)
@@ -253,13 +284,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="about 10 events on the tiny GPT (CI-sized, minutes)")
     ap.add_argument("--events", type=int, default=0, help="events (default 30; 10 with --quick)")
-    ap.add_argument("--steps", type=int, default=0, help="steps of the job (default: 25 per event + 40)")
+    ap.add_argument("--steps", type=int, default=0, help="steps of the job (default: 25 per event + 140)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-dir", default="tmrun/bench-chaos")
     ap.add_argument("--no-save", action="store_true", help="print only (do not write benchmarks/results)")
     args = ap.parse_args(argv)
     n = args.events or (10 if args.quick else 30)
-    steps = args.steps or 25 * n + 40
+    steps = args.steps or 25 * n + 140
     tiny = args.quick
     shutil.rmtree(args.run_dir, ignore_errors=True)
     ref_dir = os.path.join(args.run_dir, "uninterrupted")

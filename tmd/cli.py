@@ -129,8 +129,6 @@ def local(
     spares = [f"s{i + 1}" for i in range(standbys)]
     namespaces, bridge, specs, host = _namespaces(netns_node, netns_all, active + spares)
     isolation = _isolation(active, spares) if isolate_nodes else None
-    from tmd.supervise import supervise
-
     daemons = []  # every daemon of the job: the last one's restart (tmd.tiers) relaunches the job on its port
 
     def build(state):  # None: the job's first tmd; a tmd.resume.JobState: a crashed tmd resumed (tmd.supervise)
@@ -147,22 +145,37 @@ def local(
             if isolation is not None:
                 print(f"[tmd] {isolation.describe()}", flush=True)
                 d.journal.record(Event.NODES_ISOLATED, **isolation.to_dict())
-            for n in active:
-                d.launcher.start_node(n, standby=False)
-            for n in spares:
-                d.launcher.start_node(n, standby=True)
+            _start_nodes(d, active, spares)
         return d
 
     started = time.monotonic()
-    code = supervise(build)
-    while daemons[-1].restart is not None:  # in-memory recovery was impossible: relaunch from the checkpoint
-        tier.last_seq = daemons[-1].journal.seq  # the relaunched daemon's journal goes on after it
-        tier.export()
-        code = supervise(build)
+    code = _run_until_done(build, daemons, tier)
     print(f"[tmd] job {name} ended with code {code} after {time.monotonic() - started:.1f} s", flush=True)
     if bridge is not None:
         bridge.close()  # the namespaces of tmd and of every node, and the bridge (also at exit, stale at next start)
     _exit(code)
+
+
+def _run_until_done(build: Callable, daemons: list, tier: Optional["Tier"]) -> int:
+    """Run the job's tmd under tmd.supervise (``build`` as supervise takes it, appending each daemon it makes to
+    ``daemons``) until the job ends; each time a daemon ended for a restart from a checkpoint (tmd.tiers: in-memory
+    recovery was impossible), relaunch the job with ``build(None)``. Returns the job's exit code."""
+    from tmd.supervise import supervise
+
+    code = supervise(build)
+    while tier is not None and daemons and daemons[-1].restart is not None:
+        tier.last_seq = daemons[-1].journal.seq  # the relaunched daemon's journal goes on after it
+        tier.export()  # TM_RESUME_FROM: the checkpoint every relaunched process loads
+        code = supervise(build)
+    return code
+
+
+def _start_nodes(daemon, active: list[str], spares: list[str]) -> None:
+    """Start every process of a (re)launched local job: the ``active`` nodes' ranks, then the ``spares``."""
+    for n in active:
+        daemon.launcher.start_node(n, standby=False)
+    for n in spares:
+        daemon.launcher.start_node(n, standby=True)
 
 
 def _use_iface(config: JobConfig) -> None:
@@ -329,7 +342,7 @@ def resume(
     when there is no job to resume or an option is out of range."""
     from tmd.daemon import Daemon
     from tmd.local import LocalLauncher
-    from tmd.resume import ResumeError, load
+    from tmd.resume import ResumeError, load, split_address
 
     try:
         state = load(run_dir)
@@ -340,21 +353,53 @@ def resume(
     _use_iface(config)  # the standbys this tmd starts use the job's interface too
     if state.cwd and os.path.isdir(state.cwd):
         os.chdir(state.cwd)  # where the job's command (relative paths, python -m) runs: standbys start there
+    tier = _resumed_tier(state, config)
+    command = list(state.command or [])
+    host, port = split_address(state.address)
+    daemons: list = []
+
+    def build(st):  # None first: the job tmd died in; None after a restart from a checkpoint: the relaunched job
+        if daemons and st is None:  # relaunch every rank and standby process on the same address
+            serve = dataclasses.replace(config.serve, port=port)
+            d = Daemon(state.job, state.run_dir, state.nodes, state.ranks_per_node, state.standbys,
+                       dataclasses.replace(config, serve=serve), host=host, echo=not quiet, command=command,
+                       tier=tier)
+            d.launcher = LocalLauncher(command, d.run_dir, d.address, state.ranks_per_node, echo=not quiet)
+            _start_nodes(d, state.nodes, state.standbys)
+        else:  # the job tmd died in (a later crash: tmd.supervise hands the launcher over)
+            d = Daemon(state.job, state.run_dir, state.nodes, state.ranks_per_node, state.standbys, config,
+                       echo=not quiet, command=state.command, netns=state.netns, resume=st or state, tier=tier)
+            if not daemons:  # the job's processes are not this tmd's children: the launcher adopts them as they
+                # re-register, and starts standbys afresh with the job's command
+                d.launcher = LocalLauncher(command, d.run_dir, d.address, state.ranks_per_node, echo=not quiet)
+        daemons.append(d)
+        return d
+
     started = time.monotonic()
     try:
-        daemon = Daemon(state.job, state.run_dir, state.nodes, state.ranks_per_node, state.standbys, config,
-                        echo=not quiet, command=state.command, netns=state.netns, resume=state)
+        code = _run_until_done(build, daemons, tier)
     except Exception as e:  # noqa: BLE001 - e.g. the address is taken: one line, not a traceback
+        if daemons:
+            raise
         print(f"error: cannot restart tmd of job {state.job} at {state.address}: {e}", file=sys.stderr)
         raise typer.Exit(ExitCode.REFUSED)
-    # The job's processes are not this tmd's children: the launcher adopts them as they re-register, and
-    # starts standbys afresh with the job's command.
-    daemon.launcher = LocalLauncher(list(state.command or []), daemon.run_dir, daemon.address, state.ranks_per_node,
-                                    echo=not quiet)
-    code = daemon.run()
-    print(f"[tmd] job {daemon.job} ended with code {code} {time.monotonic() - started:.1f} s after the restart",
+    print(f"[tmd] job {state.job} ended with code {code} {time.monotonic() - started:.1f} s after the restart",
           flush=True)
     _exit(code)
+
+
+def _resumed_tier(state, config: JobConfig) -> Optional["Tier"]:
+    """The checkpoint tier of a job whose tmd ``tmd resume`` restarts (tmd.tiers.Tier.resumed: its journalled
+    ``--checkpoint-*`` settings and restarts), its settings exported to the standbys and relaunched processes this
+    tmd starts; None when the job has no ``--checkpoint-dir``."""
+    if config.checkpoint.checkpoint_dir is None:
+        return None
+    from tmd.tiers import Tier
+
+    tier = Tier.resumed(config.checkpoint, state.job, len(state.nodes) * state.ranks_per_node, state.restarts,
+                        netns=state.netns)
+    tier.export()
+    return tier
 
 
 @app.command()

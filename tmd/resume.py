@@ -89,6 +89,7 @@ class JobState:
     keepers: dict = dataclasses.field(default_factory=dict)  # rank -> the rank keeping its buddy snapshot
     unprotected: list = dataclasses.field(default_factory=list)  # the no_replica warnings
     web_port: Optional[int] = None  # the port of the status page and metrics (tmd.json's ``web``; None: off)
+    restarts: list = dataclasses.field(default_factory=list)  # the job's job_restarting events (checkpoint tier)
 
 
 def load(run_dir: str) -> JobState:
@@ -115,6 +116,7 @@ def load(run_dir: str) -> JobState:
     starts = [i for i, e in enumerate(events) if e["event"] == Event.TMD_STARTED]
     if not starts:
         raise ResumeError(f"no job to resume in {layout.path}: its journal has no {Event.TMD_STARTED} event")
+    restarts = [e for e in events if e["event"] == Event.JOB_RESTARTING]  # a relaunch journals tmd_started anew
     events = events[starts[-1]:]
     started = events[0]
     ends = [e for e in events if e["event"] in (Event.TMD_STARTED, Event.TMD_RESTARTED, Event.TMD_STOPPED,
@@ -196,7 +198,7 @@ def load(run_dir: str) -> JobState:
         last_migration_id=last_mid, cut_migration=migration, open_incident=incident,
         last_seq=max(seqs, default=0), last_ts=events[-1].get("ts", time.time()),
         previous_pid=pid if isinstance(pid, int) else None,
-        replicas=replicas, keepers=keepers, unprotected=unprotected, web_port=web_port)
+        replicas=replicas, keepers=keepers, unprotected=unprotected, web_port=web_port, restarts=restarts)
 
 
 def _config(events: list[dict], web_port: Optional[int]) -> JobConfig:

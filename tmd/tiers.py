@@ -11,7 +11,9 @@ checkpoint). The ranks write the checkpoints themselves (worker.checkpointing, w
   plans a restart from the newest valid checkpoint (:meth:`Tier.plan_restart`): a torn or corrupted one is
   passed over by name (``checkpoint_refused``), and ``job_restarting`` records the tier, the step rolled back to
   and the work lost in seconds. Local mode then relaunches every rank and standby process (tmd.cli) with
-  ``TM_RESUME_FROM`` naming that checkpoint; the final state is bit-identical to an uninterrupted run.
+  ``TM_RESUME_FROM`` naming that checkpoint; the final state is bit-identical to an uninterrupted run. A tmd
+  restarted by ``tmd resume`` (after a ``kill -9``) rebuilds the tier from the journal (:meth:`Tier.resumed`) and
+  relaunches the same way, except for a job in network namespaces, which it cannot recreate (it fails the job).
 
 The job id that owns a checkpoint directory (``<dir>/JOB``) is :func:`worker.checkpoint.job_identity` of the job's
 name: the same across a restart in the same tmd and across a SLURM requeue (the SLURM job id stays), another for
@@ -102,6 +104,27 @@ class Tier:
         self.last_seq = 0  # the journal's last sequence number when a restart ended the daemon before
         self._refused: list[str] = []  # what --resume-from passed over, journalled once a daemon is attached
         self._watched_at = 0.0
+        self.impossible: Optional[str] = None  # why this tmd cannot restart the job (then it fails instead)
+
+    @classmethod
+    def resumed(cls, config: CheckpointTierConfig, job: str, world_size: int, restarts: list[dict],
+                netns: Optional[dict] = None) -> "Tier":
+        """The tier of a job whose tmd died (``kill -9``) and is restarted by ``tmd resume``: the job's journalled
+        ``config`` and the ``job_restarting`` events of its journal (``restarts``: the crash-loop count and the
+        checkpoint a relaunch loaded go on). ``netns``: tmd.json's network namespaces: a resumed tmd cannot recreate
+        them, so a job that had any is not restarted from a checkpoint (:attr:`impossible`; the job fails and
+        ``job_failed`` says why)."""
+        tier = cls(config, job, world_size)
+        for e in restarts:
+            if isinstance(e.get("step"), int) and isinstance(e.get("path"), str):
+                tier.restarts.append(Restart(step=e["step"], path=e["path"], reason=str(e.get("reason", "")),
+                                             work_lost_s=float(e.get("work_lost_s") or 0.0),
+                                             at=float(e.get("at") or e.get("ts") or 0.0)))
+        tier.resume_from = tier.restarts[-1].path if tier.restarts else None
+        if netns:
+            tier.impossible = (f"a resumed tmd cannot recreate the network namespaces of {', '.join(sorted(netns))} "
+                               f"(tmd local --netns-*)")
+        return tier
 
     def attach(self, journal: Journal) -> None:
         """Journal to ``journal`` (each daemon's, after a restart the new one's)."""
@@ -197,6 +220,8 @@ class Tier:
         launch loads it (:attr:`resume_from`)."""
         if self.config.checkpoint_dir is None:
             return None, "no --checkpoint-dir"
+        if self.impossible is not None:
+            return None, self.impossible
         chosen, refused = choose(self.config.checkpoint_dir, self.job_id)
         for line in refused:
             self._record(Event.CHECKPOINT_REFUSED, message=line)

@@ -35,6 +35,7 @@ saver is abandoned (a save in flight when a member was lost fails on its own tim
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 from typing import Any, Callable, ContextManager, Optional
@@ -50,6 +51,9 @@ from worker.ddp_regroup import ddp_to_regroup
 log = logging.getLogger("worker.checkpointing")
 
 GROUP_TIMEOUT_S = 600.0  # the saver group's gloo timeout: a save of a large state waits this long for a peer
+# how long building the saver group (on the training thread, at a step boundary) waits for every rank: a peer lost
+# just then leaves the save undone and reported (a RankWarning), not the rank blocked for GROUP_TIMEOUT_S
+GROUP_BUILD_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +85,11 @@ class Settings:
 def saver_group(store: dist.Store, prefix: str, rank: int, size: int, host: Optional[str]) -> dist.ProcessGroup:
     """A gloo process group of every rank under ``prefix`` (never reused), registered with torch.distributed so
     that DCP can use it (``dist.get_rank(group)``), but unknown to the session's GroupManager: it is neither
-    recorded, nor latched by a failure, nor rebuilt by a migration. Blocks until every rank built it."""
-    backend = mb.build_gloo(store, prefix, rank, size, GROUP_TIMEOUT_S, host)
+    recorded, nor latched by a failure, nor rebuilt by a migration. Blocks until every rank built it, at most
+    :data:`GROUP_BUILD_TIMEOUT_S` (then raises torch.distributed.DistStoreError); its ops time out after
+    :data:`GROUP_TIMEOUT_S`."""
+    backend = mb.build_gloo(store, prefix, rank, size, GROUP_BUILD_TIMEOUT_S, host)
+    backend._set_default_timeout(datetime.timedelta(seconds=GROUP_TIMEOUT_S))  # what dist._set_pg_timeout does
     pg = dist.ProcessGroup(store, rank, size)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
@@ -166,6 +173,7 @@ class SessionCheckpoints:
         self._disarmed = disarmed
         self._saver: Optional[checkpoint.Checkpointer] = None
         self._generation: Optional[int] = None
+        self._unbuilt: Optional[int] = None  # a generation whose saver group could not be built (no saves in it)
         self.loaded_step: Optional[int] = None
 
     def _checkpointer(self, rank: int, world_size: int, generation: int) -> checkpoint.Checkpointer:
@@ -214,7 +222,17 @@ class SessionCheckpoints:
         every = self.settings.every
         if self.settings.root is None or every <= 0 or steps_done % every != 0 or steps_done == self.loaded_step:
             return
-        saver = self._checkpointer(rank, world_size, generation)
+        if self._unbuilt == generation:
+            return  # its saver group could not be built (reported): the next generation builds one afresh
+        try:
+            saver = self._checkpointer(rank, world_size, generation)
+        except RuntimeError as e:  # a rank lost while the group was built (DistStoreError, a gloo error)
+            self._unbuilt = generation
+            self._warn(p.WarningCode.CHECKPOINT_FAILED,
+                       f"checkpoint at step {steps_done} not saved: the saver group of generation {generation} was "
+                       f"not built within {GROUP_BUILD_TIMEOUT_S:g} s ({type(e).__name__}: {e}); no saves until the "
+                       f"world changes")
+            return
         with self._disarmed():
             saver.save(steps_done, replicated, {**local, BUCKETS: BucketLayout(replicated)})
 

@@ -19,6 +19,7 @@ def test_the_schedule_is_seeded_and_has_every_kind_when_it_can():
     ({"event": "job_restarting", "tier": "checkpoint", "step": 20, "work_lost_s": 4.0}, "checkpoint"),
     ({"event": "migration_committed", "migration_id": 2, "switch_step": 30}, "migration"),
     ({"event": "standby_restarted", "node": "s1"}, "none"),
+    ({"event": "job_relearned", "after_s": 0.4, "step": 31}, "none"),  # tmd_kill: tmd resume re-learned the job
 ])
 def test_the_tier_of_an_event_is_what_repaired_it_after_it(entry, tier):
     journal = [{"seq": 1, "ts": 1.0, "event": "recovery_done", "rollback_step": 5},  # before the event: not it
@@ -62,3 +63,17 @@ def test_waiting_for_the_next_event_stops_when_the_job_ended():
     soak.job = type("J", (), {"proc": Ended()})()
     with pytest.raises(AssertionError, match="tmd exited with 1 before step 12"):
         soak.ready(12)
+
+
+def test_a_tmd_kills_downtime_is_the_ranks_longest_pause_between_two_steps_after_it(monkeypatch):
+    """tmd_kill: the ranks train on while tmd is down; its downtime is the gap in their step_times after the kill
+    (a step's own seconds taken off), not tmd's re-learning time."""
+    steps = [[s, 100.0 + 0.1 * s, 0.1] for s in range(10)] + [[10, 103.0, 0.1], [11, 103.1, 0.1], [12, 104.2, 1.0]]
+    journal = [{"seq": 1, "ts": 0, "event": "step_times", "steps": steps},
+               {"seq": 2, "ts": 103.05, "event": "job_relearned", "after_s": 0.7, "step": 10}]  # after the gap
+    monkeypatch.setattr(chaos, "wait_until", lambda f, *a, **k: next(v for v in iter(f, object()) if v))
+    soak = object.__new__(chaos.Soak)
+    soak.journal = lambda: journal
+    info = soak.follow({"kind": "tmd_kill", "step": 5, "ts": 100.55}, after_seq=1)  # killed at 100.55
+    assert (info["tier"], info["downtime_s"], info["relearn_s"]) == ("none", 2.0, 0.7)
+    assert chaos.step_gap(chaos.step_ends(journal), since=200.0) is None

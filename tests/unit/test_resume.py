@@ -3,6 +3,7 @@ tmd's re-learning (``Resumed``) against a recording JobControl."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -225,3 +226,77 @@ def test_resumed_relearns_the_job_and_fails_what_did_not_come_back(tmp_path):
     assert names[:2] == [Event.TMD_RESTARTED, Event.MIGRATION_ABORTED]
     assert names.count(Event.WORKER_REJOINED) == 3 and Event.REJOIN_REFUSED in names
     assert Event.JOB_RELEARNED not in names  # n2/1 is missing
+
+
+# --- the checkpoint tier of a resumed tmd ----------------------------------------------------------------------
+def checkpointed_job(tmp_path, *events: dict) -> str:
+    """A job started with ``--checkpoint-dir <tmp_path>/ck --checkpoint-every 5`` whose tmd died (kill -9)."""
+    config = {"event": Event.JOB_CONFIG, "config": {"checkpoint": {"checkpoint_dir": str(tmp_path / "ck"),
+                                                                   "checkpoint_every": 5}}}
+    return write_job(tmp_path, config, *events)
+
+
+def test_a_resumed_tmd_keeps_the_checkpoint_tier_and_relaunches_the_job_from_a_checkpoint(tmp_path, monkeypatch):
+    """``tmd resume`` after a kill -9 of ``tmd local``: the resumed tmd has the job's checkpoint tier (its
+    journalled settings and earlier restarts, exported to the processes it starts); when in-memory recovery becomes
+    impossible (its daemon ends with ``restart`` set) it relaunches every rank and standby process on the same
+    address, as the original tmd would."""
+    from typer.testing import CliRunner
+
+    import tmd.daemon
+    import tmd.local
+    from tmd import cli
+
+    earlier = {"event": Event.JOB_RESTARTING, "tier": "checkpoint", "step": 5, "path": str(tmp_path / "ck/step-5"),
+               "reason": "every rank is lost", "work_lost_s": 1.5, "at": 1000.0, "restart": 1}
+    run_dir = checkpointed_job(tmp_path, earlier)
+    made, started = [], []
+
+    class FakeDaemon:  # what tmd resume builds; the first one's recovery became impossible
+        def __init__(self, job, run_dir, nodes, rpn, standbys, config, **kw):
+            self.job, self.run_dir, self.kw, self.cluster, self.launcher = job, run_dir, kw, None, None
+            self.address = f"tcp://{kw.get('host', '127.0.0.1')}:{config.serve.port}"
+            self.journal, self.restart = Journal(None), None
+            self.port = config.serve.port
+            made.append(self)
+
+        def run(self):
+            tier = self.kw["tier"]
+            if len(made) == 1:
+                assert tier.restarts[0].step == 5 and os.environ["TM_CHECKPOINT_EVERY"] == "5"
+                assert os.environ["TM_RESUME_FROM"] == str(tmp_path / "ck/step-5")
+                self.restart = object()
+            return 0
+
+    class FakeLauncher:
+        def __init__(self, command, *a, **kw):
+            self.command = command
+
+        def start_node(self, node, standby):
+            started.append((node, standby))
+
+    monkeypatch.setattr(tmd.daemon, "Daemon", FakeDaemon)
+    monkeypatch.setattr(tmd.local, "LocalLauncher", FakeLauncher)
+    monkeypatch.setattr(cli, "_exit", lambda code: None)
+    for name in ("TM_CHECKPOINT_DIR", "TM_CHECKPOINT_EVERY", "TM_CHECKPOINT_KEEP", "TM_CHECKPOINT_JOB",
+                 "TM_RESUME_FROM", "TM_CHECKPOINT_RESTART"):
+        monkeypatch.setenv(name, "")  # restored after the test: tmd resume exports the tier's settings
+        monkeypatch.delenv(name)
+    result = CliRunner().invoke(cli.app, ["resume", "--run-dir", run_dir, "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert len(made) == 2 and made[0].kw["resume"] is not None and made[1].kw.get("resume") is None
+    assert made[0].kw["tier"] is made[1].kw["tier"] and made[1].port == 5555
+    assert started == [("n1", False), ("n2", False), ("s1", True), ("s2", True)]
+
+
+def test_a_resumed_tmd_of_a_job_in_network_namespaces_refuses_the_restart_saying_why(tmp_path):
+    """The namespaces of ``tmd local --netns-*`` cannot be recreated by ``tmd resume``: the tier refuses the
+    restart (the daemon fails the job with that reason); the crash-loop count goes on from the journal."""
+    from tmd.tiers import MAX_RESTARTS_FROM_ONE_STEP, Tier
+
+    st = load(checkpointed_job(tmp_path))
+    tier = Tier.resumed(st.config.checkpoint, st.job, 4, st.restarts, netns={"n2": {}})
+    restart, why = tier.plan_restart("every rank is lost")
+    assert restart is None and why.startswith("a resumed tmd cannot recreate the network namespaces of n2")
+    many = [{"event": Event.JOB_RESTARTING, "step": 5, "path": "p", "reason": "r"}] * MAX_RESTARTS_FROM_ONE_STEP
+    assert len(Tier.resumed(st.config.checkpoint, st.job, 4, many).restarts) == MAX_RESTARTS_FROM_ONE_STEP
