@@ -7,7 +7,8 @@ pynvml), the epilog only pyzmq, neither torch; as root they raise their priority
 busy training does not stretch them.
 
     hooks.py prolog [--state-dir DIR] [--log FILE] [--min-free-mem-mb N] [--min-free-disk-mb N] [--max-load-per-cpu X]
-    hooks.py epilog [--state-dir DIR] [--log FILE]
+                    [--budget-s S]
+    hooks.py epilog [--state-dir DIR] [--log FILE] [--budget-s S]
 
 prolog: memory available, free disk on / and the temp dir, 1-minute load per CPU, and every GPU through NVML where
 NVML and GPUs exist (no pynvml, no driver or no GPU: the GPU check is skipped). Exit 1 when the node is unfit (SLURM
@@ -39,7 +40,7 @@ import time
 
 T0 = time.monotonic()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUDGET_S = 0.8  # the whole hook; a GPU query still running then counts as a failed GPU
+BUDGET_S = 0.8  # the whole hook (--budget-s); a GPU query still running then counts as a failed GPU
 REPORT_S = 0.1  # of BUDGET_S, kept for writing the report once the epilog stops waiting for tmd's acknowledgement
 RESEND_S = 0.2  # the epilog resends its notice this often until tmd acknowledges it
 
@@ -327,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-free-mem-mb", type=float, default=256.0)
     ap.add_argument("--min-free-disk-mb", type=float, default=512.0)
     ap.add_argument("--max-load-per-cpu", type=float, default=8.0)
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S,
+                    help="seconds the whole hook may take, interpreter start-up included (default %(default)s)")
     args = ap.parse_args(argv)
     if os.geteuid() == 0:
         try:
@@ -341,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"hook": args.hook, "node": node, "job_id": job_id, "ts": time.time(), "ok": True,
                     "problems": [], "checks": {}}
     signal.signal(signal.SIGALRM, _on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, max(0.05, BUDGET_S - _process_age_s()))
+    signal.setitimer(signal.ITIMER_REAL, max(0.05, args.budget_s - _process_age_s()))
     code = 0
     try:
         if args.hook == hooks.PROLOG:
@@ -365,14 +368,14 @@ def main(argv: list[str] | None = None) -> int:
                 details, problems = kill_leftovers(job_id, node, uid) if job_id else ({}, [])
                 report["checks"].update(details)
                 report["problems"] += problems
-                notice.wait_ack(time.monotonic() + BUDGET_S - REPORT_S - _process_age_s())
+                notice.wait_ack(time.monotonic() + args.budget_s - REPORT_S - _process_age_s())
             finally:
                 notice.close()
                 report["notice"] = notice.outcome if job_id else "no job"
         report["ok"] = not report["problems"]
         code = 0 if report["ok"] else 1
     except _Timeout:
-        report["error"] = f"hook ran out of its {BUDGET_S} s budget"
+        report["error"] = f"hook ran out of its {args.budget_s:g} s budget"
     except Exception as e:  # noqa: BLE001 - a broken hook must never drain a node
         report["error"] = f"{type(e).__name__}: {e}"
     finally:

@@ -543,7 +543,7 @@ def test_prolog_and_epilog_ran_on_every_node(job):
                 with open(path) as f:
                     r = json.load(f)
                 assert r["ok"] and "error" not in r, json.dumps(r)
-                assert r["duration_s"] < 1.0, r
+                assert r["duration_s"] < 3.0, r  # the local cluster's budget (slurm/local-cluster.sh)
                 durations[f"{hook} {node} (job {jid})"] = r["duration_s"]
     # tmd journalled the prolog of each node (the epilog of n2: test_draining_n2_...), also one written after
     # squeue listed its job as RUNNING (printed: seconds from tmd's adoption of the job to its journal)
