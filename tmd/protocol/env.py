@@ -118,9 +118,9 @@ VARIABLES: tuple[EnvVar, ...] = (
            "What the script's set-up did, copied into the JSON line's `setup`."),
     EnvVar("TM_TEST_ARTIFACTS", "`test-artifacts/`", "tests",
            "Where the observability test saves the status page's screenshot and the timeline picture."),
-    EnvVar("TM_TEST_TORCHTITAN", "unset (the FSDP job only)", "tests/e2e/test_torchtitan.py",
-           "`all` also runs the torchtitan tests left out of the default suite for time: the runtime's "
-           "uninterrupted run against torchrun's, and the TP 2 x FSDP2 2 job."),
+    EnvVar("TM_TEST_TORCHTITAN", "unset (both layouts' jobs)", "tests/e2e/test_torchtitan.py",
+           "`all` also runs the torchtitan test left out of the default suite for time: the runtime's "
+           "uninterrupted run against torchrun's."),
 )
 
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in VARIABLES}
