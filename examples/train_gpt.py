@@ -33,6 +33,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from examples import pacing  # noqa: E402
 from examples.data import ShakespeareStream, load_corpus  # noqa: E402
 from examples.gpt import GPT, GPTConfig, loss as lm_loss  # noqa: E402
 from examples.state_hash import final_state_hash  # noqa: E402
@@ -108,8 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the model, optimizer state and batches live: cpu, or cuda (cuda:<LOCAL_RANK modulo the "
                         "visible devices>, so ranks may share one GPU; over gloo set TM_INNER_BACKEND=gloo)")
-    p.add_argument("--min-step-time-s", type=float, default=0.0,
-                   help="pad each step to at least this many seconds (stands in for a bigger model; numerics unchanged)")
+    pacing.add_arguments(p)
     args = p.parse_args(argv)
     args.slow_steps = {int(s) for s in args.slow_steps.split(",") if s}
     args.fault = parse_faults(p, args.fault)
@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
 
     opt.register_step_pre_hook(lambda *_: fault(last["step"] + 1, FaultPhase.OPTIMIZER))
 
+    pacer = pacing.Pacer.from_args(args)
+
     def train_step(step: int) -> None:
         nonlocal t_log
         t_step = time.perf_counter()
@@ -243,9 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         last["loss"], last["step"] = loss.item(), step
         if session.rank == args.slow_rank and not session.is_shadow and (not args.slow_steps or step in args.slow_steps):
             time.sleep(args.slow_s)  # arrives late at the next step's collectives: its peers wait for it
-        pad = args.min_step_time_s - (time.perf_counter() - t_step)
-        if pad > 0 and not session.is_shadow:
-            time.sleep(pad)
+        pacer.pad(t_step, session.is_shadow)
         if session.rank == 0 and not session.is_shadow and (step + 1) % args.log_every == 0:
             now = time.perf_counter()
             print(

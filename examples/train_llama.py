@@ -60,6 +60,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from examples import pacing  # noqa: E402
 from examples.data import ShakespeareStream, load_corpus  # noqa: E402
 from examples.llama import LlamaConfig, Transformer, loss as lm_loss  # noqa: E402
 from examples.state_hash import final_state_hash  # noqa: E402
@@ -91,8 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fault injection for tests: at STEP, kill -9 every rank process of NODE (TM_NODE) during "
                         "PHASE: forward (after the forward, or after the whole pipeline schedule under --pp), "
                         "optimizer (as the update starts) or between (after the step); repeatable")
-    p.add_argument("--min-step-time-s", type=float, default=0.0,
-                   help="pad each step to at least this many seconds (stands in for a bigger model; numerics unchanged)")
+    pacing.add_arguments(p)
     p.add_argument("--plain", action="store_true", default=os.environ.get("TM_PLAIN") == "1",
                    help="no runtime: plain gloo default group from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT")
     p.add_argument("--run-dir", default=os.environ.get("TM_RUN_DIR", ""), help="--plain only: where final/ goes")
@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_reduce(loss, group=pp_group)  # every stage gets the last stage's loss (logging only)
         return loss
 
+    pacer = pacing.Pacer.from_args(args)
+
     def train_step(step: int) -> None:
         nonlocal t_log
         t_step = time.perf_counter()
@@ -356,9 +358,7 @@ def main(argv: list[str] | None = None) -> None:
         opt.step()  # refused (StepAborted) if a collective of this step failed: the runtime redoes the step
         sched.step()
         last["loss"], last["step"] = loss.item(), step
-        pad = args.min_step_time_s - (time.perf_counter() - t_step)
-        if pad > 0 and not session.is_shadow:
-            time.sleep(pad)
+        pacer.pad(t_step, session.is_shadow)
         if session.rank == 0 and not session.is_shadow and (step + 1) % args.log_every == 0:
             now = time.perf_counter()
             print(f"step {step + 1:5d}/{args.steps}  loss {last['loss']:.4f}  "

@@ -18,6 +18,7 @@ import time
 from typing import Optional
 
 from tmctl.client import Client, CoordinatorUnreachable, find_keys
+from tmctl.warm_start import start_tmd
 from tmd import protocol as p
 from tmd.journal import read_events
 
@@ -77,9 +78,44 @@ def reference_hashes(run_dir: str, steps: int, script_args: tuple = (), nodes: i
     """Run an uninterrupted job of ``steps`` steps (no standby, ``script_args`` for the demo workload) in
     ``run_dir`` and return every rank's final state sha256 {rank: hex}. Raises CalledProcessError on a non-zero
     exit, TimeoutExpired after ``timeout_s`` seconds."""
-    subprocess.run(tmd_command(run_dir, 0, steps, True, True, script_args, nodes=nodes, ranks_per_node=ranks_per_node),
-                   check=True, timeout=timeout_s, stdout=subprocess.DEVNULL)
+    run_tmd(tmd_command(run_dir, 0, steps, True, True, script_args, nodes=nodes, ranks_per_node=ranks_per_node),
+            run_dir, timeout_s)
     return final_hashes(run_dir)
+
+
+def run_tmd(cmd: list[str], run_dir: str, timeout_s: float = 300.0) -> None:
+    """Run the tmd command ``cmd`` (:func:`tmd_command`'s, for the job in ``run_dir``) to its end, started as
+    :func:`tmctl.warm_start.start_tmd` starts it. Raises CalledProcessError on a non-zero exit, TimeoutExpired after
+    ``timeout_s`` seconds (tmd is ended then)."""
+    proc = start_tmd(cmd, tmd_log(run_dir))
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    finally:
+        end_job(proc)
+    if rc != 0:
+        raise subprocess.CalledProcessError(rc, cmd)
+
+
+def pace_args(run_dir: str) -> tuple[str, str]:
+    """``--pace-file <run_dir>.pace`` for a script that pads its steps (``--min-step-time-s``, examples.pacing),
+    with that file made: the job is padded until :func:`end_padding`."""
+    path = run_dir.rstrip("/") + ".pace"
+    open(path, "w").close()
+    return "--pace-file", path
+
+
+def end_padding(run_dir: str) -> None:
+    """Let the job in ``run_dir`` train at its own speed from now on (each rank sees it at its next step; see
+    :func:`pace_args`): call it once a test's faults and migrations are over and the rest of the job is only the
+    steps its reference has. Nothing happens to a job that is not padded."""
+    path = run_dir.rstrip("/") + ".pace"
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def tmd_log(run_dir: str) -> str:
+    """Where a tmd that :func:`tmctl.warm_start.start_tmd` forked warm writes its output: ``<run_dir>.tmd.log``."""
+    return run_dir.rstrip("/") + ".tmd.log"
 
 
 def wait_for_address(run_dir: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
@@ -192,6 +228,9 @@ def diagnose(run_dir: str, settle_s: float = 1.0, lines: int = 15, stack_lines: 
             before = f.read(size).decode(errors="replace").splitlines()[-lines:]
             after = f.read().decode(errors="replace").splitlines()[:stack_lines]
         out += [f"--- {os.path.basename(path)}", *before, f"--- {os.path.basename(path)}, since the signal", *after]
+    if os.path.exists(tmd_log(run_dir)):  # a tmd forked warm (tmctl.warm_start) wrote its output there
+        with open(tmd_log(run_dir), "rb") as f:
+            out += [f"--- {os.path.basename(tmd_log(run_dir))}", *f.read().decode(errors="replace").splitlines()[-lines:]]
     return "\n".join(out)
 
 
@@ -209,16 +248,22 @@ class Job:
     """One ``tmd local`` job (:func:`tmd_command`: ``nodes`` x ``ranks_per_node`` ranks of ``script`` for ``steps``
     steps, tiny model, ``standbys`` standby nodes), started in ``run_dir`` on construction and followed through a
     tmctl client. Raises what :func:`wait_for_address` raises (tmd then is ended). Use it as a context manager, or
-    call :meth:`finish` or :meth:`close`: either ends tmd if it still runs."""
+    call :meth:`finish` or :meth:`close`: either ends tmd if it still runs.
+
+    A job whose ``script_args`` pad its steps (``--min-step-time-s``, examples.pacing) is padded only until
+    :meth:`end_padding`: the Job passes ``--pace-file <run_dir>.pace`` to the script and makes that file."""
 
     def __init__(self, run_dir: str, standbys: int, steps: int, *script_args: str, tmd_args: tuple = (),
                  nodes: int = 2, ranks_per_node: int = 2, script: str = "examples.train_gpt", tiny: bool = True,
                  quiet: bool = True, stdout=subprocess.DEVNULL, client_timeout_s: float = 10.0) -> None:
         self.run_dir = run_dir
         self.client: Optional[Client] = None
-        self.proc = subprocess.Popen(tmd_command(run_dir, standbys, steps, tiny, quiet, script_args, tmd_args,
-                                                 nodes=nodes, ranks_per_node=ranks_per_node, script=script),
-                                     stdout=stdout)
+        if "--min-step-time-s" in script_args and "--pace-file" not in script_args:
+            script_args = (*script_args, *pace_args(run_dir))
+        cmd = tmd_command(run_dir, standbys, steps, tiny, quiet, script_args, tmd_args, nodes=nodes,
+                          ranks_per_node=ranks_per_node, script=script)
+        self.proc = start_tmd(cmd, tmd_log(run_dir)) if stdout == subprocess.DEVNULL else subprocess.Popen(
+            cmd, stdout=stdout)
         try:
             self.client = job_client(run_dir, self.proc, client_timeout_s)
         except BaseException:
@@ -283,6 +328,10 @@ class Job:
 
     def final_hashes(self) -> dict[int, str]:
         return final_hashes(self.run_dir)
+
+    def end_padding(self) -> None:
+        """Let the job train at its own speed from now on (:func:`end_padding`)."""
+        end_padding(self.run_dir)
 
     def finish(self, timeout_s: float = 240) -> int:
         """tmd's exit code once the job ended (at most ``timeout_s`` s, then TimeoutExpired); tmd is ended either

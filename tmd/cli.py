@@ -131,6 +131,14 @@ def local(
     isolation = _isolation(active, spares) if isolate_nodes else None
     daemons = []  # every daemon of the job: the last one's restart (tmd.tiers) relaunches the job on its port
 
+    def launcher() -> LocalLauncher:  # its address is the daemon's, set once that is bound
+        return LocalLauncher(command, run_dir, "", ranks_per_node, echo=not quiet, namespaces=namespaces,
+                             host_ip=host, new_namespace=bridge.add if bridge else None, isolation=isolation)
+
+    # The first launcher before the daemon: its fork server imports torch (or is forked from this process where
+    # that holds the image already, tmd.local.ForkServer) while tmd starts, and before tmd runs any thread.
+    first = [launcher()]
+
     def build(state):  # None: the job's first tmd; a tmd.resume.JobState: a crashed tmd resumed (tmd.supervise)
         prev = state or (daemons[-1] if daemons else None)  # a resumed tmd, or a relaunch: the same port
         serve = config.serve if prev is None else dataclasses.replace(
@@ -139,9 +147,8 @@ def local(
                    host=host or "127.0.0.1", echo=not quiet, netns=specs, command=command, resume=state, tier=tier)
         daemons.append(d)
         if state is None:
-            d.launcher = LocalLauncher(command, d.run_dir, d.address, ranks_per_node, echo=not quiet,
-                                       namespaces=namespaces, host_ip=host,
-                                       new_namespace=bridge.add if bridge else None, isolation=isolation)
+            d.launcher = first.pop() if first else launcher()
+            d.launcher.coordinator = d.address
             if isolation is not None:
                 print(f"[tmd] {isolation.describe()}", flush=True)
                 d.journal.record(Event.NODES_ISOLATED, **isolation.to_dict())

@@ -19,18 +19,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Union
+import traceback
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Union
 
 import psutil
 
 from tmd.protocol.layout import RunDir
 from tmd.rundir import no_follow
 from worker import fork_server
+from worker.exit import flush_stdio
 
 if TYPE_CHECKING:
     from tmd.cpusets import Isolation
@@ -124,16 +127,54 @@ class ForkServer:
 
     def __init__(self, python: str, env: dict[str, str], log_path: str) -> None:
         ours, theirs = socket.socketpair()
-        with open(log_path, "ab", opener=no_follow) as log:
-            self.proc = subprocess.Popen([python, "-m", "worker.fork_server", str(theirs.fileno())], env=env,
-                                         pass_fds=(theirs.fileno(),), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+        self.proc: Union[subprocess.Popen, Forked]
+        if self.can_fork(python, env):
+            self.proc = self._fork(ours, theirs, env, log_path)
+        else:
+            with open(log_path, "ab", opener=no_follow) as log:
+                self.proc = subprocess.Popen([python, "-m", "worker.fork_server", str(theirs.fileno())], env=env,
+                                             pass_fds=(theirs.fileno(),), stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL)
         theirs.close()
         self._sock = ours
         self._reader = ours.makefile("rb")
         self._lock = threading.Lock()
         self._ready = False
         self.broken: Optional[str] = None  # why it no longer serves
+
+    @staticmethod
+    def can_fork(python: str, env: Mapping[str, str]) -> bool:
+        """Whether this process may become the server by a fork, with no import: it runs ``python`` (the job's
+        interpreter) and holds the image already, with no other thread (:func:`worker.fork_server.holds_image`;
+        a tmd forked from a warm process, tmctl.warm_start)."""
+        exe = shutil.which(python, path=env.get("PATH", os.defpath))
+        return (exe is not None and os.path.realpath(exe) == os.path.realpath(sys.executable)
+                and fork_server.holds_image(env.get(fork_server.PRELOAD_ENV, "")))
+
+    @staticmethod
+    def _fork(ours: socket.socket, theirs: socket.socket, env: Mapping[str, str], log_path: str) -> "Forked":
+        """Fork this process into the server: it serves ``theirs`` with ``env`` as its environment and
+        ``log_path`` as its stdout and stderr, as ``python -m worker.fork_server`` would (its imports are done)."""
+        log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                ours.close()
+                null = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null, 0)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.environ.clear()
+                os.environ.update(env)
+                code = fork_server.serve(theirs.fileno())
+            except BaseException:  # noqa: BLE001 - never return into tmd
+                traceback.print_exc()
+            finally:
+                flush_stdio()
+                os._exit(code)
+        os.close(log)
+        return Forked(pid)
 
     def _read(self, timeout_s: float) -> dict:
         self._sock.settimeout(timeout_s)
@@ -221,7 +262,7 @@ class LocalLauncher:
         self.procs: list[Proc] = []
         self._print_lock = threading.Lock()
         self._layout = RunDir(run_dir)
-        os.makedirs(self._layout.logs_dir, exist_ok=True)
+        os.makedirs(self._layout.logs_dir, mode=0o700, exist_ok=True)
         self.fork_server: Optional[ForkServer] = None
         shared = fork_server.common_env(self._env("", 0, False))
         if (self.FORK_SERVER and command and isolation is None and not self.namespaces and new_namespace is None

@@ -39,6 +39,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from typing import Mapping, NoReturn, Optional, Sequence
 
@@ -47,6 +48,10 @@ from worker.exit import flush_stdio
 # The variables that differ between the ranks of one job (tmd.local sets them per process); no module reads them
 # at import time, so a rank may set them after the fork.
 IDENTITY = ("TM_NODE", "TM_LOCAL_RANK", "TM_STANDBY", "TM_GLOO_HOST")
+# The job's address, key directory and run directory: tmd knows the first two only once its socket is bound, after
+# it started this server (early, so that the imports overlap tmd's own start-up). Read when a rank starts, never at
+# import, so a rank may set them after the fork too.
+LATE = ("TM_COORDINATOR", "TM_KEYS", "TM_RUN_DIR")
 DISABLE_ENV = "TM_FORK_SERVER"
 # modules the server imports too, after its own (comma-separated): what the job's ranks import anyway, e.g.
 # worker.integrations.torchtitan_image for torchtitan's Trainer; each must leave no thread running
@@ -113,8 +118,32 @@ def eligible(argv: Sequence[str], env: Mapping[str, str]) -> bool:
 
 
 def common_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` without the rank's identity variables: what every rank of the job, and the server, share."""
-    return {k: v for k, v in env.items() if k not in IDENTITY}
+    """``env`` without the rank's identity variables and the job's :data:`LATE` ones: what every rank of the job,
+    and the server, share."""
+    return {k: v for k, v in env.items() if k not in IDENTITY and k not in LATE}
+
+
+# What every rank imports, and so the image: torch, the mover Backend and the session, and torch._dynamo
+# (DistributedDataParallel's constructor and torch.compile import it: ~1 s of CPU per rank here, paid by every rank
+# at once on the job's first step unless the image has it)
+IMAGE = ("torch", "torch.distributed", "worker.session", "torch._dynamo")
+
+
+def extra_modules(extra: str = "") -> list[str]:
+    """The module names of ``extra`` (``TM_FORK_PRELOAD``'s value: comma-separated)."""
+    return list(filter(None, (part.strip() for part in extra.split(","))))
+
+
+def holds_image(extra: str = "") -> bool:
+    """Whether this process can serve as it is: it already imported every module of the image (:data:`IMAGE` and
+    ``extra``'s; a process forked from a warm one, tmctl.warm_start) and runs no other thread, Python's or native
+    (a fork would copy the locks a thread holds). Its fork then needs no import (:class:`tmd.local.ForkServer`)."""
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:
+        return False
+    modules = (*IMAGE, *extra_modules(extra))
+    return threads == 1 and threading.active_count() == 1 and all(name in sys.modules for name in modules)
 
 
 def preload(extra: str = "") -> None:
@@ -122,15 +151,9 @@ def preload(extra: str = "") -> None:
     names, comma-separated). Runs no torch operation: no thread pool may exist at fork time. Raises what an import
     raises, and RuntimeError when a module of ``extra`` left a thread running (a fork would copy the locks it
     holds); the server then refuses to serve, and tmd starts every process itself."""
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-
-    import worker.session  # noqa: F401  (the mover Backend, the session and their torch.distributed imports)
-    # DistributedDataParallel's constructor (and torch.compile) imports torch._dynamo: ~1 s of CPU per rank here,
-    # paid by every rank at once on the job's first step unless the image has it
-    import torch._dynamo  # noqa: F401
-
-    for name in filter(None, (part.strip() for part in extra.split(","))):
+    for name in IMAGE:
+        importlib.import_module(name)
+    for name in extra_modules(extra):
         threads = threading.active_count()
         importlib.import_module(name)
         if threading.active_count() > threads:
@@ -148,11 +171,12 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
-def become(request: dict, added_env: Mapping[str, str]) -> NoReturn:
+def become(request: dict, added_env: Mapping[str, str], name: Optional[str] = None) -> NoReturn:
     """In the forked rank: take the request's stdio, environment, working directory and command line, run the
     script as ``__main__``, and end the process as a fresh interpreter ends it (non-daemon threads joined,
-    ``atexit`` handlers run, streams flushed; the interpreter's teardown is skipped). Also used by the tests'
-    launcher of small jobs (tests/support/forked.py)."""
+    ``atexit`` handlers run, streams flushed; the interpreter's teardown is skipped). ``name``: the process name
+    (default ``tm-<node>.<local_rank>``). Also used by the tests' launcher of small jobs (tests/support/forked.py)
+    and by tmctl.warm_start for tmd itself."""
     code = 1
     try:
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -164,7 +188,7 @@ def become(request: dict, added_env: Mapping[str, str]) -> NoReturn:
         os.close(null)
         os.environ.clear()
         os.environ.update({**added_env, **request["env"]})  # what the imports set, as in a fresh process
-        set_process_name(f"tm-{os.environ.get('TM_NODE', '')}.{os.environ.get('TM_LOCAL_RANK', '')}")
+        set_process_name(name or f"tm-{os.environ.get('TM_NODE', '')}.{os.environ.get('TM_LOCAL_RANK', '')}")
         os.chdir(request["cwd"])
         kind, target, args = parse(request["argv"])  # type: ignore[misc]  (checked by tmd before the request)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -226,12 +250,16 @@ def serve(fd: int) -> int:
     set_process_name(SERVER_NAME)
     server = socket.socket(fileno=fd)
     before = dict(os.environ)
+    inherited = all(name in sys.modules for name in IMAGE)  # forked from a process that holds it (tmd.local)
+    started = time.perf_counter()
     try:
         preload(os.environ.get(PRELOAD_ENV, ""))
     except Exception as e:  # noqa: BLE001 - tmd then starts every process itself
         server.sendall(json.dumps({"error": f"preload failed: {type(e).__name__}: {e}"}).encode() + b"\n")
         return 1
     added_env = {k: v for k, v in os.environ.items() if k not in before}
+    print(f"[fork-server] image {'inherited' if inherited else 'imported'} in {time.perf_counter() - started:.2f} s",
+          file=sys.stderr, flush=True)
     if threading.active_count() > 1:  # a fork would copy locks that other threads hold
         print(f"[fork-server] warning: {threading.active_count()} threads after the imports", file=sys.stderr)
     reader = server.makefile("rb")
@@ -243,8 +271,11 @@ def serve(fd: int) -> int:
                 raise ValueError("malformed request")
             if parse(request["argv"]) is None:
                 raise ValueError("not a `python script.py` or `python -m module` command")
-            if common_env(request["env"]) != common_env(before):
-                raise ValueError("the environment differs from the fork server's beyond the rank's identity")
+            theirs, ours = common_env(request["env"]), common_env(before)
+            if theirs != ours:
+                differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+                raise ValueError(f"the environment differs from the fork server's beyond the rank's identity: "
+                                 f"{', '.join(differ[:5])}")
             reply = {"pid": spawn(request, fd, added_env)}
         except Exception as e:  # noqa: BLE001 - one refused request; tmd starts that process itself
             reply = {"error": f"{type(e).__name__}: {e}"}

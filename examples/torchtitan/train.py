@@ -30,6 +30,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from examples import pacing  # noqa: E402
 from examples.state_hash import final_state_hash  # noqa: E402
 from examples.train_gpt import FaultPhase, kill_node, parse_faults, write_final  # noqa: E402
 from worker.integrations import torchtitan_cpu  # noqa: E402
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--run-dir", default=os.environ.get("TM_RUN_DIR", ""), help="where final/ goes")
     p.add_argument("--fault", action="append", default=[], metavar="NODE:STEP:PHASE",
                    help="kill -9 NODE's processes at STEP during PHASE (forward, optimizer or between)")
-    p.add_argument("--min-step-time-s", type=float, default=0.0, help="pad each step to at least this long")
+    pacing.add_arguments(p)
     p.add_argument("--steps", type=int, default=None, help="the same as torchtitan's --training.steps")
     args, rest = p.parse_known_args(argv)
     if args.steps is not None:
@@ -101,8 +102,10 @@ def plain(args: argparse.Namespace, rest: list[str]) -> None:
 def mover(args: argparse.Namespace, rest: list[str]) -> None:
     from worker.integrations import torchtitan as integration
 
+    pacer = pacing.Pacer.from_args(args)
+
     def with_faults(cls: type) -> type:
-        """The integration's trainer class, plus --fault and --min-step-time-s."""
+        """The integration's trainer class, plus --fault and --min-step-time-s (examples.pacing)."""
         class Faulty(cls):  # type: ignore[valid-type, misc]
             def manage_state(self, start_step: int) -> Any:
                 out = super().manage_state(start_step)
@@ -125,9 +128,7 @@ def mover(args: argparse.Namespace, rest: list[str]) -> None:
             def train_step(self, data_iterator: Any) -> None:
                 t0 = time.perf_counter()
                 super().train_step(data_iterator)
-                pad = args.min_step_time_s - (time.perf_counter() - t0)
-                if pad > 0 and not self.session.is_shadow:
-                    time.sleep(pad)
+                pacer.pad(t0, self.session.is_shadow)
                 self._fault(FaultPhase.BETWEEN)
 
         return cls if not args.fault and not args.min_step_time_s else Faulty

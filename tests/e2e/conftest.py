@@ -24,7 +24,15 @@ import os
 
 import pytest
 
+from tmctl import warm_start
 from tmctl.localjob import Job, diagnose, reference_hashes
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_start():
+    """Every tmd these tests start through tmctl.localjob (Job, reference_hashes, start_tmd) is forked from one warm
+    image where it can be (tmctl.warm_start): about 4 s less per job here, and the same final states."""
+    warm_start.enable()
 
 
 @pytest.fixture

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
-from tmctl.localjob import end_job, events, final_hashes, job_client, tmd_command, wait_until
+from tmctl.localjob import (end_job, events, final_hashes, job_client, run_tmd, start_tmd, tmd_command, tmd_log,
+                            wait_until)
 from tmd import protocol as p
 
 STEPS = 32  # 4 steps after the kill; a rollback goes back to step 24 at most (SNAPSHOT_EVERY)
@@ -54,7 +54,7 @@ def command(run_dir: str, layout: str, standbys: int, extra: tuple = ()) -> list
 
 def reference(tmp_path, layout: str) -> dict[int, str]:
     run_dir = str(tmp_path / "reference")
-    subprocess.run(command(run_dir, layout, 0), check=True, timeout=240, stdout=subprocess.DEVNULL)
+    run_tmd(command(run_dir, layout, 0), run_dir, timeout_s=240)
     hashes = final_hashes(run_dir)
     assert len(hashes) == 4, hashes
     return hashes
@@ -67,8 +67,7 @@ def test_migration_then_kill_is_bit_identical(tmp_path, layout):
     guarded = LAYOUTS[layout][2]
     killed = "n1" if guarded else "s1"  # fired by the processes started there, not by their replacements
     run_dir = str(tmp_path / "job")
-    proc = subprocess.Popen(command(run_dir, layout, 2, PAD + ("--fault", f"{killed}:{KILL_AT}:forward")),
-                            stdout=subprocess.DEVNULL)
+    proc = start_tmd(command(run_dir, layout, 2, PAD + ("--fault", f"{killed}:{KILL_AT}:forward")), tmd_log(run_dir))
     try:
         client = job_client(run_dir, proc)
         roles: dict[str, dict] = {}

@@ -16,7 +16,8 @@ import sys
 import pytest
 import zmq
 
-from tmctl.localjob import end_job, events, final_hashes, job_client, tmd_command, wait_until
+from tmctl.localjob import (end_job, end_padding, events, final_hashes, job_client, pace_args, start_tmd, tmd_command,
+                            tmd_log, wait_until)
 from tmd import protocol as p
 from tmd.protocol.keys import JobKeys
 
@@ -37,7 +38,7 @@ def run_tmctl(run_dir: str, *args: str, timeout: float = 120) -> subprocess.Comp
 def job(tmp_path_factory, gpt_reference):
     reference = gpt_reference(STEPS)  # before the job: never alongside it
     run_dir = str(tmp_path_factory.mktemp("job"))
-    proc = subprocess.Popen(tmd_command(run_dir, 1, STEPS, True, True, ARGS), stdout=subprocess.DEVNULL)
+    proc = start_tmd(tmd_command(run_dir, 1, STEPS, True, True, ARGS + pace_args(run_dir)), tmd_log(run_dir))
     try:
         client = job_client(run_dir, proc)
         status = lambda: client.request(p.StatusRequest())  # noqa: E731
@@ -170,6 +171,7 @@ def test_cold_standby_is_busy_then_a_second_migration_commits(job):
 
 @pytest.mark.timeout(300)
 def test_final_state_is_bit_identical_to_an_uninterrupted_run(job):
+    end_padding(job["run_dir"])  # the module's migrations are over: the rest at the job's own speed
     assert job["proc"].wait(timeout=240) == 0
     assert final_hashes(job["run_dir"]) == job["reference"]  # 4 ranks, one hash (gpt_reference checks)
     names = [e["event"] for e in events(job["run_dir"])]

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from tmctl.localjob import end_job, events, final_hashes, job_client, tmd_command, wait_until
+from tmctl.localjob import (end_job, end_padding, events, final_hashes, job_client, pace_args, reference_hashes,
+                            start_tmd, tmd_command, tmd_log, wait_until)
 from tmd import protocol as p
 
 NODES, RANKS_PER_NODE = 4, 2
@@ -36,16 +37,14 @@ def run_tmctl(run_dir: str, *args: str, timeout: float = 150) -> subprocess.Comp
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, str]:
     run_dir = str(tmp_path_factory.mktemp("reference"))
-    subprocess.run(tmd_command(run_dir, 0, STEPS, True, True, ARGS, nodes=NODES, ranks_per_node=RANKS_PER_NODE),
-                   check=True, timeout=240, stdout=subprocess.DEVNULL)
-    return final_hashes(run_dir)
+    return reference_hashes(run_dir, STEPS, ARGS, nodes=NODES, ranks_per_node=RANKS_PER_NODE, timeout_s=240)
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, reference):
     run_dir = str(tmp_path_factory.mktemp("job"))
-    proc = subprocess.Popen(tmd_command(run_dir, 2, STEPS, True, True, ARGS + PAD, nodes=NODES,
-                                        ranks_per_node=RANKS_PER_NODE), stdout=subprocess.DEVNULL)
+    proc = start_tmd(tmd_command(run_dir, 2, STEPS, True, True, ARGS + PAD + pace_args(run_dir), nodes=NODES,
+                                 ranks_per_node=RANKS_PER_NODE), tmd_log(run_dir))
     try:
         client = job_client(run_dir, proc)
         status = lambda: client.request(p.StatusRequest())  # noqa: E731
@@ -103,6 +102,7 @@ def test_two_nodes_move_in_one_migration(job):
 
 @pytest.mark.timeout(300)
 def test_final_state_is_bit_identical_and_the_journal_shows_one_migration_of_both_pairs(job):
+    end_padding(job["run_dir"])  # the migration is over: the rest at the job's own speed
     assert job["proc"].wait(timeout=240) == 0
     reference, got = job["reference"], final_hashes(job["run_dir"])
     assert len(reference) == NODES * RANKS_PER_NODE and len(set(reference.values())) == 1

@@ -41,7 +41,8 @@ import psutil
 import pytest
 import zmq
 
-from tmctl.localjob import end_job, events, final_hashes, job_client, tmd_command, wait_until
+from tmctl.localjob import (end_job, end_padding, events, final_hashes, job_client, pace_args, start_tmd, tmd_command,
+                            tmd_log, wait_until)
 from tmd import protocol as p
 from tmd.protocol.keys import JobKeys
 from tmd.protocol.vocab import Event, Sender
@@ -193,7 +194,7 @@ def job(tmp_path_factory, gpt_reference):
     """The attacked job: {"proc", "run_dir", "client", "status", "reference"}, training with a warm s1."""
     reference = gpt_reference(STEPS)  # before the job: never alongside it
     run_dir = str(tmp_path_factory.mktemp("security") / "job")
-    proc = subprocess.Popen(tmd_command(run_dir, 1, STEPS, True, True, ARGS), stdout=subprocess.DEVNULL)
+    proc = start_tmd(tmd_command(run_dir, 1, STEPS, True, True, ARGS + pace_args(run_dir)), tmd_log(run_dir))
     try:
         client = job_client(run_dir, proc)
         status = lambda: client.request(p.StatusRequest())  # noqa: E731
@@ -446,6 +447,7 @@ def test_fuzzing_tmd_leaves_the_job_untouched(job):
 @pytest.mark.timeout(240)
 def test_the_job_ends_untouched_and_bit_identical(job):
     run_dir = job["run_dir"]
+    end_padding(run_dir)  # the attacks are over: the rest at the job's own speed
     assert job["proc"].wait(timeout=180) == 0
     ev = events(run_dir)
     names = [e["event"] for e in ev]

@@ -19,8 +19,8 @@ import pytest
 import zmq
 
 from tmctl.client import CoordinatorUnreachable
-from tmctl.localjob import (end_job, events, final_hashes, job_client, scrape, tmd_command, wait_until,
-                            web_of)
+from tmctl.localjob import (end_job, events, final_hashes, job_client, scrape, start_tmd, tmd_command, tmd_log,
+                            wait_until, web_of)
 from tmd import protocol as p
 from tmd.protocol.keys import JobKeys
 from tmd.resume import ResumeError, load
@@ -61,7 +61,7 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path, gpt_refer
     # the uninterrupted run, before the job (alone: a busy machine slows heartbeats)
     reference = gpt_reference(STEPS)
     run_dir = str(tmp_path / "job")
-    tmd = subprocess.Popen(tmd_command(run_dir, 1, STEPS, True, True, ARGS, TMD_ARGS), stdout=subprocess.DEVNULL)
+    tmd = start_tmd(tmd_command(run_dir, 1, STEPS, True, True, ARGS, TMD_ARGS), tmd_log(run_dir))
     resumed = None
     workers: list[psutil.Process] = []
     try:

@@ -20,12 +20,12 @@ is not used), nor does the padding of steps (``--step-time-s``).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tmctl.localjob import end_job, events, final_hashes, job_client, migrate_when_ready
+from tmctl.localjob import (end_job, events, final_hashes, job_client, migrate_when_ready, run_tmd, start_tmd,
+                            tmd_log)
 from tmd import protocol as p
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "varied.py")
@@ -42,8 +42,7 @@ def command(run_dir: str, standbys: int, *script_args: str) -> list[str]:
 def migrate_n2_and_finish(run_dir: str, standbys: int, *script_args: str) -> list[dict]:
     """Run the job (steps padded to 0.15 s), migrate n2 -> s1 once it is at step 4 and s1 is warm, and return the
     journal once the job ended with exit code 0."""
-    proc = subprocess.Popen(command(run_dir, standbys, "--step-time-s", "0.15", *script_args),
-                            stdout=subprocess.DEVNULL)
+    proc = start_tmd(command(run_dir, standbys, "--step-time-s", "0.15", *script_args), tmd_log(run_dir))
     try:
         migration = migrate_when_ready(job_client(run_dir, proc), proc, 4, "n2", "s1")
         assert migration["state"] == p.MigrationState.COMMITTED, migration
@@ -57,7 +56,7 @@ def migrate_n2_and_finish(run_dir: str, standbys: int, *script_args: str) -> lis
 def expected(tmp_path_factory) -> dict[int, str]:
     """{rank: final state sha256} of the uninterrupted run of STEPS steps, shared by the module's tests."""
     run_dir = str(tmp_path_factory.mktemp("reference"))
-    subprocess.run(command(run_dir, 0), check=True, timeout=120, stdout=subprocess.DEVNULL)
+    run_tmd(command(run_dir, 0), run_dir, timeout_s=120)
     hashes = final_hashes(run_dir)
     assert len(hashes) == 4 and len(set(hashes.values())) == 1, hashes  # replicas: one state
     return hashes
@@ -108,8 +107,8 @@ def test_a_collective_of_a_process_s_first_iteration_gives_a_replacement_a_shado
     their redone step would make that all-reduce live where the survivors make none, and the job would hang until
     gloo's timeout."""
     run_dir = str(tmp_path / "job")
-    proc = subprocess.Popen(command(run_dir, 1, "--calibrate-first", "--fault", "n2:12", "--step-time-s", "0.15"),
-                            stdout=subprocess.DEVNULL)
+    proc = start_tmd(command(run_dir, 1, "--calibrate-first", "--fault", "n2:12", "--step-time-s", "0.15"),
+                     tmd_log(run_dir))
     try:
         assert proc.wait(timeout=240) == 0
     finally:
