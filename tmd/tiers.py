@@ -50,6 +50,16 @@ class Restart:
         return {"tier": "checkpoint", "step": self.step, "path": self.path, "reason": self.reason,
                 "work_lost_s": round(self.work_lost_s, 3), "at": self.at}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Optional["Restart"]:
+        """The restart a journalled ``job_restarting`` event (:meth:`to_dict`'s fields) describes; None for one
+        without an int ``step`` and a str ``path`` (a journal is read, not trusted). ``at`` falls back to the
+        event's ``ts``."""
+        if not isinstance(d.get("step"), int) or not isinstance(d.get("path"), str):
+            return None
+        return cls(step=d["step"], path=d["path"], reason=str(d.get("reason", "")),
+                   work_lost_s=float(d.get("work_lost_s") or 0.0), at=float(d.get("at") or d.get("ts") or 0.0))
+
 
 def owner_in_path(path: str, job_id: str) -> Optional[str]:
     """Why ``path`` lies in another job's checkpoints (a ``JOB`` file naming another job in it or any directory
@@ -115,11 +125,7 @@ class Tier:
         them, so a job that had any is not restarted from a checkpoint (:attr:`impossible`; the job fails and
         ``job_failed`` says why)."""
         tier = cls(config, job, world_size)
-        for e in restarts:
-            if isinstance(e.get("step"), int) and isinstance(e.get("path"), str):
-                tier.restarts.append(Restart(step=e["step"], path=e["path"], reason=str(e.get("reason", "")),
-                                             work_lost_s=float(e.get("work_lost_s") or 0.0),
-                                             at=float(e.get("at") or e.get("ts") or 0.0)))
+        tier.restarts = [r for r in map(Restart.from_dict, restarts) if r is not None]
         tier.resume_from = tier.restarts[-1].path if tier.restarts else None
         if netns:
             tier.impossible = (f"a resumed tmd cannot recreate the network namespaces of {', '.join(sorted(netns))} "

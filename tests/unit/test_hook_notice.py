@@ -90,3 +90,24 @@ def test_no_tmd_json_means_no_notice_and_no_wait(hooks, tmp_path):
     notice.wait_ack(t0 + 5)
     notice.close()
     assert notice.outcome == "no tmd for this job" and time.monotonic() - t0 < 1
+
+
+@pytest.mark.parametrize("budget_s, ran_out", [(0.2, True), (5.0, False)])
+def test_the_budget_bounds_the_whole_hook(hooks, tmp_path, monkeypatch, budget_s, ran_out):
+    """``--budget-s``: a prolog whose checks outlast it reports that it ran out of its budget (and passes: a slow
+    hook never drains a node); one within it runs every check. A fresh hook process's age stands in for pytest's."""
+    def slow_memory_check(min_free_mb: float):
+        time.sleep(0.5)  # a check that takes longer than the small budget: what the budget is for
+        return {"mem_available_mb": 1.0e6}, []
+
+    monkeypatch.setattr(hooks, "_process_age_s", lambda: 0.0)
+    monkeypatch.setattr(hooks, "check_memory", slow_memory_check)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    log = tmp_path / "hooks.jsonl"
+    code = hooks.main(["prolog", "--budget-s", str(budget_s), "--log", str(log)])
+    report = json.loads(log.read_text().splitlines()[-1])
+    assert code == 0
+    if ran_out:
+        assert report["error"] == f"hook ran out of its {budget_s:g} s budget" and "disk" not in str(report["checks"])
+    else:
+        assert "error" not in report and "mem_available_mb" in report["checks"], report

@@ -12,7 +12,7 @@ import pytest
 from tmd.journal import Journal
 from tmd.protocol.vocab import Event
 from tmd.config import CheckpointTierConfig, ConfigError
-from tmd.tiers import Tier, choose, owner_in_path
+from tmd.tiers import Restart, Tier, choose, owner_in_path
 from worker import checkpoint as ck
 
 
@@ -149,3 +149,10 @@ def test_the_same_job_run_again_goes_on_from_its_own_newest_checkpoint(tmp_path)
     again = tier(tmp_path, dir=str(tmp_path / "ck"), every=5)  # the same --job name (or SLURM job id): same id
     assert again.refusal() is None and again.resume_from == newest
     assert tier(tmp_path, dir=str(tmp_path / "fresh"), every=5).refusal() is None
+
+
+def test_a_journalled_restart_round_trips_and_a_malformed_one_is_skipped():
+    r = Restart(step=10, path="/ck/step-10", reason="every active node lost", work_lost_s=1.25, at=5.0)
+    assert Restart.from_dict({**r.to_dict(), "event": "job_restarting", "ts": 9.0}) == r
+    assert Restart.from_dict({"step": "10", "path": "/ck"}) is None  # read from a journal, not trusted
+    assert Restart.from_dict({"step": 3, "path": "/ck/step-3", "ts": 7.5}).at == 7.5
