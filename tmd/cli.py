@@ -131,9 +131,11 @@ def local(
     isolation = _isolation(active, spares) if isolate_nodes else None
     daemons = []  # every daemon of the job: the last one's restart (tmd.tiers) relaunches the job on its port
 
-    def launcher() -> LocalLauncher:  # its address is the daemon's, set once that is bound
+    def launcher(previous: Optional[LocalLauncher] = None) -> LocalLauncher:  # its address is the daemon's, set
+        # once that is bound; a relaunch's takes over the previous launcher's fork server, which has the image
         return LocalLauncher(command, run_dir, "", ranks_per_node, echo=not quiet, namespaces=namespaces,
-                             host_ip=host, new_namespace=bridge.add if bridge else None, isolation=isolation)
+                             host_ip=host, new_namespace=bridge.add if bridge else None, isolation=isolation,
+                             inherited=previous.fork_server if previous is not None else None)
 
     # The first launcher before the daemon: its fork server imports torch (or is forked from this process where
     # that holds the image already, tmd.local.ForkServer) while tmd starts, and before tmd runs any thread.
@@ -145,9 +147,10 @@ def local(
             config.serve, port=int(prev.address.rpartition(":")[2]))
         d = Daemon(name, run_dir, active, ranks_per_node, spares, dataclasses.replace(config, serve=serve),
                    host=host or "127.0.0.1", echo=not quiet, netns=specs, command=command, resume=state, tier=tier)
+        previous = daemons[-1].launcher if daemons else None
         daemons.append(d)
         if state is None:
-            d.launcher = first.pop() if first else launcher()
+            d.launcher = first.pop() if first else launcher(previous)
             d.launcher.coordinator = d.address
             if isolation is not None:
                 print(f"[tmd] {isolation.describe()}", flush=True)
@@ -371,7 +374,8 @@ def resume(
             d = Daemon(state.job, state.run_dir, state.nodes, state.ranks_per_node, state.standbys,
                        dataclasses.replace(config, serve=serve), host=host, echo=not quiet, command=command,
                        tier=tier)
-            d.launcher = LocalLauncher(command, d.run_dir, d.address, state.ranks_per_node, echo=not quiet)
+            d.launcher = LocalLauncher(command, d.run_dir, d.address, state.ranks_per_node, echo=not quiet,
+                                       inherited=daemons[-1].launcher.fork_server if daemons[-1].launcher else None)
             _start_nodes(d, state.nodes, state.standbys)
         else:  # the job tmd died in (a later crash: tmd.supervise hands the launcher over)
             d = Daemon(state.job, state.run_dir, state.nodes, state.ranks_per_node, state.standbys, config,

@@ -243,8 +243,11 @@ class LocalLauncher:
                  echo: bool = True, extra_env: Optional[dict[str, str]] = None,
                  namespaces: Optional[dict] = None, host_ip: Optional[str] = None,
                  new_namespace: Optional[Callable[[str], "NodeNamespace"]] = None,
-                 isolation: Optional["Isolation"] = None) -> None:
+                 isolation: Optional["Isolation"] = None, inherited: Optional[ForkServer] = None) -> None:
         """``isolation``: each node's processes pinned to its CPU set (``--isolate-nodes``, tmd.cpusets).
+        ``inherited``: the fork server of the launcher this one follows (a relaunch from a checkpoint,
+        :meth:`terminate_all` with ``close=False``), used instead of starting another (closed if this one forks
+        none).
         ``namespaces``: node -> tmd.netns.NodeNamespace for nodes whose processes run in a network namespace
         of their own (they advertise its address to gloo; the others advertise ``host_ip``, which the namespaces
         reach). ``new_namespace(node)``: makes one for a node started without (``--netns-all``: standbys added
@@ -267,9 +270,13 @@ class LocalLauncher:
         shared = fork_server.common_env(self._env("", 0, False))
         if (self.FORK_SERVER and command and isolation is None and not self.namespaces and new_namespace is None
                 and fork_server.eligible(command, shared) and fork_server.become_subreaper()):
-            # command[0] as the ranks' Popen would find it: on the environment's PATH
-            self.fork_server = ForkServer(command[0], shared,
-                                          os.path.join(self._layout.logs_dir, "fork-server.log"))
+            if inherited is not None and not inherited.broken and inherited.proc.poll() is None:
+                self.fork_server = inherited  # a relaunch: the previous launcher's, warm already
+            else:  # command[0] as the ranks' Popen would find it: on the environment's PATH
+                self.fork_server = ForkServer(command[0], shared,
+                                              os.path.join(self._layout.logs_dir, "fork-server.log"))
+        elif inherited is not None:
+            inherited.close()
 
     def start_node(self, node: str, standby: bool) -> None:
         """Start ``ranks_per_node`` processes for ``node`` (none without a command: ``tmd resume`` of a job
@@ -380,7 +387,8 @@ class LocalLauncher:
 
     def terminate_all(self, grace_s: float = 5.0, close: bool = True) -> None:
         """SIGTERM every running process, then SIGKILL what is left after ``grace_s`` seconds; with ``close``
-        also delete the nodes' network namespaces and CPU sets (not before a relaunch that reuses them)."""
+        also end the fork server and delete the nodes' network namespaces and CPU sets (not before a relaunch that
+        reuses them: its launcher inherits the fork server)."""
         for proc in self.running():
             proc.popen.terminate()
         for proc in self.procs:
@@ -395,10 +403,10 @@ class LocalLauncher:
         for proc in self.procs:  # echo the last lines (the pumps end at the end of their files)
             if proc.pump is not None:
                 proc.pump.join(timeout=1.0)
-        if self.fork_server is not None:  # a relaunch makes a launcher, and so a fork server, of its own
-            self.fork_server.close()
-        if not close:
+        if not close:  # a relaunch follows: its launcher takes over the fork server, the namespaces, the CPU sets
             return
+        if self.fork_server is not None:
+            self.fork_server.close()
         for ns in self.namespaces.values():
             ns.close()
         if self.isolation is not None:

@@ -51,7 +51,9 @@ IDENTITY = ("TM_NODE", "TM_LOCAL_RANK", "TM_STANDBY", "TM_GLOO_HOST")
 # The job's address, key directory and run directory: tmd knows the first two only once its socket is bound, after
 # it started this server (early, so that the imports overlap tmd's own start-up). Read when a rank starts, never at
 # import, so a rank may set them after the fork too.
-LATE = ("TM_COORDINATOR", "TM_KEYS", "TM_RUN_DIR")
+LATE = ("TM_COORDINATOR", "TM_KEYS", "TM_RUN_DIR",
+        # and the checkpoint a relaunch loads (tmd.tiers): the relaunched ranks are forked from the same server
+        "TM_RESUME_FROM", "TM_CHECKPOINT_RESTART")
 DISABLE_ENV = "TM_FORK_SERVER"
 # modules the server imports too, after its own (comma-separated): what the job's ranks import anyway, e.g.
 # worker.integrations.torchtitan_image for torchtitan's Trainer; each must leave no thread running

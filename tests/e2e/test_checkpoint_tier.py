@@ -117,6 +117,9 @@ def test_every_active_node_lost_restarts_from_the_checkpoint_before_a_corrupted_
     assert not job.events("job_failed")
     # the relaunched job rewrote the torn and the corrupted steps and committed its last checkpoint
     assert [s for s, _ in valid(chaos["root"])] == [STEPS, STEPS - EVERY]
+    # one fork server for both launches: the relaunch forked its ranks from the image the first launch made
+    with open(os.path.join(job.run_dir, "logs", "fork-server.log")) as f:
+        assert f.read().count("[fork-server] image") == 1
 
 
 def test_a_failed_save_is_journalled_shown_and_deletes_nothing(chaos):
