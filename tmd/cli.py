@@ -138,7 +138,9 @@ def local(
                              inherited=previous.fork_server if previous is not None else None)
 
     # The first launcher before the daemon: its fork server imports torch (or is forked from this process where
-    # that holds the image already, tmd.local.ForkServer) while tmd starts, and before tmd runs any thread.
+    # that holds the image already, tmd.local.ForkServer) while tmd starts, and before tmd runs any thread. The
+    # processes it forks inherit this umask, as those of the daemon do (tmd.daemon): their files are the user's only.
+    os.umask(0o077)
     first = [launcher()]
 
     def build(state):  # None: the job's first tmd; a tmd.resume.JobState: a crashed tmd resumed (tmd.supervise)

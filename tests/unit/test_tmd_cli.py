@@ -74,3 +74,16 @@ def test_unstartable_names_what_is_wrong(tmp_path):
     assert "was not found" in unstartable([str(tmp_path / "missing")])
     assert unstartable([sys.executable, "-m", "examples.train_gpt"]) is None
     assert unstartable(["sh", "-c", "true"]) is None
+
+
+def test_the_ranks_files_are_the_users_only(tmp_path):
+    """Every process tmd local starts, the first ones forked from the fork server made before the daemon included,
+    runs with umask 077 (the run dir's files, checkpoints and shared-memory segments are the user's only)."""
+    script = tmp_path / "umask_probe.py"
+    script.write_text("import os, sys\nopen(sys.argv[1] + '.' + os.environ['TM_LOCAL_RANK'], 'w').write("
+                      "oct(os.umask(0)))\n")
+    probe = tmp_path / "umask"
+    done, _ = tmd_local(tmp_path / "run", "--nodes", "1", "--ranks-per-node", "2", "--standbys", "0", "--quiet", "--",
+                        sys.executable, str(script), str(probe))
+    assert done.returncode != 0  # they exited before worker.init: tmd fails the job, and that is all
+    assert [(tmp_path / f"umask.{r}").read_text() for r in (0, 1)] == ["0o77", "0o77"]
