@@ -269,8 +269,9 @@ def test_a_resumed_tmd_keeps_the_checkpoint_tier_and_relaunches_the_job_from_a_c
             return 0
 
     class FakeLauncher:
-        def __init__(self, command, *a, **kw):
+        def __init__(self, command, *a, inherited=None, **kw):
             self.command = command
+            self.fork_server = None  # a relaunch's launcher inherits it (none here: nothing is forked)
 
         def start_node(self, node, standby):
             started.append((node, standby))
