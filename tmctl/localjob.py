@@ -99,18 +99,21 @@ def run_tmd(cmd: list[str], run_dir: str, timeout_s: float = 300.0) -> None:
 def pace_args(run_dir: str) -> tuple[str, str]:
     """``--pace-file <run_dir>.pace`` for a script that pads its steps (``--min-step-time-s``, examples.pacing),
     with that file made: the job is padded until :func:`end_padding`."""
-    path = run_dir.rstrip("/") + ".pace"
-    open(path, "w").close()
-    return "--pace-file", path
+    open(pace_file(run_dir), "w").close()
+    return "--pace-file", pace_file(run_dir)
 
 
 def end_padding(run_dir: str) -> None:
     """Let the job in ``run_dir`` train at its own speed from now on (each rank sees it at its next step; see
     :func:`pace_args`): call it once a test's faults and migrations are over and the rest of the job is only the
     steps its reference has. Nothing happens to a job that is not padded."""
-    path = run_dir.rstrip("/") + ".pace"
-    if os.path.exists(path):
-        os.unlink(path)
+    if os.path.exists(pace_file(run_dir)):
+        os.unlink(pace_file(run_dir))
+
+
+def pace_file(run_dir: str) -> str:
+    """The pace file of the job in ``run_dir`` (:func:`pace_args`): ``<run_dir>.pace``."""
+    return run_dir.rstrip("/") + ".pace"
 
 
 def tmd_log(run_dir: str) -> str:
@@ -228,9 +231,10 @@ def diagnose(run_dir: str, settle_s: float = 1.0, lines: int = 15, stack_lines: 
             before = f.read(size).decode(errors="replace").splitlines()[-lines:]
             after = f.read().decode(errors="replace").splitlines()[:stack_lines]
         out += [f"--- {os.path.basename(path)}", *before, f"--- {os.path.basename(path)}, since the signal", *after]
-    if os.path.exists(tmd_log(run_dir)):  # a tmd forked warm (tmctl.warm_start) wrote its output there
-        with open(tmd_log(run_dir), "rb") as f:
-            out += [f"--- {os.path.basename(tmd_log(run_dir))}", *f.read().decode(errors="replace").splitlines()[-lines:]]
+    log = tmd_log(run_dir)
+    if os.path.exists(log):  # a tmd forked warm (tmctl.warm_start) wrote its output there
+        with open(log, "rb") as f:
+            out += [f"--- {os.path.basename(log)}", *f.read().decode(errors="replace").splitlines()[-lines:]]
     return "\n".join(out)
 
 

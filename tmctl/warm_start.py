@@ -51,10 +51,6 @@ def _send(sock: socket.socket, message: dict) -> None:
     sock.sendall(json.dumps(message).encode() + b"\n")
 
 
-def _exit_code(status: int) -> int:
-    return os.waitstatus_to_exitcode(status)
-
-
 def serve(fd: int) -> int:
     """The starter: import the image, then fork a tmd for each request on the inherited socket ``fd`` and report
     each one's exit, until the socket closes. Returns the exit code."""
@@ -90,7 +86,7 @@ def serve(fd: int) -> int:
                 return 0
             *lines, pending = (pending + data).split(b"\n")
             for line in lines:
-                _send(sock, _answer(line, before, added_env, (sock.fileno(), wake_r, wake_w)))
+                _send(sock, _answer(line, added_env, (sock.fileno(), wake_r, wake_w)))
 
 
 def _report_exits(sock: socket.socket) -> None:
@@ -101,10 +97,10 @@ def _report_exits(sock: socket.socket) -> None:
             return
         if not pid:
             return
-        _send(sock, {"exit": pid, "code": _exit_code(status)})
+        _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def _answer(line: bytes, before: Mapping[str, str], added_env: Mapping[str, str], close: Sequence[int]) -> dict:
+def _answer(line: bytes, added_env: Mapping[str, str], close: Sequence[int]) -> dict:
     try:
         request = json.loads(line)
         if not isinstance(request, dict) or {"argv", "env", "cwd", "log"} - request.keys():
@@ -127,6 +123,11 @@ def _fork(request: dict, added_env: Mapping[str, str], close: Sequence[int]) -> 
             os.close(fd)
         fork_server.become(request, added_env, name="tmd")
     return pid
+
+
+def _stable(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without its :data:`VOLATILE` variables."""
+    return {k: v for k, v in env.items() if k not in VOLATILE}
 
 
 class WarmProcess:
@@ -189,10 +190,8 @@ class WarmStarter:
         interpreter, another command form, or an environment other than the starter's beyond :data:`VOLATILE` (torch
         and tmd read some variables at import); start it some other way then."""
         env = dict(os.environ)
-        same = {k: v for k, v in env.items() if k not in VOLATILE} == \
-            {k: v for k, v in self.env.items() if k not in VOLATILE}
         exe = fork_server.interpreter(argv, env)
-        if (not same or exe is None or os.path.realpath(exe) != os.path.realpath(sys.executable)
+        if (_stable(env) != _stable(self.env) or exe is None or os.path.realpath(exe) != os.path.realpath(sys.executable)
                 or fork_server.parse(argv) is None or self.proc.poll() is not None):
             return None
         _send(self._sock, {"argv": list(argv), "env": env, "cwd": os.getcwd(), "log": log or os.devnull})

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -147,7 +146,7 @@ class ForkServer:
         """Whether this process may become the server by a fork, with no import: it runs ``python`` (the job's
         interpreter) and holds the image already, with no other thread (:func:`worker.fork_server.holds_image`;
         a tmd forked from a warm process, tmctl.warm_start)."""
-        exe = shutil.which(python, path=env.get("PATH", os.defpath))
+        exe = fork_server.interpreter([python], env)
         return (exe is not None and os.path.realpath(exe) == os.path.realpath(sys.executable)
                 and fork_server.holds_image(env.get(fork_server.PRELOAD_ENV, "")))
 
@@ -155,25 +154,18 @@ class ForkServer:
     def _fork(ours: socket.socket, theirs: socket.socket, env: Mapping[str, str], log_path: str) -> "Forked":
         """Fork this process into the server: it serves ``theirs`` with ``env`` as its environment and
         ``log_path`` as its stdout and stderr, as ``python -m worker.fork_server`` would (its imports are done)."""
-        log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
                 ours.close()
-                null = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(null, 0)
-                os.dup2(log, 1)
-                os.dup2(log, 2)
-                os.environ.clear()
-                os.environ.update(env)
+                fork_server.take_over(log_path, env)
                 code = fork_server.serve(theirs.fileno())
             except BaseException:  # noqa: BLE001 - never return into tmd
                 traceback.print_exc()
             finally:
                 flush_stdio()
                 os._exit(code)
-        os.close(log)
         return Forked(pid)
 
     def _read(self, timeout_s: float) -> dict:

@@ -173,6 +173,20 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
+def take_over(log_path: str, env: Mapping[str, str]) -> None:
+    """In a forked process: stdin from /dev/null, stdout and stderr appended to ``log_path`` (made 0600, never
+    through a symlink), and ``env`` as the whole environment."""
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def become(request: dict, added_env: Mapping[str, str], name: Optional[str] = None) -> NoReturn:
     """In the forked rank: take the request's stdio, environment, working directory and command line, run the
     script as ``__main__``, and end the process as a fresh interpreter ends it (non-daemon threads joined,
@@ -181,15 +195,7 @@ def become(request: dict, added_env: Mapping[str, str], name: Optional[str] = No
     and by tmctl.warm_start for tmd itself."""
     code = 1
     try:
-        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.close(null)
-        os.environ.clear()
-        os.environ.update({**added_env, **request["env"]})  # what the imports set, as in a fresh process
+        take_over(request["log"], {**added_env, **request["env"]})  # what the imports set, as in a fresh process
         set_process_name(name or f"tm-{os.environ.get('TM_NODE', '')}.{os.environ.get('TM_LOCAL_RANK', '')}")
         os.chdir(request["cwd"])
         kind, target, args = parse(request["argv"])  # type: ignore[misc]  (checked by tmd before the request)
