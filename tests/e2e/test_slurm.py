@@ -33,7 +33,7 @@ import time
 
 import pytest
 
-from tmctl.localjob import events, final_hashes, wait_until
+from tmctl.localjob import end_padding, events, final_hashes, pace_args, wait_until
 from tests.support import stand_in_tmd
 from tmd import netns
 from tmd.slurm import Poller, SlurmError, run_slurm
@@ -43,7 +43,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CLUSTER_SH = os.path.join(REPO, "slurm", "local-cluster.sh")
 # The job outlives the tests that need it running: 800 x PACE_S = 48 s of steps, against about 20 s (300 steps) from
 # its step 5 to the last of them (tmd's crash and restart, the drain migration, a new standby's warm-up, the kill -9
-# recovery, a pending standby's 3 s wait) on a 2-core machine.
+# recovery, a pending standby's 3 s wait) on a 2-core machine. The padding lasts while its pace file exists
+# (examples.pacing): test_job_completes removes it, and the steps left run at their own speed.
 STEPS = 800
 PACE_S = 0.06  # pads each step (numerics unchanged)
 CLIENT_TIMEOUT_S = 20  # every SLURM client call of these tests
@@ -350,7 +351,7 @@ def job(cluster):
     os.chmod(python, 0o755)
     jid = cluster.sbatch("--output", os.path.join(cluster.dir, "train-%j.out"), "slurm/train.sbatch",
                          sys.executable, "-m", "examples.train_gpt", "--steps", str(STEPS), "--tiny",
-                         "--min-step-time-s", str(PACE_S), TM_RUN_DIR=run_dir, TM_PYTHON=python,
+                         "--min-step-time-s", str(PACE_S), *pace_args(run_dir), TM_RUN_DIR=run_dir, TM_PYTHON=python,
                          TM_TMD_ARGS=cluster.env["TM_TMD_ARGS"] + " --keep-standbys 1")
     j = SlurmJob(cluster, jid, run_dir, trigger)
     wait_until(lambda: os.path.exists(os.path.join(cluster.state_dir, "jobs", jid, "tmd.json")), 60, "tmd.json")
@@ -508,6 +509,7 @@ def reference(cluster):
 @pytest.mark.timeout(300)
 def test_job_completes_bit_identical_and_no_standby_job_outlives_it(job, reference):
     c = job.cluster
+    end_padding(job.run_dir)  # the faults are over: the steps left at their own speed
     wait_until(lambda: c.job_state(job.id) in ENDED, 200, "the training job to end")
     assert c.job_state(job.id) == "COMPLETED", open(os.path.join(c.dir, f"train-{job.id}.out")).read()[-3000:]
     # tmd cancelled the pending standby job it submitted before it ended; the running one ends by itself

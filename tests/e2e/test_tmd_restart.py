@@ -19,8 +19,8 @@ import pytest
 import zmq
 
 from tmctl.client import CoordinatorUnreachable
-from tmctl.localjob import (end_job, events, final_hashes, job_client, scrape, start_tmd, tmd_command, tmd_log,
-                            wait_until, web_of)
+from tmctl.localjob import (end_job, end_padding, events, final_hashes, job_client, pace_args, scrape, start_tmd,
+                            tmd_command, tmd_log, wait_until, web_of)
 from tmd import protocol as p
 from tmd.protocol.keys import JobKeys
 from tmd.resume import ResumeError, load
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(240)
 STEPS = 400
 # Padded so the job (400 x 0.06 s = 24 s) outlives tmd's kill, the rogue coordinators, 20 steps without tmd,
 # the resume and a migration: about 12 s from step 5 to the migration's downtime figure on a quiet 2-core machine.
-# Neither changes the numerics.
+# Neither changes the numerics. The padding ends with the migration (the pace file, examples.pacing).
 ARGS = ("--group-size", "2", "--min-step-time-s", "0.06")
 # Detection settings other than the defaults (tmd.config; larger, so nothing fails sooner): the resumed tmd must
 # run with them, not with the defaults.
@@ -61,7 +61,7 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path, gpt_refer
     # the uninterrupted run, before the job (alone: a busy machine slows heartbeats)
     reference = gpt_reference(STEPS)
     run_dir = str(tmp_path / "job")
-    tmd = start_tmd(tmd_command(run_dir, 1, STEPS, True, True, ARGS, TMD_ARGS), tmd_log(run_dir))
+    tmd = start_tmd(tmd_command(run_dir, 1, STEPS, True, True, ARGS + pace_args(run_dir), TMD_ARGS), tmd_log(run_dir))
     resumed = None
     workers: list[psutil.Process] = []
     try:
@@ -137,6 +137,7 @@ def test_sigkilled_tmd_is_resumed_and_the_job_migrates_again(tmp_path, gpt_refer
         m = json.loads(r.stdout.strip().splitlines()[-1])
         assert m["state"] == "committed" and m["id"] == 1 and m["generation"] == 1
         assert m["bytes_moved"] > 10_000
+        end_padding(run_dir)  # the steps left at their own speed
 
         assert resumed.wait(timeout=120) == 0  # every rank finished: the resumed tmd ends the job
     finally:
