@@ -83,17 +83,33 @@ def reference_hashes(run_dir: str, steps: int, script_args: tuple = (), nodes: i
     return final_hashes(run_dir)
 
 
-def run_tmd(cmd: list[str], run_dir: str, timeout_s: float = 300.0) -> None:
+def run_tmd(cmd: list[str], run_dir: str, timeout_s: float = 300.0, check: bool = True,
+            capture: bool = False) -> subprocess.CompletedProcess:
     """Run the tmd command ``cmd`` (:func:`tmd_command`'s, for the job in ``run_dir``) to its end, started as
-    :func:`tmctl.warm_start.start_tmd` starts it. Raises CalledProcessError on a non-zero exit, TimeoutExpired after
-    ``timeout_s`` seconds (tmd is ended then)."""
-    proc = start_tmd(cmd, tmd_log(run_dir))
+    :func:`tmctl.warm_start.start_tmd` starts it, its output in :func:`tmd_log`. Returns its result; with
+    ``capture``, tmd's stdout and stderr as text in it (stderr written apart, to ``<run_dir>.tmd.err``), as
+    ``subprocess.run(cmd, capture_output=True, text=True)`` gives them (what this run appended). Raises CalledProcessError on a non-zero exit
+    with ``check``, TimeoutExpired after ``timeout_s`` seconds (tmd is ended then)."""
+    log, err = tmd_log(run_dir), (run_dir.rstrip("/") + ".tmd.err" if capture else None)
+    before = {path: os.path.getsize(path) if os.path.exists(path) else 0 for path in (log, err) if path}
+    proc = start_tmd(cmd, log, err)
     try:
         rc = proc.wait(timeout=timeout_s)
     finally:
         end_job(proc)
-    if rc != 0:
+    if check and rc != 0:
         raise subprocess.CalledProcessError(rc, cmd)
+    if not capture:
+        return subprocess.CompletedProcess(cmd, rc)
+    out, error = ("" if not os.path.exists(path) else _read_from(path, before[path]) for path in (log, err))
+    return subprocess.CompletedProcess(cmd, rc, out, error)
+
+
+def _read_from(path: str, offset: int) -> str:
+    """What ``path`` holds past ``offset`` bytes, as text."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
 
 
 def pace_args(run_dir: str) -> tuple[str, str]:

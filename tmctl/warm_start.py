@@ -11,20 +11,26 @@ and runs no thread yet when it makes its fork server, so it forks that server fr
 
 :func:`start_tmd` is what callers use: ``start_tmd(tmd_command(...))`` returns the tmd process, forked warm when
 :func:`enable` was called in this process and the command can be (``python -m tmd.cli ...`` with this interpreter,
-the starter's environment: see :meth:`WarmStarter.start`), else a ``subprocess.Popen``. A warm-started tmd's output
-(stdout and stderr) goes to the ``log`` file given, else to ``/dev/null``. Its handle, :class:`WarmProcess`, has
+the starter's environment: see :meth:`WarmStarter.start`), else a ``subprocess.Popen``. Either way tmd's output
+goes to the ``log`` file given (stderr to the ``err`` file where one is given), else to ``/dev/null``. Its handle, :class:`WarmProcess`, has
 the part of Popen's interface callers use (``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``,
 ``terminate``, ``kill``).
 
+A starter serves one environment (the starting process's, :data:`VOLATILE` aside). A job whose environment differs
+only in ``TM_FORK_PRELOAD`` (modules its fork server imports once more, such as torchtitan's) gets a starter of its
+own that imported those too, so its tmd forks a fork server that holds them as well: one starter per distinct
+value, each started on first use. Any other difference starts that tmd cold.
+
 Protocol (a private ``socketpair`` with the process that started the starter; JSON lines, nothing executed): the
 starter writes ``{"ready": pid}`` once its imports are done; each request ``{"argv": [...], "env": {...}, "cwd":
-str, "log": path}`` is answered ``{"pid": N}`` or ``{"error": "..."}``; ``{"exit": pid, "code": N}`` follows when that
-tmd ended (``N`` negative: the signal that ended it, as Popen gives it). tmd is the starter's own child, so its
+str, "log": path}`` (``"err": path`` too for stderr apart) is answered ``{"pid": N}`` or ``{"error": "..."}``;
+``{"exit": pid, "code": N}`` follows when that tmd ended (``N`` negative: the signal that ended it, as Popen gives it). tmd is the starter's own child, so its
 exit code is waited for there. The starter exits when its socket closes (the process that started it ended).
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import os
@@ -36,6 +42,7 @@ import sys
 import time
 from typing import Mapping, Optional, Sequence, Union
 
+from tmd.rundir import no_follow
 from worker import fork_server
 from worker.exit import flush_stdio
 
@@ -59,7 +66,7 @@ def serve(fd: int) -> int:
     sock = socket.socket(fileno=fd)
     before = dict(os.environ)
     try:
-        fork_server.preload()
+        fork_server.preload(os.environ.get(fork_server.PRELOAD_ENV, ""))
         for name in TMD_MODULES:
             importlib.import_module(name)
     except Exception as e:  # noqa: BLE001 - the caller then starts every tmd itself
@@ -184,9 +191,10 @@ class WarmStarter:
             self.close()
             raise RuntimeError(f"the warm starter cannot serve: {hello.get('error')}")
 
-    def start(self, argv: Sequence[str], log: Optional[str] = None) -> Optional[WarmProcess]:
+    def start(self, argv: Sequence[str], log: Optional[str] = None,
+              err: Optional[str] = None) -> Optional[WarmProcess]:
         """Fork a tmd running ``argv`` (``python -m tmd.cli ...``) with this process's environment and working
-        directory, its output appended to ``log`` (None: discarded). None when it cannot be forked warm: another
+        directory, its output appended to ``log`` (None: discarded), its stderr to ``err`` where given. None when it cannot be forked warm: another
         interpreter, another command form, or an environment other than the starter's beyond :data:`VOLATILE` (torch
         and tmd read some variables at import); start it some other way then."""
         env = dict(os.environ)
@@ -194,7 +202,8 @@ class WarmStarter:
         if (_stable(env) != _stable(self.env) or exe is None or os.path.realpath(exe) != os.path.realpath(sys.executable)
                 or fork_server.parse(argv) is None or self.proc.poll() is not None):
             return None
-        _send(self._sock, {"argv": list(argv), "env": env, "cwd": os.getcwd(), "log": log or os.devnull})
+        _send(self._sock, {"argv": list(argv), "env": env, "cwd": os.getcwd(), "log": log or os.devnull,
+                           **({"err": err} if err else {})})
         reply = self._reply(REPLY_TIMEOUT_S)
         pid = reply.get("pid")
         return WarmProcess(self, pid) if isinstance(pid, int) and pid > 0 else None
@@ -233,33 +242,50 @@ class WarmStarter:
             self.proc.wait()
 
 
-_starter: Optional[WarmStarter] = None
-_enabled = False
+_starters: dict[str, WarmStarter] = {}  # TM_FORK_PRELOAD's value -> the starter that imported those modules too
+_enabled: Optional[dict[str, str]] = None  # the environment of enable(), less TM_FORK_PRELOAD
+
+
+def _base(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k != fork_server.PRELOAD_ENV}
 
 
 def enable() -> None:
-    """Start every later :func:`start_tmd` of this process warm where it can be; the starter itself is started
-    by the first one (and ended when this process exits)."""
+    """Start every later :func:`start_tmd` of this process warm where it can be: one starter per value of
+    ``TM_FORK_PRELOAD`` in an environment otherwise this one's, each started by the first tmd that needs it (and
+    ended when this process exits)."""
     global _enabled
-    _enabled = True
+    _enabled = _stable(_base(os.environ))
 
 
-def start_tmd(argv: Sequence[str], log: Optional[str] = None) -> Union[subprocess.Popen, WarmProcess]:
+def _starter() -> Optional[WarmStarter]:
+    """The starter for this process's environment now (started on first use), or None where enable() was not
+    called or the environment differs from enable()'s in more than ``TM_FORK_PRELOAD``."""
+    if _enabled is None or _stable(_base(os.environ)) != _enabled:
+        return None
+    preload = os.environ.get(fork_server.PRELOAD_ENV, "")
+    if preload not in _starters:
+        _starters[preload] = WarmStarter()
+        atexit.register(_starters[preload].close)
+    return _starters[preload]
+
+
+def start_tmd(argv: Sequence[str], log: Optional[str] = None,
+              err: Optional[str] = None) -> Union[subprocess.Popen, WarmProcess]:
     """Start tmd (``argv``: tmctl.localjob.tmd_command's): forked warm where :func:`enable` was called and
-    :meth:`WarmStarter.start` can, its output to ``log`` (None: discarded); else ``subprocess.Popen(argv)`` with
-    its stdout discarded and its stderr this process's."""
-    global _starter
-    if _enabled:
-        try:
-            if _starter is None:
-                _starter = WarmStarter()
-                atexit.register(_starter.close)
-            proc = _starter.start(argv, log)
-            if proc is not None:
-                return proc
-        except (OSError, RuntimeError, ValueError) as e:
-            print(f"[warm_start] starting tmd cold: {type(e).__name__}: {e}", file=sys.stderr)
-    return subprocess.Popen(list(argv), stdout=subprocess.DEVNULL)
+    :meth:`WarmStarter.start` can, else ``subprocess.Popen(argv)``. Its stdout and stderr are appended to ``log``,
+    its stderr to ``err`` instead where given. Without ``log`` its stdout is discarded, and its stderr too when
+    forked (a cold tmd's goes to this process's stderr)."""
+    try:
+        starter = _starter()
+        proc = starter.start(argv, log, err) if starter is not None else None
+        if proc is not None:
+            return proc
+    except (OSError, RuntimeError, ValueError) as e:
+        print(f"[warm_start] starting tmd cold: {type(e).__name__}: {e}", file=sys.stderr)
+    with contextlib.ExitStack() as files:  # as a forked tmd's: made 0600, never through a symlink
+        out, error = (files.enter_context(open(path, "ab", opener=no_follow)) if path else None for path in (log, err))
+        return subprocess.Popen(list(argv), stdout=out or subprocess.DEVNULL, stderr=error or out)
 
 
 if __name__ == "__main__":

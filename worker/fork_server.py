@@ -173,16 +173,16 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
-def take_over(log_path: str, env: Mapping[str, str]) -> None:
-    """In a forked process: stdin from /dev/null, stdout and stderr appended to ``log_path`` (made 0600, never
-    through a symlink), and ``env`` as the whole environment."""
-    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def take_over(log_path: str, env: Mapping[str, str], err_path: Optional[str] = None) -> None:
+    """In a forked process: stdin from /dev/null, stdout appended to ``log_path`` and stderr to ``err_path``
+    (None: ``log_path`` too; each made 0600, never through a symlink), and ``env`` as the whole environment."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
     os.close(null)
+    for fd, path in ((1, log_path), (2, err_path or log_path)):
+        log = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.dup2(log, fd)
+        os.close(log)
     os.environ.clear()
     os.environ.update(env)
 
@@ -195,7 +195,8 @@ def become(request: dict, added_env: Mapping[str, str], name: Optional[str] = No
     and by tmctl.warm_start for tmd itself."""
     code = 1
     try:
-        take_over(request["log"], {**added_env, **request["env"]})  # what the imports set, as in a fresh process
+        # what the imports set, as in a fresh process; stderr apart where the request names a file for it
+        take_over(request["log"], {**added_env, **request["env"]}, request.get("err"))
         set_process_name(name or f"tm-{os.environ.get('TM_NODE', '')}.{os.environ.get('TM_LOCAL_RANK', '')}")
         os.chdir(request["cwd"])
         kind, target, args = parse(request["argv"])  # type: ignore[misc]  (checked by tmd before the request)

@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from tmctl.localjob import events, job_client, wait_until
+from tmctl.localjob import events, job_client, run_tmd, start_tmd, tmd_log, wait_until
 from tmd import protocol as p
 from tmd.protocol.vocab import Event, ExitCode, FailureKind
 from worker.fork_server import SERVER_NAME
@@ -34,9 +34,10 @@ def script(*args: str) -> tuple[str, ...]:
 
 def run_job(run_dir: str, standbys: int, command: tuple,
             timeout_s: float = 90) -> tuple[subprocess.CompletedProcess, float]:
+    """tmd's result (its stdout and stderr as text) and the seconds it ran; tmd forked warm where it can be (the
+    e2e conftest, tmctl.warm_start)."""
     t0 = time.monotonic()
-    r = subprocess.run(tmd_local(run_dir, standbys, *command), capture_output=True, text=True, timeout=timeout_s,
-                       cwd=REPO)
+    r = run_tmd(tmd_local(run_dir, standbys, *command), run_dir, timeout_s, check=False, capture=True)
     return r, time.monotonic() - t0
 
 
@@ -68,7 +69,7 @@ def test_an_interface_the_nodes_lack_fails_their_ranks_at_start_naming_node_and_
     cmd = [sys.executable, "-m", "tmd.cli", "local", "--nodes", "2", "--ranks-per-node", "1", "--standbys", "0",
            "--run-dir", run_dir, "--quiet", "--iface", "tm-nope0", "--", *script("--steps", "50")]
     t0 = time.monotonic()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
+    r = run_tmd(cmd, run_dir, 60, check=False, capture=True)
     assert r.returncode == ExitCode.FAILED, r.stderr
     assert time.monotonic() - t0 < 30  # no rendezvous waited for them
     startup = named(run_dir, Event.STARTUP_FAILED)[0]
@@ -141,8 +142,8 @@ def test_a_job_that_never_manages_its_model_is_warned_and_not_migrated_and_sigte
     """Also, on the same job (one start-up): straggler detection (rank 3 sleeps 50 ms more than its peers in every
     step), then SIGTERM to tmd stops the local job and every process it started."""
     run_dir = str(tmp_path / "job")
-    proc = subprocess.Popen(tmd_local(run_dir, 1, *script("--unmanaged", "--steps", "2000", "--slow-rank", "3")),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    proc = start_tmd(tmd_local(run_dir, 1, *script("--unmanaged", "--steps", "2000", "--slow-rank", "3")),
+                     tmd_log(run_dir))
     try:
         client = job_client(run_dir, proc)
         st = wait_until(lambda: (lambda s: s if s.warnings and s.step > 5 and

@@ -78,6 +78,31 @@ def test_a_forked_process_forks_its_fork_server_from_itself(starter, tmp_path, m
 
 
 def test_start_tmd_falls_back_to_popen_when_not_enabled(monkeypatch):
-    monkeypatch.setattr(warm_start, "_enabled", False)
+    monkeypatch.setattr(warm_start, "_enabled", None)
     proc = warm_start.start_tmd([sys.executable, "-c", "raise SystemExit(5)"])
     assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=60) == 5
+
+
+def test_each_fork_preload_gets_a_starter_whose_tmd_forks_a_server_holding_those_modules(tmp_path, monkeypatch):
+    """A job with ``TM_FORK_PRELOAD`` (torchtitan's image in tests/e2e/test_torchtitan.py) is forked from a starter
+    of its own that imported those modules too: its fork server is then a fork of it as well (``image inherited``,
+    which needs every preloaded module imported). Any other change of the environment starts tmd cold."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(warm_start, "_starters", {})
+    warm_start.enable()
+    try:
+        monkeypatch.setenv("TM_FORK_PRELOAD", "graphlib")
+        log = tmp_path / "out.log"
+        proc = warm_start.start_tmd(target("launch", str(tmp_path / "run")), str(log))
+        assert isinstance(proc, warm_start.WarmProcess) and proc.wait(timeout=120) == 0, log.read_text()
+        assert json.loads(log.read_text().splitlines()[-1])["server_forked"] is True
+        assert "image inherited" in (tmp_path / "run" / "logs" / "fork-server.log").read_text()
+        assert list(warm_start._starters) == ["graphlib"]
+        monkeypatch.setenv("WARM_PROBE", "1")
+        cold = warm_start.start_tmd(target("exit", "4"))
+        assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=60) == 4
+        assert list(warm_start._starters) == ["graphlib"]
+    finally:
+        for s in warm_start._starters.values():
+            s.close()
+        monkeypatch.setattr(warm_start, "_enabled", None)
