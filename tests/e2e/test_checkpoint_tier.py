@@ -94,6 +94,7 @@ def chaos(tmp_path_factory, reference):
             f.write(b"half a shard")
         for pid in active:
             os.kill(pid, signal.SIGKILL)
+        job.end_padding()  # the faults are over: the relaunched job at its own speed
         rc = job.finish(timeout_s=300)
     finally:
         job.close()
@@ -184,6 +185,7 @@ def test_a_node_lost_with_its_snapshot_keeper_restarts_from_the_checkpoint_tp_fs
         lost = job.pids("n1") + job.pids("n2")  # rank 0, and rank 1, which keeps rank 0's snapshot
         for pid in lost:
             os.kill(pid, signal.SIGKILL)
+        job.end_padding()
         rc = job.finish(timeout_s=300)
     finally:
         job.close()
