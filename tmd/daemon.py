@@ -565,6 +565,11 @@ class Daemon:
         self.send(w, p.DoneAck(rank=msg.rank))
 
     def _rank_failed(self, w: Worker, msg: p.RankFailed) -> None:
+        if msg.kind == p.FailureKind.CHECKPOINT_REFUSED and self.tier is not None:
+            if self.restart is not None:  # another rank refused it too: the restart before it is planned already
+                return
+            if self.tier.load_refused(msg.rank, w.node, msg.error):  # one tmd chose: restart from an older one
+                raise RecoveryError(f"rank {msg.rank} on {w.node} refused checkpoint {self.tier.resume_from} at load")
         if w.rank is not None and self.registry.rank_owner.get(w.rank) is not w and not w.fenced:
             # a joiner (in its sandbox) that raised, e.g. a mesh created in another order: its standby is out of
             # this migration or incident (its exit aborts it), never the job, which trains on untouched

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Optional
+from typing import Collection, Optional
 
 from tmd.config import CheckpointTierConfig
 from tmd.journal import Journal
@@ -76,15 +76,19 @@ def owner_in_path(path: str, job_id: str) -> Optional[str]:
         here = parent
 
 
-def choose(source: str, job_id: Optional[str] = None) -> tuple[Optional[tuple[int, str, dict]], list[str]]:
+def choose(source: str, job_id: Optional[str] = None,
+           passed_over: Collection[str] = ()) -> tuple[Optional[tuple[int, str, dict]], list[str]]:
     """The newest valid checkpoint in ``source`` (a root of checkpoints or one ``step-*`` directory) as
     (step, path, manifest), or None; and one line per checkpoint passed over on the way (torn, truncated,
-    corrupted, another job's when ``job_id`` is given). Verifies every file's sha256 (reads every byte)."""
+    corrupted, another job's when ``job_id`` is given). Verifies every file's sha256 (reads every byte).
+    ``passed_over``: step directories not to consider (refused by the ranks already), not listed again."""
     source = os.path.abspath(source)
     one = os.path.exists(os.path.join(source, ck.MANIFEST)) or ck._STEP_DIR.match(os.path.basename(source))
     candidates = [(None, source)] if one else ck.checkpoints(source)
     refused = []
     for _, path in candidates:
+        if path in passed_over:
+            continue
         why, manifest = ck.verify(path, job_id)
         if why is None:
             return (int(manifest["step"]), path, manifest), refused
@@ -115,6 +119,7 @@ class Tier:
         self._refused: list[str] = []  # what --resume-from passed over, journalled once a daemon is attached
         self._watched_at = 0.0
         self.impossible: Optional[str] = None  # why this tmd cannot restart the job (then it fails instead)
+        self.refused_at_load: set[str] = set()  # step directories a rank refused to load: never chosen again
 
     @classmethod
     def resumed(cls, config: CheckpointTierConfig, job: str, world_size: int, restarts: list[dict],
@@ -228,7 +233,7 @@ class Tier:
             return None, "no --checkpoint-dir"
         if self.impossible is not None:
             return None, self.impossible
-        chosen, refused = choose(self.config.checkpoint_dir, self.job_id)
+        chosen, refused = choose(self.config.checkpoint_dir, self.job_id, self.refused_at_load)
         for line in refused:
             self._record(Event.CHECKPOINT_REFUSED, message=line)
         if chosen is None:
@@ -243,6 +248,20 @@ class Tier:
         self.resume_from = path
         self._record(Event.JOB_RESTARTING, **restart.to_dict(), restart=len(self.restarts))
         return restart, ""
+
+    def load_refused(self, rank: int, node: str, error: str) -> bool:
+        """Rank ``rank`` (on ``node``) refused the checkpoint this launch loads, for ``error`` (torn, corrupted, or
+        changed since :meth:`plan_restart` verified it). Journals ``checkpoint_refused`` and passes that checkpoint
+        over from now on. True when :meth:`plan_restart` chose it, so that a restart from the checkpoint before it
+        can be planned; False for ``--resume-from``'s (the user's choice: the job fails, saying why)."""
+        path = self.resume_from
+        if path is None:
+            return False
+        if path not in self.refused_at_load:  # one line, however many ranks refuse it
+            self.refused_at_load.add(path)
+            self._record(Event.CHECKPOINT_REFUSED, message=f"checkpoint {path} refused at load by rank {rank} on "
+                                                           f"{node}: {error}")
+        return bool(self.restarts) and self.restarts[-1].path == path
 
     def status(self) -> dict:
         """What ``tmctl status`` shows of the tier (StatusReply.checkpoints)."""

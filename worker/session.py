@@ -41,7 +41,7 @@ from tmd import protocol as p
 from tmd.netif import InterfaceError
 from worker import backend, misuse, sandbox
 from worker.agent import Agent
-from worker.checkpoint import CheckpointError
+from worker.checkpoint import CheckpointError, LayoutMismatch
 from worker.checkpointing import SessionCheckpoints, Settings as CheckpointSettings
 from worker.commands import Commands
 from worker.control import Control, Stage
@@ -355,8 +355,10 @@ class Session:
             try:
                 step = record_base = self._checkpoints.start(self.rank, self.world_size, self._groups.world_generation,
                                                              self._ledger.replicated, self._ledger.local)
-            except CheckpointError as e:
+            except LayoutMismatch as e:  # another world size or model: no checkpoint of this job would do
                 self._fail(p.FailureKind.SCRIPT_ERROR, str(e))
+            except CheckpointError as e:  # torn, corrupted or changed since tmd chose it: tmd may fall back
+                self._fail(p.FailureKind.CHECKPOINT_REFUSED, str(e))
         try:
             yield from self._loop(step, total, record_base)
         except LeaverExit:

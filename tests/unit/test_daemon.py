@@ -198,6 +198,33 @@ def test_recovery_impossible_restarts_a_local_job_from_its_newest_checkpoint_or_
     assert daemon.status().checkpoints["restarts"][0]["tier"] == "checkpoint"
 
 
+def test_a_checkpoint_the_ranks_refuse_at_load_restarts_the_job_from_the_one_before(daemon, tmp_path):
+    """After a restart from checkpoint 10, a rank refuses it at load (``checkpoint_refused``): tmd restarts the job
+    from checkpoint 5 instead of failing it; another rank's refusal of the same checkpoint changes nothing."""
+    from tests.unit.test_tiers import write_checkpoint
+    from tmd.local import LocalLauncher
+    from tmd.config import CheckpointTierConfig
+    from tmd.tiers import Tier
+
+    daemon.launcher = LocalLauncher(["true"], str(tmp_path), "tcp://x:1", 1, echo=False)
+    daemon.tier = Tier(CheckpointTierConfig(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=5), "t", 2)
+    daemon.tier.attach(daemon.journal)
+    older = write_checkpoint(daemon.tier.config.checkpoint_dir, 5, daemon.tier.job_id)
+    newer = write_checkpoint(daemon.tier.config.checkpoint_dir, 10, daemon.tier.job_id)
+    assert daemon.tier.plan_restart("every rank is lost")[0].path == newer  # the relaunch this daemon serves
+    refused = p.RankFailed(rank=0, step=0, kind=p.FailureKind.CHECKPOINT_REFUSED, traceback="",
+                           error=f"no valid checkpoint in {newer}: __0_0.distcp does not match its sha256")
+    n1 = daemon.registry.by_identity[b"n1/0"]
+    with pytest.raises(RecoveryError, match=f"rank 0 on n1 refused checkpoint {newer} at load"):
+        daemon._rank_failed(n1, refused)  # noqa: SLF001
+    daemon._recovery_impossible(f"rank 0 on n1 refused checkpoint {newer} at load")  # noqa: SLF001 - as the loop
+    assert daemon.restart is not None and daemon.restart.path == older
+    daemon._rank_failed(daemon.registry.by_identity[b"n2/0"], refused)  # noqa: SLF001 - the second: nothing new
+    names = [e["event"] for e in daemon.journal.since(0, 1000)]
+    assert names.count(Event.JOB_RESTARTING) == 2 and Event.JOB_FAILED not in names
+    assert names.count(Event.CHECKPOINT_REFUSED) == 1
+
+
 def test_recovery_impossible_in_slurm_mode_requeues_the_job_or_fails_it_saying_why(daemon, tmp_path):
     from tests.unit.test_tiers import write_checkpoint
     from tmd.config import CheckpointTierConfig

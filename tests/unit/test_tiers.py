@@ -156,3 +156,24 @@ def test_a_journalled_restart_round_trips_and_a_malformed_one_is_skipped():
     assert Restart.from_dict({**r.to_dict(), "event": "job_restarting", "ts": 9.0}) == r
     assert Restart.from_dict({"step": "10", "path": "/ck"}) is None  # read from a journal, not trusted
     assert Restart.from_dict({"step": 3, "path": "/ck/step-3", "ts": 7.5}).at == 7.5
+
+
+def test_a_checkpoint_refused_at_load_is_passed_over_and_the_one_before_it_chosen(tmp_path):
+    """A checkpoint valid when tmd chose it may be refused by the ranks that load it (changed since: a chaos run
+    corrupted one in between). It is journalled once, never chosen again, and the restart goes to the one before;
+    a checkpoint the user gave (--resume-from) is not fallen back from."""
+    t = tier(tmp_path, dir=str(tmp_path / "ck"), every=5)
+    root = t.config.checkpoint_dir
+    older, newer = write_checkpoint(root, 5, t.job_id), write_checkpoint(root, 10, t.job_id)
+    assert t.plan_restart("every rank is lost")[0].path == newer
+    assert t.load_refused(0, "n1", "no valid checkpoint: __0_0.distcp does not match its sha256")
+    assert t.load_refused(1, "n2", "no valid checkpoint: __1_0.distcp does not match its sha256")  # once
+    (line,) = [e["message"] for e in events(t, Event.CHECKPOINT_REFUSED)]
+    assert line == f"checkpoint {newer} refused at load by rank 0 on n1: no valid checkpoint: __0_0.distcp does " \
+                   f"not match its sha256"
+    restart, why = t.plan_restart("rank 0 on n1 refused it at load")
+    assert why == "" and restart.path == older and t.resume_from == older
+    assert t.load_refused(0, "n1", "again") and t.plan_restart("refused")[0] is None  # nothing older: no restart
+    given = tier(tmp_path, dir=str(tmp_path / "other"), every=5, resume_from=root)
+    assert given.refusal() is None and given.resume_from == newer  # the user's choice, not tmd's
+    assert not given.load_refused(0, "n1", "corrupted")

@@ -202,11 +202,14 @@ class FailureKind(StrEnum):
     (``SCRIPT_ERROR``: the user's error, not a peer failure), the managed state of data-parallel replicas differs
     after a migration or recovery (``STATE_MISMATCH``: the trajectory diverged), or the script let a
     ``StepAborted`` (a peer failure's refused step) end the process instead of catching it in its
-    ``session.steps()`` loop (``STEP_ABORTED_UNCAUGHT``: the rank's state is lost with it)."""
+    ``session.steps()`` loop (``STEP_ABORTED_UNCAUGHT``: the rank's state is lost with it), or the checkpoint the
+    rank was started to load (``TM_RESUME_FROM``) is not valid there: torn, corrupted, or changed since tmd chose
+    it (``CHECKPOINT_REFUSED``; tmd.tiers falls back to the checkpoint before it where tmd chose that one)."""
 
     SCRIPT_ERROR = "script_error"
     STATE_MISMATCH = "state_mismatch"
     STEP_ABORTED_UNCAUGHT = "step_aborted_uncaught"
+    CHECKPOINT_REFUSED = "checkpoint_refused"
 
 
 class WarningCode(StrEnum):
