@@ -378,10 +378,13 @@ class Detector:
 
     # --- the rules, on one node ---------------------------------------------------------------------------------
     def _peer_blocked_s(self, n: Node) -> float:
-        """How long (seconds) a rank outside ``n`` has been blocked in a collective, from its last heartbeat."""
+        """How long (seconds) a rank outside ``n`` has been blocked in a collective, from its last heartbeat. A
+        rank that is done (or exited, or fenced) blocks on nothing: its last heartbeat's pending op is history."""
         now = self.wall_clock()
         worst = 0.0
         for w in self.registry.rank_owner.values():
+            if w.done or w.exited or w.fenced:
+                continue
             c = w.counters if isinstance(w.counters, dict) else {}
             pending, started = finite(c.get("pending")), finite(c.get("last_op_start_s"))
             if w.node != n.name and pending is not None and pending > 0 and started is not None and started > 0:

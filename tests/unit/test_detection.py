@@ -117,6 +117,20 @@ def test_silence_with_a_blocked_peer_fails_the_node_fast():
     assert v[0].reason == "no heartbeat for 0.90 s (peers blocked for 0.90 s)"
 
 
+def test_a_peer_that_is_done_is_not_blocked_and_the_last_rank_to_finish_is_not_failed():
+    """At the job's end the other ranks report done and exit: their last heartbeat may still show the final
+    collective pending. That is no peer waiting, so a slow last rank gets the long timeout, not the fast rule (a
+    run here failed it 0.9 s after the others were done, and waited for a standby forever)."""
+    job = Job()
+    for ident in ("n1/0", "n1/1"):
+        job.block(ident, since=0.0)
+        job.w(ident).done = True
+    assert failures(job.tick(0.9, *BUT_N2)) == []
+    assert failures(job.tick(4.9, *BUT_N2)) == []
+    job.w("n1/1").done = False  # one still waits in the collective: the fast rule again
+    assert failures(job.tick(5.0, *BUT_N2)) == [("n2", FailureSignal.SILENT)]
+
+
 def test_the_thresholds_are_the_jobs_config():
     job = Job(config=DetectionConfig(heartbeat_timeout_s=12.0, suspect_after_s=1.5, blocked_after_s=0.5))
     job.block("n1/0", since=0.0)
