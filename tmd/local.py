@@ -178,11 +178,9 @@ class ForkServer:
             raise ValueError(f"malformed reply {line[:80]!r}")
         return reply
 
-    def spawn(self, argv: list[str], env: dict[str, str], log_path: str,
-              netns: Optional[str] = None) -> Optional[int]:
+    def spawn(self, argv: list[str], env: dict[str, str], log_path: str) -> Optional[int]:
         """Fork one process running ``argv`` with ``env`` in this working directory, its output appended to
-        ``log_path``, inside network namespace ``netns`` where given (as ``ip netns exec`` would run it:
-        worker.netns_exec). Returns its pid (a child of this process now), or None: start it some other way."""
+        ``log_path``. Returns its pid (a child of this process now), or None: start it some other way."""
         with self._lock:
             if self.broken:
                 return None
@@ -192,8 +190,7 @@ class ForkServer:
                     if "ready" not in hello:
                         raise RuntimeError(hello.get("error", "no ready message"))
                     self._ready = True
-                request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": log_path,
-                           **({"netns": netns} if netns else {})}
+                request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": log_path}
                 self._sock.sendall(json.dumps(request).encode() + b"\n")
                 reply = self._read(self.REPLY_TIMEOUT_S)
                 pid = reply.get("pid")
@@ -263,8 +260,8 @@ class LocalLauncher:
         os.makedirs(self._layout.logs_dir, mode=0o700, exist_ok=True)
         self.fork_server: Optional[ForkServer] = None
         shared = fork_server.common_env(self._env("", 0, False))
-        if (self.FORK_SERVER and command and isolation is None and fork_server.eligible(command, shared)
-                and fork_server.become_subreaper()):
+        if (self.FORK_SERVER and command and isolation is None and not self.namespaces and new_namespace is None
+                and fork_server.eligible(command, shared) and fork_server.become_subreaper()):
             if inherited is not None and not inherited.broken and inherited.proc.poll() is None:
                 self.fork_server = inherited  # a relaunch: the previous launcher's, warm already
             else:  # command[0] as the ranks' Popen would find it: on the environment's PATH
@@ -315,8 +312,7 @@ class LocalLauncher:
         path = self._log_path(node, local_rank)
         with open(path, "ab", opener=no_follow) as log:  # never through a symlink
             start = log.tell()
-            pid = self.fork_server.spawn(argv, env, path, ns.name if ns else None) \
-                if self.fork_server is not None else None
+            pid = self.fork_server.spawn(argv, env, path) if self.fork_server is not None else None
             popen: Union[subprocess.Popen, Forked] = Forked(pid) if pid else subprocess.Popen(
                 ns.wrap(argv) if ns else argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return self._track(Proc(node, local_rank, popen), start)

@@ -75,9 +75,8 @@ import sys
 import threading
 from typing import Optional
 
-from worker.netns_exec import CLONE_NEWNET, ETC_NETNS, NETNS_DIR  # what `ip netns exec` reads, and setns(2)'s flag
-
 PREFIX = "tm-"
+ETC_NETNS = "/etc/netns"  # `ip netns exec NAME` bind-mounts the files of ETC_NETNS/NAME/ over those of /etc/
 # The host's nameserver is unreachable from a namespace (no NAT): every lookup would wait out its timeouts (10 s
 # with glibc's defaults; gloo and c10d's TCPStore resolve names). 127.0.0.1 inside the
 # namespace refuses at once, so lookups fail fast and /etc/hosts still answers.
@@ -86,6 +85,7 @@ _CMD_TIMEOUT_S = 20.0
 _CUT_QDISCS = (["blackhole"], ["netem", "loss", "100%"])
 BRIDGE_PREFIX = "tmbr"  # tmbr<k>: the bridge of 10.214.<k>.0/24
 BRIDGE_NS_IF = "tm0"  # a bridged namespace's end of its veth
+_CLONE_NEWNET = 0x40000000
 _host_net_fd: Optional[int] = None  # set by enter(): the host's network namespace, for the ip/tc commands
 
 _available: Optional[bool] = None
@@ -200,9 +200,9 @@ def enter(ns: "NodeNamespace") -> None:
     if not shutil.which("nsenter"):
         raise RuntimeError("nsenter (util-linux) is needed to manage namespaces from inside one")
     host = os.open("/proc/self/ns/net", os.O_RDONLY)
-    target = os.open(os.path.join(NETNS_DIR, ns.name), os.O_RDONLY)
+    target = os.open(os.path.join("/var/run/netns", ns.name), os.O_RDONLY)
     try:
-        if ctypes.CDLL(None, use_errno=True).setns(target, CLONE_NEWNET) != 0:
+        if ctypes.CDLL(None, use_errno=True).setns(target, _CLONE_NEWNET) != 0:
             err = ctypes.get_errno()
             os.close(host)
             raise RuntimeError(f"setns({ns.name}) failed: {errno.errorcode.get(err, err)}")

@@ -43,7 +43,6 @@ import time
 import traceback
 from typing import Mapping, NoReturn, Optional, Sequence
 
-from worker import netns_exec
 from worker.exit import flush_stdio
 
 # The variables that differ between the ranks of one job (tmd.local sets them per process); no module reads them
@@ -196,8 +195,6 @@ def become(request: dict, added_env: Mapping[str, str], name: Optional[str] = No
     and by tmctl.warm_start for tmd itself."""
     code = 1
     try:
-        if request.get("netns"):  # the node's network namespace (tmd local --netns-node/--netns-all)
-            netns_exec.enter(request["netns"])
         # what the imports set, as in a fresh process; stderr apart where the request names a file for it
         take_over(request["log"], {**added_env, **request["env"]}, request.get("err"))
         set_process_name(name or f"tm-{os.environ.get('TM_NODE', '')}.{os.environ.get('TM_LOCAL_RANK', '')}")

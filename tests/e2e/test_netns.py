@@ -440,35 +440,3 @@ def test_stale_bridge_of_a_dead_process_is_removed():
         assert subprocess.run(["ip", "link", "show", stale], capture_output=True).returncode != 0
     finally:
         bridge.close()
-
-
-def test_entering_by_netns_exec_is_what_ip_netns_exec_gives(tmp_path):
-    """worker.netns_exec.enter, which a rank forked by the fork server calls: the same network namespace, interfaces
-    (sysfs too) and /etc/resolv.conf as a process started through ``ip netns exec``; the host's are untouched."""
-    probe = textwrap.dedent("""
-        import json, os, socket, sys
-        if len(sys.argv) > 1:
-            from worker import netns_exec
-            netns_exec.enter(sys.argv[1])
-        print(json.dumps({"net": os.readlink("/proc/self/ns/net"), "sys_net": sorted(os.listdir("/sys/class/net")),
-                          "ifaces": sorted(name for _, name in socket.if_nameindex()),
-                          "resolv": open("/etc/resolv.conf").read()}))
-    """)
-    env = {**os.environ, "PYTHONPATH": REPO}
-
-    def seen(*argv: str) -> dict:
-        r = subprocess.run([*argv], env=env, capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        return json.loads(r.stdout)
-
-    host = seen(sys.executable, "-c", probe)
-    with netns.NodeNamespace("enter", 18) as ns:
-        expected = seen(*ns.wrap([sys.executable, "-c", probe]))
-        entered = seen(sys.executable, "-c", probe, ns.name)
-        with pytest.raises(subprocess.CalledProcessError):  # not a namespace: refused, nothing entered
-            subprocess.run([sys.executable, "-c", probe, "tm-no-such-namespace"], env=env, capture_output=True,
-                           check=True, timeout=60)
-    assert entered == expected and entered["net"] != host["net"], (entered, expected, host)
-    assert entered["ifaces"] == sorted(["lo", ns.ns_if]) and entered["sys_net"] == entered["ifaces"]
-    assert entered["resolv"] == netns.RESOLV_CONF != host["resolv"]
-    assert seen(sys.executable, "-c", probe) == host  # the host's mounts are untouched
