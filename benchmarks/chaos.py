@@ -6,16 +6,17 @@ object.
     python -m benchmarks.chaos [--quick] [--gpt-events N] [--llama-events N] [--seed 0] [--run-dir DIR] [--no-save]
 
 Workloads, one after the other, both in local mode with ``--checkpoint-dir`` and ``--checkpoint-every 10``, 3
-standbys, steps padded to at least 0.1 s (``--min-step-time-s``, in the uninterrupted runs too: the ETTR's unit):
+standbys, steps padded to at least 0.1 s (``--min-step-time-s``, in the uninterrupted runs too: the ETTR's unit),
+the tiny models (``--tiny``; ``--quick`` only has fewer events):
 
-- ``gpt``: the demo GPT (``--tiny`` with ``--quick``), DDP, 2 nodes x 2 ranks, dropout drawn from per-rank RNG
-  streams: every rank's state has replicas. 18 events (10 with ``--quick``), 25 steps per event + 140.
-- ``llama``: examples/train_llama.py (the tiny Llama in both forms), TP 2 x FSDP2 2 on 4 nodes x 1 rank: no
-  rank's state has a replica, so a lost node is rolled back to a buddy snapshot (``--snapshot-every 2``; rank r's
-  is kept by rank r + 1, the ``replica_classes`` event's ``keepers``), and a node lost with its keeper restarts
-  from the checkpoint. Every node, standbys added by request too, and tmd run in network namespaces of their own
-  (``tmd local --netns-all``), so a node can be cut off. 12 events (5 with ``--quick``), 30 steps per event + 140.
-  Its processes are started cold (no fork server in namespaces): a restart relaunches 7 processes importing torch.
+- ``gpt``: the demo GPT, DDP, 2 nodes x 2 ranks, dropout drawn from per-rank RNG streams: every rank's state has
+  replicas. 18 events (10 with ``--quick``), 25 steps per event + 140.
+- ``llama``: examples/train_llama.py, TP 2 x FSDP2 2 on 4 nodes x 1 rank: no rank's state has a replica, so a
+  lost node is rolled back to a buddy snapshot (``--snapshot-every 2``; rank r's is kept by rank r + 1, the
+  ``replica_classes`` event's ``keepers``), and a node lost with its keeper restarts from the checkpoint. Every
+  node, standbys added by request too, and tmd run in network namespaces of their own (``tmd local
+  --netns-all``), so a node can be cut off. 12 events (5 with ``--quick``), 25 steps per event + 140. Its
+  processes are started cold (no fork server in namespaces): a restart relaunches 7 processes importing torch.
 
 Events, drawn with ``random.Random(seed)`` from the workload's kinds (every kind at least once when the count
 allows; ``llama``'s first five drawn first: partition, keeper_kill, kill, migrate, stop), one at a time once the
@@ -98,8 +99,8 @@ class Workload:
     """One job of the soak: ``script`` on ``nodes`` x ``ranks_per_node`` ranks with ``script_args`` (its numerics,
     the uninterrupted run's too), under ``tmd_args`` (the soak's only, besides the checkpoint options), faulted by
     ``kinds`` (the first ones drawn first), ``events`` events by default (``quick_events`` with --quick) over
-    ``steps_per_event`` steps each plus 140. ``model``: the full soak's (``tiny``: the tiny one there too; --quick
-    always runs the tiny one)."""
+    ``steps_per_event`` steps each plus 140. The tiny model (``--tiny``) in both forms of the soak (``model``:
+    its name in the result)."""
     name: str
     script: str
     nodes: int
@@ -116,21 +117,20 @@ class Workload:
     def steps(self, n: int) -> int:
         return self.steps_per_event * n + 140
 
-    def tiny(self, quick: bool) -> bool:
-        return quick or self.model == "tiny"
 
-
-GPT = Workload("gpt", "examples.train_gpt", nodes=2, ranks_per_node=2, parallelism="DDP", model="gpt-256x4",
+# The tiny models in the full soak too: the full-size GPT's ~1.3 s steps (benchmarks/results/ettr.json) over 590
+# steps, and the Llama's ~0.6 s (benchmarks/results/checkpoint.json), would take most of an hour, with their
+# uninterrupted runs, on 2 cores.
+GPT = Workload("gpt", "examples.train_gpt", nodes=2, ranks_per_node=2, parallelism="DDP", model="tiny GPT",
                kinds=("kill", "stop", "migrate", "standby_kill", "all_active", "corrupt_all_active", "tmd_kill"),
                script_args=("--dropout", "0.1", "--seed-mode", "per-rank"), tmd_args=(),
                events=18, quick_events=10, steps_per_event=25)
-# TP over (n1, n2) and (n3, n4), FSDP2 over (n1, n3) and (n2, n4): no rank's state has a replica. The tiny Llama in
-# the full soak too: the full-size one's ~0.6 s steps (benchmarks/results/checkpoint.json) would double its time.
+# TP over (n1, n2) and (n3, n4), FSDP2 over (n1, n3) and (n2, n4): no rank's state has a replica
 LLAMA = Workload("llama", "examples.train_llama", nodes=4, ranks_per_node=1, parallelism="TP 2 x FSDP2 2",
-                 model="tiny", kinds=("partition", "keeper_kill", "kill", "migrate", "stop", "all_active",
+                 model="tiny Llama", kinds=("partition", "keeper_kill", "kill", "migrate", "stop", "all_active",
                                       "corrupt_all_active", "standby_kill"),
                  script_args=("--tp", "2", "--dp-shard", "2"), tmd_args=("--netns-all", "--snapshot-every", "2"),
-                 events=12, quick_events=5, steps_per_event=30)
+                 events=12, quick_events=5, steps_per_event=25)
 WORKLOADS = (GPT, LLAMA)
 KINDS = tuple(dict.fromkeys(k for w in WORKLOADS for k in w.kinds))  # every kind of either workload
 
@@ -231,20 +231,21 @@ def keepers(evs: list[dict]) -> dict[int, int]:
     return {int(r): int(k) for r, k in (last[-1].get("keepers") or {}).items()} if last else {}
 
 
-def reference_command(run_dir: str, steps: int, tiny: bool, workload: Workload = GPT) -> list[str]:
+def reference_command(run_dir: str, steps: int, workload: Workload = GPT) -> list[str]:
     """The uninterrupted run: the soak's job (numerics and pacing alike), no standby, no checkpoints, no snapshots,
     no namespaces."""
-    return tmd_command(run_dir, 0, steps, tiny, True, workload.script_args + PACING, nodes=workload.nodes,
+    return tmd_command(run_dir, 0, steps, True, True, workload.script_args + PACING, nodes=workload.nodes,
                        ranks_per_node=workload.ranks_per_node, script=workload.script)
 
 
 class Soak:
     """One workload's job under the schedule (tmctl.localjob.Job) and what each event did."""
 
-    def __init__(self, run_dir: str, steps: int, tiny: bool, workload: Workload = GPT) -> None:
+    def __init__(self, run_dir: str, steps: int, workload: Workload = GPT) -> None:
         self.run_dir = run_dir
         self.root = os.path.join(run_dir, "ckpt")
-        self.job = Job(os.path.join(run_dir, "job"), 3, steps, *workload.script_args, *PACING, tiny=tiny,
+        os.makedirs(run_dir, exist_ok=True)  # the job's pace file goes beside its run dir
+        self.job = Job(os.path.join(run_dir, "job"), 3, steps, *workload.script_args, *PACING,
                        nodes=workload.nodes, ranks_per_node=workload.ranks_per_node, script=workload.script,
                        tmd_args=(*workload.tmd_args, "--checkpoint-dir", self.root,
                                  "--checkpoint-every", str(CHECKPOINT_EVERY)))
@@ -411,18 +412,18 @@ def tiers(faults: list[dict]) -> dict[str, int]:
             for t in ("replica", "snapshot", "checkpoint", "migration", "none")}
 
 
-def run(workload: Workload, n: int, seed: int, quick: bool, run_dir: str) -> tuple[dict, list[dict], list[str]]:
+def run(workload: Workload, n: int, seed: int, run_dir: str) -> tuple[dict, list[dict], list[str]]:
     """One workload's uninterrupted run and soak of ``n`` events in ``run_dir``: (its section of the result, its
     events, its two run directories). Raises AssertionError (after printing the diagnosis) when a wait timed
     out."""
-    steps, tiny = workload.steps(n), workload.tiny(quick)
+    steps = workload.steps(n)
     ref_dir = os.path.join(run_dir, "uninterrupted")
     os.makedirs(ref_dir)
-    subprocess.run(reference_command(ref_dir, steps, tiny, workload), check=True, timeout=7200,
+    subprocess.run(reference_command(ref_dir, steps, workload), check=True, timeout=7200,
                    stdout=subprocess.DEVNULL)
     median_s = statistics.median(sec for _, sec in step_ends(events(ref_dir)).values())
     started = time.monotonic()
-    soak = Soak(run_dir, steps, tiny, workload)
+    soak = Soak(run_dir, steps, workload)
     try:
         soak.drive(schedule(n, seed, workload.kinds), random.Random(seed), steps)
         rc = soak.job.finish(timeout_s=3600)
@@ -433,7 +434,7 @@ def run(workload: Workload, n: int, seed: int, quick: bool, run_dir: str) -> tup
         soak.job.close()
     expected = finals(ref_dir)
     section = {
-        "workload": {"model": "tiny" if tiny else workload.model, "parallelism": workload.parallelism,
+        "workload": {"model": workload.model, "parallelism": workload.parallelism,
                      "nodes": workload.nodes, "ranks_per_node": workload.ranks_per_node, "standbys": 3,
                      "steps": steps, "checkpoint_every": CHECKPOINT_EVERY, "tmd": " ".join(workload.tmd_args) or "—"},
         "faults_done": len(soak.events), "faults_planned": n, "tiers": tiers(soak.events),
@@ -447,7 +448,7 @@ def run(workload: Workload, n: int, seed: int, quick: bool, run_dir: str) -> tup
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer events on tiny models (CI-sized, minutes)")
+    ap.add_argument("--quick", action="store_true", help="fewer events (CI-sized, minutes)")
     for w in WORKLOADS:
         ap.add_argument(f"--{w.name}-events", type=int, default=None,
                         help=f"events of the {w.name} job (default {w.events}; {w.quick_events} with --quick; "
@@ -464,7 +465,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     run_dirs: list[str] = []
     for w in WORKLOADS:
         if planned[w.name] > 0:
-            section, faults, dirs = run(w, planned[w.name], args.seed, args.quick, os.path.join(args.run_dir, w.name))
+            section, faults, dirs = run(w, planned[w.name], args.seed, os.path.join(args.run_dir, w.name))
             result[w.name] = section
             result[f"{w.name}_faults"] = faults
             run_dirs += dirs

@@ -86,10 +86,11 @@ def test_a_migrations_downtime_is_waited_for_as_tmd_journals_it_after_the_commit
 
 def test_the_uninterrupted_run_is_paced_as_the_soak_is_without_its_faults_machinery():
     for workload in (GPT, LLAMA):
-        cmd = " ".join(chaos.reference_command("/tmp/x", 40, True, workload))
+        cmd = " ".join(chaos.reference_command("/tmp/x", 40, workload))
         assert " ".join(chaos.PACING) in cmd and " ".join(workload.script_args) in cmd and workload.script in cmd
+        assert cmd.endswith("--tiny")
         assert "--netns-all" not in cmd and "--checkpoint-dir" not in cmd and "--standbys 0" in cmd
-    assert "--nodes 4 --ranks-per-node 1" in " ".join(chaos.reference_command("/tmp/x", 40, True, LLAMA))
+    assert "--nodes 4 --ranks-per-node 1" in " ".join(chaos.reference_command("/tmp/x", 40, LLAMA))
 
 
 def test_waiting_for_the_next_event_stops_when_the_job_ended():
