@@ -42,7 +42,8 @@ redone) and, for a recovery, ``detect_s`` (the fault to tmd's ``node_failed``); 
 the rank's view: the longest gap between two consecutive steps' ends in ``step_times`` from the kill to a step
 after the re-learning, less that step's own time, and ``relearn_s`` (tmd's re-learning). Per job (``gpt``,
 ``llama``; their events in ``gpt_faults``, ``llama_faults``): ``ettr`` (steps x the uninterrupted median step /
-the wall time of training), ``bit_identical`` (every rank's final parameter, optimizer and RNG hash equals the
+the wall time of training; ``soak_median_step_s`` shows what the soak's steady state costs besides the faults:
+snapshots, namespaces, standbys), ``bit_identical`` (every rank's final parameter, optimizer and RNG hash equals the
 uninterrupted run's), the exit code and ``soak_s`` (seconds); ``totals`` sums them. The uninterrupted runs have
 no standby, no checkpoints, no snapshots and no namespaces.
 
@@ -438,7 +439,9 @@ def run(workload: Workload, n: int, seed: int, run_dir: str) -> tuple[dict, list
                      "nodes": workload.nodes, "ranks_per_node": workload.ranks_per_node, "standbys": 3,
                      "steps": steps, "checkpoint_every": CHECKPOINT_EVERY, "tmd": " ".join(workload.tmd_args) or "—"},
         "faults_done": len(soak.events), "faults_planned": n, "tiers": tiers(soak.events),
-        "uninterrupted_median_step_s": round(median_s, 6), **ettr(events(soak.job.run_dir), median_s),
+        "uninterrupted_median_step_s": round(median_s, 6), "soak_median_step_s": round(statistics.median(
+            sec for _, sec in step_ends(events(soak.job.run_dir)).values()), 6),
+        **ettr(events(soak.job.run_dir), median_s),
         "bit_identical": finals(soak.job.run_dir) == expected and len(expected) == workload.nodes *
         workload.ranks_per_node,
         "exit_code": rc, "soak_s": round(time.monotonic() - started, 1),
