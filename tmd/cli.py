@@ -121,13 +121,15 @@ def local(
     config = _config(DEFAULTS, given, auth=False if no_auth else None)
     _use_iface(config)
     name = job or f"local-{os.getpid()}"
+    active = [f"n{i + 1}" for i in range(nodes)]
+    spares = [f"s{i + 1}" for i in range(standbys)]
+    # before the checkpoint tier imports torch: torch starts a native thread as it loads, which would stay in the
+    # host namespace, and --netns-all's netns.enter refuses a process with more than one thread
+    namespaces, bridge, specs, host = _namespaces(netns_node, netns_all, active + spares)
     tier = _tier(name, nodes * ranks_per_node, config, resume_from)
     run_dir = _private(run_dir, "run directory")
     command = list(ctx.args) or DEFAULT_COMMAND
     _refuse_unstartable(command, run_dir)
-    active = [f"n{i + 1}" for i in range(nodes)]
-    spares = [f"s{i + 1}" for i in range(standbys)]
-    namespaces, bridge, specs, host = _namespaces(netns_node, netns_all, active + spares)
     isolation = _isolation(active, spares) if isolate_nodes else None
     daemons = []  # every daemon of the job: the last one's restart (tmd.tiers) relaunches the job on its port
 

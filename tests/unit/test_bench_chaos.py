@@ -1,21 +1,33 @@
-"""benchmarks.chaos's pure parts: the seeded schedule, which tier repaired an event, the ETTR."""
+"""benchmarks.chaos's pure parts: the seeded schedule of each workload, which tier repaired an event, the work a
+roll-back to a buddy snapshot lost, the ETTR."""
 from __future__ import annotations
 
 import pytest
 
 from benchmarks import chaos
-from benchmarks.chaos import KINDS, ettr, outcome, schedule
+from benchmarks.chaos import GPT, KINDS, LLAMA, ettr, outcome, schedule
 
 
-def test_the_schedule_is_seeded_and_has_every_kind_when_it_can():
+def bare_soak(journal) -> chaos.Soak:
+    """A Soak without a job, reading ``journal()`` (a callable returning the journal)."""
+    soak = object.__new__(chaos.Soak)
+    soak.journal, soak.cut = journal, None
+    return soak
+
+
+def test_the_schedule_is_seeded_and_has_every_kind_of_its_workload_when_it_can():
     assert schedule(10, 3) == schedule(10, 3) != schedule(10, 4)
-    assert set(schedule(10, 3)) == set(KINDS) and len(schedule(30, 0)) == 30
+    assert set(schedule(10, 3, GPT.kinds)) == set(GPT.kinds) and len(schedule(30, 0)) == 30
     assert len(schedule(3, 0)) == 3
+    assert set(schedule(LLAMA.events, 0, LLAMA.kinds)) == set(LLAMA.kinds)
+    # --quick's few llama events still cut a node off and lose one with its snapshot keeper
+    assert {"partition", "keeper_kill"} <= set(schedule(LLAMA.quick_events, 0, LLAMA.kinds))
+    assert set(KINDS) == set(GPT.kinds) | set(LLAMA.kinds) and "tmd_kill" not in LLAMA.kinds  # see NOT_COVERED
+    assert GPT.events + LLAMA.events >= 30
 
 
 @pytest.mark.parametrize("entry, tier", [
     ({"event": "recovery_done", "rollback_step": -1, "resume_step": 13, "phases_s": {"total": 1.5}}, "replica"),
-    ({"event": "recovery_done", "rollback_step": 10, "resume_step": 11, "phases_s": {"total": 2.5}}, "snapshot"),
     ({"event": "job_restarting", "tier": "checkpoint", "step": 20, "work_lost_s": 4.0}, "checkpoint"),
     ({"event": "migration_committed", "migration_id": 2, "switch_step": 30}, "migration"),
     ({"event": "standby_restarted", "node": "s1"}, "none"),
@@ -27,6 +39,32 @@ def test_the_tier_of_an_event_is_what_repaired_it_after_it(entry, tier):
     got = outcome(journal, after_seq=1)
     assert got["tier"] == tier and got["ts"] == 3.0
     assert outcome(journal[:2], after_seq=1) is None
+
+
+def test_a_recovery_whose_plan_rolled_back_to_a_buddy_snapshot_is_the_snapshot_tier():
+    journal = [{"seq": 1, "ts": 1.0, "event": "recovery_plan", "incident_id": 1, "rollback_step": -1},
+               {"seq": 2, "ts": 1.5, "event": "recovery_done", "incident_id": 1, "resume_step": 9},
+               {"seq": 3, "ts": 2.0, "event": "recovery_plan", "incident_id": 2, "rollback_step": 10},
+               {"seq": 4, "ts": 3.0, "event": "recovery_done", "incident_id": 2, "resume_step": 11,
+                "phases_s": {"total": 2.5}}]
+    assert outcome(journal, after_seq=0)["tier"] == "replica"
+    got = outcome(journal, after_seq=2)
+    assert (got["tier"], got["rollback_step"], got["downtime_s"]) == ("snapshot", 10, 2.5)
+
+
+def test_a_roll_back_loses_the_steps_since_the_snapshot_as_first_done():
+    steps = [[s, 100.0 + s, 1.0] for s in range(14)]  # steps 0..13 end at 100..113; the fault fires at 113.5
+    redone = [[s, 120.0 + s, 1.0] for s in range(11, 14)]  # redone after the roll-back to step 10
+    journal = [{"seq": 1, "ts": 0, "event": "step_times", "steps": steps},
+               {"seq": 2, "ts": 0, "event": "step_times", "steps": redone}]
+    assert chaos.rolled_back_s(journal, rollback_step=10, fired=113.5) == 3.0
+    assert chaos.rolled_back_s(journal, rollback_step=10, fired=50.0) is None
+
+
+def test_the_keepers_are_the_last_replica_classes_ones():
+    journal = [{"seq": 1, "ts": 0, "event": "replica_classes", "keepers": {"0": 2}},
+               {"seq": 2, "ts": 1, "event": "replica_classes", "keepers": {"0": 1, "1": 2, "2": 3, "3": 0}}]
+    assert chaos.keepers(journal) == {0: 1, 1: 2, 2: 3, 3: 0} and chaos.keepers([]) == {}
 
 
 def test_ettr_counts_the_steps_over_the_wall_time_of_every_attempt():
@@ -41,15 +79,18 @@ def test_a_migrations_downtime_is_waited_for_as_tmd_journals_it_after_the_commit
     other = {"seq": 4, "ts": 6.5, "event": "migration_downtime", "migration_id": 6, "downtime_s": 9.0}
     reads = iter([[committed], [committed], [committed, other], [committed, other, downtime]])
     monkeypatch.setattr(chaos, "wait_until", lambda f, *a, **k: next(v for v in iter(f, object()) if v))
-    soak = object.__new__(chaos.Soak)
-    soak.journal = lambda: next(reads, [committed, other, downtime])
+    soak = bare_soak(lambda: next(reads, [committed, other, downtime]))
     info = soak.follow({"kind": "migrate", "step": 20, "ts": 4.0}, after_seq=1)
     assert (info["tier"], info["downtime_s"], info["next_step"]) == ("migration", 0.12, 30 + chaos.GAP_STEPS)
 
 
-def test_the_uninterrupted_run_is_paced_as_the_soak_is():
-    cmd = chaos.reference_command("/tmp/x", 40, True)
-    assert " ".join(chaos.PACING) in " ".join(cmd) and " ".join(chaos.NUMERICS) in " ".join(cmd)
+def test_the_uninterrupted_run_is_paced_as_the_soak_is_without_its_faults_machinery():
+    for workload in (GPT, LLAMA):
+        cmd = " ".join(chaos.reference_command("/tmp/x", 40, workload))
+        assert " ".join(chaos.PACING) in cmd and " ".join(workload.script_args) in cmd and workload.script in cmd
+        assert cmd.endswith("--tiny")
+        assert "--netns-all" not in cmd and "--checkpoint-dir" not in cmd and "--standbys 0" in cmd
+    assert "--nodes 4 --ranks-per-node 1" in " ".join(chaos.reference_command("/tmp/x", 40, LLAMA))
 
 
 def test_waiting_for_the_next_event_stops_when_the_job_ended():
@@ -72,8 +113,7 @@ def test_a_tmd_kills_downtime_is_the_ranks_longest_pause_between_two_steps_after
     journal = [{"seq": 1, "ts": 0, "event": "step_times", "steps": steps},
                {"seq": 2, "ts": 103.05, "event": "job_relearned", "after_s": 0.7, "step": 10}]  # after the gap
     monkeypatch.setattr(chaos, "wait_until", lambda f, *a, **k: next(v for v in iter(f, object()) if v))
-    soak = object.__new__(chaos.Soak)
-    soak.journal = lambda: journal
+    soak = bare_soak(lambda: journal)
     info = soak.follow({"kind": "tmd_kill", "step": 5, "ts": 100.55}, after_seq=1)  # killed at 100.55
     assert (info["tier"], info["downtime_s"], info["relearn_s"]) == ("none", 2.0, 0.7)
     assert chaos.step_gap(chaos.step_ends(journal), since=200.0) is None

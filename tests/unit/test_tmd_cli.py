@@ -87,3 +87,18 @@ def test_the_ranks_files_are_the_users_only(tmp_path):
                         sys.executable, str(script), str(probe))
     assert done.returncode != 0  # they exited before worker.init: tmd fails the job, and that is all
     assert [(tmp_path / f"umask.{r}").read_text() for r in (0, 1)] == ["0o77", "0o77"]
+
+
+@pytest.mark.skipif(not __import__("tmd.netns").netns.available(), reason="needs root, ip and tc for namespaces")
+def test_a_job_with_checkpoints_starts_in_network_namespaces(tmp_path):
+    """tmd enters its namespace (--netns-all, which needs a single-threaded process) before the checkpoint tier
+    imports torch, whose native thread would stay behind: tmd refused to start such a job before (exit 1)."""
+    script = tmp_path / "where_probe.py"
+    script.write_text("import os, sys\nopen(sys.argv[1], 'w').write(os.environ['TM_GLOO_HOST'])\n")
+    probe = tmp_path / "where"
+    done, _ = tmd_local(tmp_path / "run", "--netns-all", "--checkpoint-dir", str(tmp_path / "ckpt"), "--quiet", "--",
+                        sys.executable, str(script), str(probe))
+    assert "single-threaded" not in done.stderr, done.stderr[-2000:]
+    assert probe.read_text().startswith("10.214."), done.stderr[-2000:]  # the rank ran on its node's bridge address
+    with open(tmp_path / "run" / "tmd.json") as f:
+        assert json.load(f)["address"].startswith("tcp://10.214.")  # and tmd in a namespace of its own
