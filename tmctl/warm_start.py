@@ -194,9 +194,10 @@ class WarmStarter:
     def start(self, argv: Sequence[str], log: Optional[str] = None,
               err: Optional[str] = None) -> Optional[WarmProcess]:
         """Fork a tmd running ``argv`` (``python -m tmd.cli ...``) with this process's environment and working
-        directory, its output appended to ``log`` (None: discarded), its stderr to ``err`` where given. None when it cannot be forked warm: another
-        interpreter, another command form, or an environment other than the starter's beyond :data:`VOLATILE` (torch
-        and tmd read some variables at import); start it some other way then."""
+        directory, its output appended to ``log`` (None: discarded), its stderr to ``err`` where given. None when
+        it cannot be forked warm: another interpreter, another command form, or an environment other than the
+        starter's beyond :data:`VOLATILE` (torch and tmd read some variables at import); start it some other way
+        then."""
         env = dict(os.environ)
         exe = fork_server.interpreter(argv, env)
         if (_stable(env) != _stable(self.env) or exe is None or os.path.realpath(exe) != os.path.realpath(sys.executable)
