@@ -88,8 +88,9 @@ def run_tmd(cmd: list[str], run_dir: str, timeout_s: float = 300.0, check: bool 
     """Run the tmd command ``cmd`` (:func:`tmd_command`'s, for the job in ``run_dir``) to its end, started as
     :func:`tmctl.warm_start.start_tmd` starts it, its output in :func:`tmd_log`. Returns its result; with
     ``capture``, tmd's stdout and stderr as text in it (stderr written apart, to ``<run_dir>.tmd.err``), as
-    ``subprocess.run(cmd, capture_output=True, text=True)`` gives them (what this run appended). Raises CalledProcessError on a non-zero exit
-    with ``check``, TimeoutExpired after ``timeout_s`` seconds (tmd is ended then)."""
+    ``subprocess.run(cmd, capture_output=True, text=True)`` gives them (what this run appended). Raises
+    CalledProcessError on a non-zero exit with ``check``, TimeoutExpired after ``timeout_s`` seconds (tmd is ended
+    then)."""
     log, err = tmd_log(run_dir), (run_dir.rstrip("/") + ".tmd.err" if capture else None)
     before = {path: os.path.getsize(path) if os.path.exists(path) else 0 for path in (log, err) if path}
     proc = start_tmd(cmd, log, err)

@@ -11,21 +11,22 @@ and runs no thread yet when it makes its fork server, so it forks that server fr
 
 :func:`start_tmd` is what callers use: ``start_tmd(tmd_command(...))`` returns the tmd process, forked warm when
 :func:`enable` was called in this process and the command can be (``python -m tmd.cli ...`` with this interpreter,
-the starter's environment: see :meth:`WarmStarter.start`), else a ``subprocess.Popen``. Either way tmd's output
-goes to the ``log`` file given (stderr to the ``err`` file where one is given), else to ``/dev/null``. Its handle, :class:`WarmProcess`, has
-the part of Popen's interface callers use (``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``,
-``terminate``, ``kill``).
+the starter's environment: see :meth:`WarmStarter.start`), else a ``subprocess.Popen``. Either way tmd's output goes
+to the ``log`` file given (stderr to the ``err`` file where one is given); see :func:`start_tmd` without one. Its
+handle, :class:`WarmProcess`, has the part of Popen's interface callers use (``pid``, ``returncode``, ``poll``,
+``wait``, ``send_signal``, ``terminate``, ``kill``).
 
 A starter serves one environment (the starting process's, :data:`VOLATILE` aside). A job whose environment differs
 only in ``TM_FORK_PRELOAD`` (modules its fork server imports once more, such as torchtitan's) gets a starter of its
-own that imported those too, so its tmd forks a fork server that holds them as well: one starter per distinct
-value, each started on first use. Any other difference starts that tmd cold.
+own that imported those too, so its tmd forks a fork server that holds them as well: one starter per distinct value,
+each started on first use. Any other difference starts that tmd cold.
 
 Protocol (a private ``socketpair`` with the process that started the starter; JSON lines, nothing executed): the
 starter writes ``{"ready": pid}`` once its imports are done; each request ``{"argv": [...], "env": {...}, "cwd":
 str, "log": path}`` (``"err": path`` too for stderr apart) is answered ``{"pid": N}`` or ``{"error": "..."}``;
-``{"exit": pid, "code": N}`` follows when that tmd ended (``N`` negative: the signal that ended it, as Popen gives it). tmd is the starter's own child, so its
-exit code is waited for there. The starter exits when its socket closes (the process that started it ended).
+``{"exit": pid, "code": N}`` follows when that tmd ended (``N`` negative: the signal that ended it, as Popen gives
+it). tmd is the starter's own child, so its exit code is waited for there. The starter exits when its socket closes
+(the process that started it ended).
 """
 from __future__ import annotations
 
