@@ -187,6 +187,20 @@ def take_over(log_path: str, env: Mapping[str, str], err_path: Optional[str] = N
     os.environ.update(env)
 
 
+def apply_thread_count(env: Mapping[str, str]) -> Optional[int]:
+    """In a forked process: give torch the intra-op thread count that ``env`` would have given a fresh interpreter
+    (``OMP_NUM_THREADS``, which torch reads once, at import: a fork keeps the image's count, and a different count
+    can change the numerics of a matmul or a reduction). Returns the count set, or None where torch is not loaded
+    or the variable is unset or not a positive integer (the count is left as the image had it)."""
+    torch = sys.modules.get("torch")
+    value = env.get("OMP_NUM_THREADS", "").strip()
+    if torch is None or not value.isdigit() or int(value) < 1:
+        return None
+    if torch.get_num_threads() != int(value):
+        torch.set_num_threads(int(value))
+    return int(value)
+
+
 def become(request: dict, added_env: Mapping[str, str], name: Optional[str] = None) -> NoReturn:
     """In the forked rank: take the request's stdio, environment, working directory and command line, run the
     script as ``__main__``, and end the process as a fresh interpreter ends it (non-daemon threads joined,
@@ -197,6 +211,7 @@ def become(request: dict, added_env: Mapping[str, str], name: Optional[str] = No
     try:
         # what the imports set, as in a fresh process; stderr apart where the request names a file for it
         take_over(request["log"], {**added_env, **request["env"]}, request.get("err"))
+        apply_thread_count(os.environ)
         set_process_name(name or f"tm-{os.environ.get('TM_NODE', '')}.{os.environ.get('TM_LOCAL_RANK', '')}")
         os.chdir(request["cwd"])
         kind, target, args = parse(request["argv"])  # type: ignore[misc]  (checked by tmd before the request)

@@ -162,3 +162,34 @@ def test_other_commands_and_a_disabled_server_start_processes_directly(tmp_path,
     assert off.fork_server is None
     launcher.start_node("n1", standby=False)
     assert [p.returncode for p in _wait_exits(launcher, 1)] == [3]
+
+
+THREADS = "import torch\nprint(torch.get_num_threads(), flush=True)\n"
+FORKS = """
+import json, os, sys, torch
+from worker import fork_server
+script, log = sys.argv[1:3]
+torch.set_num_threads(3)  # the image's count (a fork keeps it)
+assert torch.get_num_threads() == 3
+pid = os.fork()
+if pid == 0:
+    fork_server.become({"log": log, "env": {**os.environ, "OMP_NUM_THREADS": "1"}, "cwd": os.getcwd(),
+                        "argv": [sys.executable, script]}, {})
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_rank_gets_the_thread_count_its_own_environment_names(tmp_path):
+    """A rank forked from an image that imported torch with 3 threads runs with the 1 its OMP_NUM_THREADS names, as
+    a fresh interpreter would (a different count changed torchtitan's final hashes on an AVX-512 machine)."""
+    import subprocess
+
+    (tmp_path / "threads.py").write_text(THREADS)
+    (tmp_path / "forks.py").write_text(FORKS)
+    log = tmp_path / "rank.log"
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(fork_server.__file__))}
+    done = subprocess.run([PY, str(tmp_path / "forks.py"), str(tmp_path / "threads.py"), str(log)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert log.read_text().split() == ["1"]
