@@ -173,11 +173,13 @@ def local(
 def _run_until_done(build: Callable, daemons: list, tier: Optional["Tier"]) -> int:
     """Run the job's tmd under tmd.supervise (``build`` as supervise takes it, appending each daemon it makes to
     ``daemons``) until the job ends; each time a daemon ended for a restart from a checkpoint (tmd.tiers: in-memory
-    recovery was impossible), relaunch the job with ``build(None)``. Returns the job's exit code."""
+    recovery was impossible), relaunch the job with ``build(None)`` (SLURM mode: only a rebuild inside the
+    allocation, not a requeue). Returns the job's exit code."""
     from tmd.supervise import supervise
 
     code = supervise(build)
-    while tier is not None and daemons and daemons[-1].restart is not None:
+    while tier is not None and daemons and daemons[-1].restart is not None and (
+            daemons[-1].cluster is None or daemons[-1].rebuild is not None):  # SLURM: a requeue ends this run
         tier.last_seq = daemons[-1].journal.seq  # the relaunched daemon's journal goes on after it
         tier.export()  # TM_RESUME_FROM: the checkpoint every relaunched process loads
         code = supervise(build)
@@ -260,7 +262,6 @@ def slurm(
     from tmd.daemon import Daemon
     from tmd.slurm import SlurmCluster, SlurmError, SrunLauncher, hostnames
     from tmd.standby_pool import StandbyPoolConfig
-    from tmd.supervise import supervise
 
     config = _config(DEFAULTS, given)
     job_id = os.environ.get("SLURM_JOB_ID")
@@ -301,13 +302,24 @@ def slurm(
               file=sys.stderr)
         raise typer.Exit(ExitCode.REFUSED)
     clusters: list[SlurmCluster] = []
+    daemons: list[Daemon] = []  # every daemon of the job: the last one's rebuild (tmd.tiers) relaunches the job
 
-    def build(state):  # None: the job's first tmd; a tmd.resume.JobState: a crashed tmd resumed (tmd.supervise)
-        d = Daemon(job_id, run_dir, nodes, rpn, [], config, host=host, echo=not quiet, resume=state,
+    def build(state):  # None: the job's first tmd, or a relaunch inside the allocation; a tmd.resume.JobState: a
+        # crashed tmd resumed (tmd.supervise)
+        prev = daemons[-1] if daemons and state is None else None  # a relaunch: the same port, the same cluster
+        serve = config.serve if prev is None else dataclasses.replace(
+            config.serve, port=int(prev.address.rpartition(":")[2]))
+        d = Daemon(job_id, run_dir, prev.rebuild.world if prev else nodes, rpn, [],
+                   dataclasses.replace(config, serve=serve), host=host, echo=not quiet, resume=state,
                    keys_dir=os.path.join(layout.job_dir(job_id), "keys"), tier=tier)
+        daemons.append(d)
         if state is None:
             launcher = SrunLauncher(command, d.run_dir, d.address, rpn, echo=not quiet)
             d.launcher = launcher
+            if prev is not None:
+                d.cluster = prev.cluster
+                d.cluster.relaunch(d, launcher)
+                return d
             d.cluster = SlurmCluster(d, launcher, job_id, nodes, os.environ.get("SLURMD_NODENAME", nodes[0]),
                                      config.slurm.reservation, config.slurm.poll_s, config.slurm.slurm_timeout_s,
                                      command, pool)
@@ -320,7 +332,7 @@ def slurm(
 
     started = time.monotonic()
     try:
-        code = supervise(build)
+        code = _run_until_done(build, daemons, tier)
     finally:
         for cluster in clusters:
             cluster.close()

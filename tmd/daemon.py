@@ -60,7 +60,7 @@ from tmd.store import StoreServer
 
 if TYPE_CHECKING:
     from tmd.metrics import Metrics
-    from tmd.slurm import SlurmCluster
+    from tmd.slurm import Rebuild, SlurmCluster
     from tmd.tiers import Restart, Tier
     from tmd.web import WebServer
 
@@ -113,6 +113,7 @@ class Daemon:
         self.hostname = socket.gethostname()
         self.tier = tier
         self.restart: Optional["Restart"] = None  # set when this daemon ends for a restart from a checkpoint
+        self.rebuild: Optional["Rebuild"] = None  # SLURM mode: that restart's world inside the allocation
         restarted = resume is None and tier is not None and bool(tier.restarts)  # a relaunch after a restart
         self.journal = Journal(self.layout.events, echo=echo,
                                seq=resume.last_seq if resume else tier.last_seq if restarted else 0)
@@ -248,8 +249,8 @@ class Daemon:
         finally:
             if self.launcher and crashed is None:
                 self.launcher.terminate_all(close=self.restart is None)  # a relaunch keeps namespaces, CPU sets
-            if self.cluster is not None and crashed is None:
-                self.cluster.job_ended()  # SLURM mode: cancels the standby jobs tmd submitted
+            if self.cluster is not None and crashed is None and self.rebuild is None:
+                self.cluster.job_ended()  # SLURM mode: cancels the standby jobs tmd submitted (not for a rebuild)
             self._flush_steps()
             if crashed is None:
                 self.journal.record(Event.TMD_STOPPED, exit_code=self.exit_code)
@@ -321,22 +322,31 @@ class Daemon:
                                     traceback=traceback.format_exc())
 
     def _recovery_impossible(self, reason: str) -> None:
-        """In-memory recovery cannot repair the job (tmd.recovery.RecoveryError's ``reason``): in local mode with a
-        checkpoint tier, end this daemon for a restart of every process from the newest valid checkpoint
-        (:attr:`restart`; tmd.cli relaunches); else fail the job."""
+        """In-memory recovery cannot repair the job (tmd.recovery.RecoveryError's ``reason``): with a checkpoint
+        tier, end this daemon for a restart of every process from the newest valid checkpoint (:attr:`restart`;
+        tmd.cli relaunches). SLURM mode relaunches inside the allocation, on the surviving nodes plus standbys
+        (:attr:`rebuild`, journalled ``world_rebuilt``), or, where too few usable nodes are left, requeues the job
+        (``job_requeued``; its next run resumes). Else fail the job, saying why."""
         why = "no --checkpoint-dir"
         if self.tier is not None and not self.ending.released:
             local = self.cluster is None and isinstance(self.launcher, LocalLauncher) and bool(self.launcher.command)
             restart, why = self.tier.plan_restart(reason) if local or self.cluster is not None else \
                 (None, "tmd starts no processes")
-            if restart is not None and self.cluster is not None:  # SLURM: the next run of the job resumes
-                error = self.cluster.requeue()
-                self.journal.record(Event.JOB_REQUEUED, step=restart.step, error=error)
-                if error is not None:
-                    why = f"scontrol requeue failed: {error}"
-                    restart = None
+            how = "every process restarts"
+            if restart is not None and self.cluster is not None:  # SLURM: inside the allocation, else requeued
+                self.rebuild, not_rebuilt = self.cluster.rebuild_world()
+                if self.rebuild is not None:
+                    self.journal.record(Event.WORLD_REBUILT, step=restart.step, nodes=self.rebuild.world,
+                                        replaced={str(r): n for r, n in self.rebuild.replaced.items()})
+                    how = f"every rank restarts on {', '.join(self.rebuild.world)}"
+                else:
+                    error = self.cluster.requeue()
+                    self.journal.record(Event.JOB_REQUEUED, step=restart.step, error=error, reason=not_rebuilt)
+                    how = f"the job is requeued ({not_rebuilt})"
+                    if error is not None:
+                        why = f"{not_rebuilt}, and scontrol requeue failed: {error}"
+                        restart = None
             if restart is not None:
-                how = "the job is requeued" if self.cluster is not None else "every process restarts"
                 print(f"[tmd] in-memory recovery impossible ({reason}): {how} from checkpoint {restart.path} (step "
                       f"{restart.step}; {restart.work_lost_s:.1f} s of work lost)", flush=True)
                 self.restart = restart

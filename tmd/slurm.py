@@ -16,6 +16,9 @@
 - Failed nodes: a node whose processes failed (not one lost with its standby job's end) is drained
   (``scontrol update NodeName=X State=DRAIN Reason="trainmover: ..."``, which needs SLURM operator rights) and
   then handed back like a left node, so that the scheduler does not hand it out again until an admin resumes it.
+- Restarts from a checkpoint (the checkpoint tier, tmd.tiers): inside the allocation, on the surviving nodes plus
+  standby nodes (:meth:`SlurmCluster.rebuild_world`, then tmd.cli relaunches every process under a new daemon on
+  the same address, :meth:`SlurmCluster.relaunch`); ``scontrol requeue`` only where too few usable nodes are left.
 - Hooks: the prolog report (``slurm/hooks.py``) of each node of the job and of its standby jobs is journalled as
   soon as it is there (SLURM may list a job as RUNNING while its prologs still run: tmd looks again with each
   poll, for up to PROLOG_REPORT_WAIT_S); the epilog's :class:`tmd.protocol.NodeNotice` (acknowledged, journalled
@@ -141,6 +144,18 @@ class Snapshot:
     reservation_ok: Optional[bool]
     errors: list[str]
     done: list[dict]
+
+
+@dataclasses.dataclass
+class Rebuild:
+    """A restart from a checkpoint inside the allocation (:meth:`SlurmCluster.rebuild_world`): ``world``, the node
+    of each place in rank order; ``replaced``, the first rank of each lost place -> the standby node taking it;
+    ``standbys``, the other standby nodes (started again as standbys; one that SLURM drains stays unusable);
+    ``gone``, the job's failed and left nodes -> (role, reason)."""
+    world: list[str]
+    replaced: dict[int, str]
+    standbys: list[str]
+    gone: dict[str, tuple[str, str]]
 
 
 class Poller(threading.Thread):
@@ -353,6 +368,7 @@ class SlurmCluster:
         self._cancelling: set[str] = set()  # drained standby jobs of the pool being cancelled
         self._prologs_due: dict[tuple[str, str], float] = {}  # (SLURM job, node) -> until when to look for its report
         self._notices: set[tuple[str, str, str]] = set()  # (hook, SLURM job, node) of the NodeNotices journalled
+        self._rebuild: Optional[Rebuild] = None  # planned by rebuild_world, carried out by relaunch
 
     def attach(self, control: JobControl) -> None:
         """Act on the job through ``control`` (the daemon, or the resumed one after a crash: tmd.supervise): its
@@ -372,6 +388,55 @@ class SlurmCluster:
         except SlurmError as e:
             return str(e)
         return None
+
+    def rebuild_world(self) -> tuple[Optional["Rebuild"], str]:
+        """Plan a restart from a checkpoint inside the allocation (the checkpoint tier, tmd.tiers): the nodes every
+        rank is relaunched on, in rank order (place i holds ranks ``i * ranks_per_node`` ...). Each surviving
+        active node keeps its place; each place whose node is lost (failed, cut off, or holding no rank any more)
+        is taken by a standby node of an adopted standby job (warm or not: every process restarts), in
+        registration order. Nodes that SLURM drains or reports down are never used; failed nodes are not used
+        again (tmd drains them: their processes died, hung or were cut off). Returns (the plan, "") or (None, why
+        not: fewer usable standbys than lost places, one line); then the job is requeued instead."""
+        reg = self.registry
+        rpn = reg.ranks_per_node
+        places = reg.world_size // rpn
+        usable = {name for name in self.launcher.node_job if self._unusable(name) is None}
+        holders = {node.ranks[0] // rpn: node.name for node in reg.nodes_in(NodeRole.ACTIVE)
+                   if node.ranks and node.name in usable}
+        lost = [i for i in range(places) if i not in holders]
+        spares = [n.name for n in reg.nodes_in(NodeRole.STANDBY, NodeRole.GUARDING, NodeRole.JOINING)
+                  if n.name in usable]
+        if len(spares) < len(lost):
+            return None, (f"{len(lost)} of the job's {places} nodes are lost and {len(spares)} usable standby "
+                          f"node{'' if len(spares) == 1 else 's'} can replace them")
+        taken = dict(zip(lost, spares))
+        world = [holders.get(i) or taken[i] for i in range(places)]
+        rest = [n for n in reg.nodes.values() if n.name not in world and n.name in self.launcher.node_job]
+        standby = (NodeRole.STANDBY, NodeRole.GUARDING, NodeRole.JOINING)  # standbys again (drained ones too)
+        self._rebuild = Rebuild(world=world, replaced={i * rpn: taken[i] for i in lost},
+                                standbys=[n.name for n in rest if n.role in standby],
+                                gone={n.name: (n.role, n.reason) for n in rest if n.role not in standby})
+        return self._rebuild, ""
+
+    def relaunch(self, control: JobControl, launcher: "SrunLauncher") -> None:
+        """Drive the daemon of the job relaunched from a checkpoint inside the allocation (:meth:`rebuild_world`
+        planned it; tmd.cli makes ``control`` with the plan's world as its nodes): its launcher takes over which
+        SLURM job holds each node, the plan's other standbys join its registry again, its failed and left nodes
+        are known again (still drained and handed back), and every rank and standby process starts."""
+        plan, self._rebuild = self._rebuild, None
+        if plan is None:
+            raise RuntimeError("relaunch without a rebuilt world (rebuild_world)")
+        launcher.node_job.update(self.launcher.node_job)
+        self.launcher = launcher
+        self.attach(control)
+        for name in plan.standbys:
+            self.registry.add_node(name)
+        for name, (role, reason) in plan.gone.items():
+            self.registry.restore(self.registry.add_node(name), role, [], reason)
+        for name in plan.world:
+            launcher.start_node(name, standby=False)
+        for name in plan.standbys:
+            launcher.start_node(name, standby=True)
 
     def start(self) -> None:
         """Write ``jobs/<JOBID>/tmd.json``, journal the prolog reports of the job's nodes, start polling."""

@@ -14,7 +14,9 @@ warms up; a kill -9 of the node holding the migrated ranks recovers onto that ne
 node ("trainmover: ..."); the third standby job pends in the full reservation (shown by ``tmctl status``, nothing
 more submitted) and migrate to it times out; the final state is bit-identical to an uninterrupted run, tmd
 cancelled the standby jobs it submitted before the training job ended, no standby job outlives it, and the
-prolog/epilog reports of every node.
+prolog/epilog reports of every node. Then a second job (1 node x 1 rank, ``--checkpoint-dir``, ``--keep-standbys 1``)
+loses its only rank to kill -9 and restarts from its checkpoint on its standby node inside the allocation (no
+requeue), bit-identical to an uninterrupted run.
 
 The prolog and epilog are also run alone, as slurmd would (no cluster needed). Without SLURM (the Debian packages,
 root) or network namespaces the cluster tests skip, with the reason; under CI=true they fail instead.
@@ -556,3 +558,57 @@ def test_prolog_and_epilog_ran_on_every_node(job):
     late = {f"{n} (job {j})": round(ts - running[j], 2) for (n, j), ts in prologs.items() if j in running}
     print(f"\n[slurm] hook durations (s): {json.dumps(durations)}; standby prologs journalled after adoption (s): "
           f"{json.dumps(late)}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A second job, once the first is over: its only node lost, it restarts from its checkpoint inside its allocation
+# ----------------------------------------------------------------------------------------------------------------
+REBUILD_STEPS = 300
+
+
+@pytest.mark.timeout(240)
+def test_a_job_that_lost_every_rank_restarts_from_its_checkpoint_on_its_standby_inside_the_allocation(job):
+    """1 node x 1 rank, ``--checkpoint-dir``, ``--keep-standbys 1``: kill -9 of the rank leaves no replica, so tmd
+    restarts the job from its newest checkpoint without a requeue (tmd.slurm.SlurmCluster.rebuild_world): the
+    rank starts again on the pool's standby node, in the standby job's allocation, the failed node is drained,
+    and the final state equals an uninterrupted local run's."""
+    c = job.cluster
+    wait_until(lambda: c.job_state(job.id) in ENDED, 120, "the first training job to end")  # n5 is free again
+    run_dir, checkpoints = os.path.join(c.dir, "rebuild"), os.path.join(c.dir, "rebuild-checkpoints")
+    ref_dir = os.path.join(c.dir, "rebuild-reference")
+    script = ("-m", "examples.train_gpt", "--steps", str(REBUILD_STEPS), "--tiny")
+    reference = subprocess.Popen([sys.executable, "-m", "tmd.cli", "local", "--nodes", "1", "--ranks-per-node", "1",
+                                  "--standbys", "0", "--run-dir", ref_dir, "--quiet", "--", sys.executable, *script],
+                                 stdout=subprocess.DEVNULL, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        jid = c.sbatch("--nodes", "1", "--output", os.path.join(c.dir, "train-%j.out"), "slurm/train.sbatch",
+                       sys.executable, *script, "--min-step-time-s", str(PACE_S), *pace_args(run_dir),
+                       TM_RUN_DIR=run_dir, TM_TMD_ARGS=c.env["TM_TMD_ARGS"] + f" --keep-standbys 1 --checkpoint-dir "
+                                                                              f"{checkpoints} --checkpoint-every 10")
+        second = SlurmJob(c, jid, run_dir, "")
+        wait_until(lambda: second.event("checkpoint_committed") and second.submitted() and
+                   second.warm_standby(second.submitted()[0]), 120, "a checkpoint and a warm standby")
+        standby = second.warm_standby(second.submitted()[0])
+        node, = [n["name"] for n in second.status()["nodes"] if n["role"] == "active"]
+        pids = rank_pids(c.dir, node)
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGKILL)
+        rebuilt = wait_until(lambda: second.event("world_rebuilt"), 60, "the world rebuilt inside the allocation")
+        assert rebuilt["nodes"] == [standby] and rebuilt["replaced"] == {"0": standby}, rebuilt
+        wait_until(lambda: second.status()["step"] > rebuilt["step"] + 1, 60, "training after the restart")
+        end_padding(run_dir)
+        wait_until(lambda: c.job_state(jid) in ENDED, 120, "the second training job to end")
+        assert c.job_state(jid) == "COMPLETED", open(os.path.join(c.dir, f"train-{jid}.out")).read()[-3000:]
+        assert reference.wait(timeout=120) == 0
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+    assert final_hashes(run_dir) == final_hashes(ref_dir)
+    names = [e["event"] for e in second.events()]
+    assert names.count("job_restarting") == 1 and "job_requeued" not in names and "job_failed" not in names
+    restarting = second.event("job_restarting")
+    assert restarting["step"] == rebuilt["step"] and restarting["ts"] <= rebuilt["ts"]
+    failed = second.event("node_failed", node=node)  # the kill hit the rank
+    assert failed and failed["ts"] < restarting["ts"] and failed["ranks"] == [0], failed
+    drained = second.event("slurm_node_drained", node=node)
+    assert drained and drained["reason"].startswith(f"trainmover: job {jid}: "), drained

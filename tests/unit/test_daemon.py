@@ -225,14 +225,21 @@ def test_a_checkpoint_the_ranks_refuse_at_load_restarts_the_job_from_the_one_bef
     assert names.count(Event.CHECKPOINT_REFUSED) == 1
 
 
-def test_recovery_impossible_in_slurm_mode_requeues_the_job_or_fails_it_saying_why(daemon, tmp_path):
+def test_recovery_impossible_in_slurm_mode_rebuilds_the_world_or_requeues_the_job_or_fails_it_saying_why(
+        daemon, tmp_path):
     from tests.unit.test_tiers import write_checkpoint
     from tmd.config import CheckpointTierConfig
+    from tmd.slurm import Rebuild
     from tmd.tiers import Tier
 
+    short = "2 of the job's 2 nodes are lost and 1 usable standby node can replace them"
+
     class Cluster:  # the part of tmd.slurm.SlurmCluster this uses
-        def __init__(self, error):
-            self.error, self.calls = error, 0
+        def __init__(self, error, plan=None):
+            self.error, self.plan, self.calls = error, plan, 0
+
+        def rebuild_world(self):
+            return self.plan, "" if self.plan else short
 
         def requeue(self):
             self.calls += 1
@@ -245,14 +252,23 @@ def test_recovery_impossible_in_slurm_mode_requeues_the_job_or_fails_it_saying_w
     daemon._recovery_impossible("n1 lost with its snapshot keeper")  # noqa: SLF001
     assert daemon.restart is None and daemon.exit_code == 1
     failed = [e for e in daemon.journal.since(0, 1000) if e["event"] == Event.JOB_FAILED]
-    assert failed[-1]["reason"].endswith("(no restart from a checkpoint: scontrol requeue failed: scontrol: error: "
-                                         "Requested operation is presently disabled)")
+    assert failed[-1]["reason"].endswith(f"(no restart from a checkpoint: {short}, and scontrol requeue failed: "
+                                         "scontrol: error: Requested operation is presently disabled)")
     daemon.exit_code = None
     daemon.cluster = Cluster(None)
     daemon._recovery_impossible("n1 lost with its snapshot keeper")  # noqa: SLF001
     assert daemon.cluster.calls == 1 and daemon.restart is not None and daemon.restart.step == 5
+    assert daemon.rebuild is None  # tmd.cli's loop ends: the requeued job's next run resumes
     requeued = [e for e in daemon.journal.since(0, 1000) if e["event"] == Event.JOB_REQUEUED]
-    assert requeued[-1]["error"] is None and requeued[-1]["step"] == 5
+    assert requeued[-1]["error"] is None and requeued[-1]["step"] == 5 and requeued[-1]["reason"] == short
+    # enough usable nodes: every rank restarts inside the allocation, nothing is requeued
+    daemon.exit_code, daemon.restart = None, None
+    plan = Rebuild(world=["n4", "n2"], replaced={0: "n4"}, standbys=[], gone={"n1": ("failed", "lost")})
+    daemon.cluster = Cluster(None, plan)
+    daemon._recovery_impossible("n1 lost with its snapshot keeper")  # noqa: SLF001
+    assert daemon.cluster.calls == 0 and daemon.rebuild is plan and daemon.restart.step == 5
+    rebuilt = [e for e in daemon.journal.since(0, 1000) if e["event"] == Event.WORLD_REBUILT]
+    assert rebuilt[-1]["nodes"] == ["n4", "n2"] and rebuilt[-1]["replaced"] == {"0": "n4"} and rebuilt[-1]["step"] == 5
 
 
 def test_each_copy_of_a_done_is_acknowledged_and_journalled_once(daemon):

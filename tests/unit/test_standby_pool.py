@@ -392,3 +392,45 @@ def test_a_prolog_report_written_after_its_job_runs_is_journalled_once_and_a_res
         cluster.on_notice(notice)
     assert [e["hook"] for e in events(Event.SLURM_HOOK)] == ["prolog", "epilog"]
     assert reg.nodes["n4"].role == NodeRole.FAILED and len(events(Event.STANDBY_LOST)) == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A restart from a checkpoint inside the allocation (the checkpoint tier in SLURM mode)
+# ----------------------------------------------------------------------------------------------------------------
+def test_a_rebuilt_world_keeps_the_survivors_places_takes_usable_standbys_and_carries_the_failed_nodes(pool_job):
+    cluster, fake, reg, step, events = pool_job
+    for name in ("n1", "n2"):
+        cluster.launcher.assign(name, "1")  # as tmd.cli does
+    fake.jobs.update({"7": s.StandbyJob("7", "RUNNING", ["n4"], ""), "8": s.StandbyJob("8", "RUNNING", ["n5"], "")})
+    fake.reservation = []  # the pool's own job pends
+    step()
+    assert reg.nodes["n4"].role == reg.nodes["n5"].role == NodeRole.STANDBY
+    fake.node_states["n5"] = ("drained", "maintenance")
+    step()
+    reg.fail_node(reg.nodes["n1"], "n1/0 exited with code -9")
+    reg.fail_node(reg.nodes["n2"], "n2/0 exited with code -9")
+    plan, why = cluster.rebuild_world()  # n5 is drained: one usable standby for two lost places
+    assert plan is None and why == "2 of the job's 2 nodes are lost and 1 usable standby node can replace them"
+
+    reg.restore(reg.nodes["n2"], NodeRole.ACTIVE, [1])  # n2 survives: n4 takes n1's place (ranks from 0)
+    plan, why = cluster.rebuild_world()
+    assert why == "" and plan.world == ["n4", "n2"] and plan.replaced == {0: "n4"}
+    assert plan.standbys == ["n5"] and plan.gone == {"n1": (NodeRole.FAILED, "n1/0 exited with code -9")}
+
+    # the relaunched daemon: the plan's world as its nodes, a new launcher that knows which job holds each node
+    new_reg = Registry(plan.world, 1, [])
+    control = FakeControl(Journal(None), new_reg, cluster.control.run_dir)
+    launcher = FakeLauncher()
+    cluster.relaunch(control, launcher)
+    assert launcher.started == ["n4", "n2", "n5"] and cluster.launcher is launcher and cluster.registry is new_reg
+    assert launcher.node_job == {"n1": "1", "n2": "1", "n4": "7", "n5": "8"}
+    assert new_reg.nodes["n4"].ranks == [0] and new_reg.nodes["n5"].role == NodeRole.STANDBY
+    assert new_reg.nodes["n1"].role == NodeRole.FAILED and new_reg.nodes["n1"].reason == "n1/0 exited with code -9"
+    events = lambda name: [e for e in control.journal.since(0, 10_000) if e["event"] == name]  # noqa: E731
+    step()
+    step()
+    assert ["scontrol", "update", "NodeName=n1", "State=DRAIN",
+            "Reason=trainmover: job 1: n1/0 exited with code -9"] in fake.calls  # still drained as unfit
+    assert events(Event.SLURM_NODE_DRAINED)[0]["node"] == "n1"
+    with pytest.raises(RuntimeError, match="without a rebuilt world"):
+        cluster.relaunch(control, launcher)

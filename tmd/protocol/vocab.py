@@ -348,6 +348,7 @@ class Event(StrEnum):
     CHECKPOINT_REFUSED = "checkpoint_refused"  # a torn or corrupted checkpoint passed over, by name and why
     JOB_RESTARTING = "job_restarting"  # in-memory recovery impossible: every process relaunched from a checkpoint
     JOB_REQUEUED = "job_requeued"  # SLURM: scontrol requeue for a restart from the checkpoint (error: None or why not)
+    WORLD_REBUILT = "world_rebuilt"  # SLURM: that restart relaunches every rank inside the allocation (nodes, replaced)
     # SLURM mode (tmd.slurm) and its hooks
     NODE_NOTICE = "node_notice"
     SLURM_HOOK = "slurm_hook"
