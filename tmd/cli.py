@@ -309,7 +309,7 @@ def slurm(
         prev = daemons[-1] if daemons and state is None else None  # a relaunch: the same port, the same cluster
         serve = config.serve if prev is None else dataclasses.replace(
             config.serve, port=int(prev.address.rpartition(":")[2]))
-        d = Daemon(job_id, run_dir, prev.rebuild.world if prev else nodes, rpn, [],
+        d = Daemon(job_id, run_dir, prev.rebuild.world if prev else nodes, rpn, prev.rebuild.standbys if prev else [],
                    dataclasses.replace(config, serve=serve), host=host, echo=not quiet, resume=state,
                    keys_dir=os.path.join(layout.job_dir(job_id), "keys"), tier=tier)
         daemons.append(d)

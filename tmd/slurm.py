@@ -430,7 +430,8 @@ class SlurmCluster:
         self.launcher = launcher
         self.attach(control)
         for name in plan.standbys:
-            self.registry.add_node(name)
+            if name not in self.registry.nodes:  # tmd.cli passes them as the daemon's standbys (its tmd_started)
+                self.registry.add_node(name)
         for name, (role, reason) in plan.gone.items():
             self.registry.restore(self.registry.add_node(name), role, [], reason)
         for name in plan.world:

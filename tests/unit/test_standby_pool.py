@@ -418,7 +418,7 @@ def test_a_rebuilt_world_keeps_the_survivors_places_takes_usable_standbys_and_ca
     assert plan.standbys == ["n5"] and plan.gone == {"n1": (NodeRole.FAILED, "n1/0 exited with code -9")}
 
     # the relaunched daemon: the plan's world as its nodes, a new launcher that knows which job holds each node
-    new_reg = Registry(plan.world, 1, [])
+    new_reg = Registry(plan.world, 1, plan.standbys)  # as tmd.cli makes it
     control = FakeControl(Journal(None), new_reg, cluster.control.run_dir)
     launcher = FakeLauncher()
     cluster.relaunch(control, launcher)
