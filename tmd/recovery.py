@@ -312,8 +312,10 @@ class Incidents(Episodes[Incident]):
 
     def tick(self, now_mono: float) -> None:
         """Regroup after an unexplained collective failure, look for a standby while one is awaited, and fail
-        an incident stuck past its deadline (``now_mono``: time.monotonic()). Raises RecoveryError then, after
-        journalling the incident's failure."""
+        an incident stuck past its deadline, past ``--standby-wait-s`` without a standby, or whose survivors all
+        exited (they finished the job's last step while the lost ranks had not: a standby arriving later would
+        find no one to copy the state from). ``now_mono``: time.monotonic(). Raises RecoveryError then, after
+        journalling the incident's failure (the checkpoint tier may restart the job)."""
         inc = self.current
         if inc is None and self._unexplained is not None and now_mono - self._unexplained[0] > self.regroup_after_s:
             what = self._unexplained[1]
@@ -321,6 +323,10 @@ class Incidents(Episodes[Incident]):
             return
         if inc is None:
             return
+        if inc.survivors and all(w.exited for w in inc.survivors.values()):  # they finished their loops and left
+            self._fail(inc, f"every surviving rank ({', '.join(map(str, sorted(inc.survivors)))}) exited before "
+                            f"incident {inc.id} could finish: nothing is left to recover ranks {sorted(inc.lost)} "
+                            f"from")
         if inc.waiting_standby:
             self._promote(inc)
             self._maybe_plan(inc)  # the survivors halted long ago: the plan goes out with the promotion

@@ -466,3 +466,20 @@ def test_with_standby_wait_s_an_incident_without_a_standby_fails_for_the_checkpo
     with pytest.raises(RecoveryError, match=r"no standby arrived within 30 s \(--standby-wait-s\)"):
         world.incidents.tick(inc.waiting_since + 31.0)
     assert inc.state == IncidentState.FAILED and world.events(Event.RECOVERY_FAILED)
+
+
+def test_an_incident_whose_survivors_all_exited_fails_instead_of_waiting_for_a_standby_forever(tmp_path):
+    """The lost node died at the job's last step: the survivors finished it and exited. No standby can be given the
+    state any more, so the incident fails (the checkpoint tier may restart the job) instead of waiting forever."""
+    world = World(tmp_path, standbys=())
+    world.incidents.on_node_failed("n2", "exited")
+    inc = world.incidents.current
+    assert inc.waiting_standby
+    world.incidents.tick(0.0)
+    assert inc.state == IncidentState.HALTING  # one survivor left is enough to wait on
+    for ident in SURVIVORS:
+        world.w(ident).done = world.w(ident).exited = True
+    with pytest.raises(RecoveryError, match=r"every surviving rank \(0, 1, 4, 5\) exited before incident 1 could "
+                                            r"finish: nothing is left to recover ranks \[2, 3\] from"):
+        world.incidents.tick(0.0)
+    assert inc.state == IncidentState.FAILED and world.events(Event.RECOVERY_FAILED)[0]["state"] == "halting"
