@@ -25,7 +25,9 @@ for every rank; the process name, ``ps -o comm``, is ``tm-<node>.<local_rank>``,
 ``tm-fork-server``). Its environment, working directory, ``sys.argv``, ``sys.path[0]``,
 stdio and ``random``'s seed (Python reseeds it after a fork) are its own; the server refuses to fork when any
 environment variable other than the rank's identity (:data:`IDENTITY`) differs from its own, because torch and
-OpenMP read some of them at import.
+OpenMP read some of them at import. A server forked from a warm image (tmctl.warm_start) imported torch under that
+image's environment, so each rank also sets torch's thread count from its own ``OMP_NUM_THREADS``
+(:func:`apply_thread_count`).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ import time
 import traceback
 from typing import Mapping, NoReturn, Optional, Sequence
 
+from tmd.rundir import no_follow
 from worker.exit import flush_stdio
 
 # The variables that differ between the ranks of one job (tmd.local sets them per process); no module reads them
@@ -180,7 +183,7 @@ def take_over(log_path: str, env: Mapping[str, str], err_path: Optional[str] = N
     os.dup2(null, 0)
     os.close(null)
     for fd, path in ((1, log_path), (2, err_path or log_path)):
-        log = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        log = no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         os.dup2(log, fd)
         os.close(log)
     os.environ.clear()
