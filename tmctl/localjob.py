@@ -62,14 +62,15 @@ def end_job(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
         proc.wait(timeout=timeout_s)
 
 
-def final_hashes(run_dir: str) -> dict[int, str]:
+def final_hashes(run_dir: str, rng: bool = False) -> dict:
     """Every rank's final state sha256 {rank: hex}, from ``<run_dir>/final/rank*.json`` (written by
-    examples.state_hash at the end of training); {} before any is written."""
-    out = {}
+    examples.state_hash at the end of training); {} before any is written. ``rng``: {rank: (state hex, RNG hex)},
+    the RNG hash being None where the script wrote none."""
+    out: dict = {}
     for path in sorted(glob.glob(os.path.join(run_dir, "final", "rank*.json"))):
         with open(path) as f:
             d = json.load(f)
-        out[d["rank"]] = d["state_sha256"]
+        out[d["rank"]] = (d["state_sha256"], d.get("rng_sha256")) if rng else d["state_sha256"]
     return out
 
 

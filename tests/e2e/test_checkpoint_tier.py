@@ -13,7 +13,6 @@ compared with an uninterrupted run of its own.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import sys
 
 import pytest
 
-from tmctl.localjob import Job, events, reference_hashes, wait_until
+from tmctl.localjob import Job, events, final_hashes, reference_hashes, wait_until
 from worker import checkpoint as ck
 
 STEPS = 40
@@ -32,12 +31,7 @@ PADDING = ("--min-step-time-s", "0.2")  # time to act between checkpoints; the n
 
 def finals(run_dir: str) -> dict[int, tuple[str, str]]:
     """{rank: (state_sha256, rng_sha256)} of a finished job."""
-    out = {}
-    for path in glob.glob(os.path.join(run_dir, "final", "rank*.json")):
-        with open(path) as f:
-            d = json.load(f)
-        out[d["rank"]] = (d["state_sha256"], d["rng_sha256"])
-    return out
+    return final_hashes(run_dir, rng=True)
 
 
 @pytest.fixture(scope="module")
