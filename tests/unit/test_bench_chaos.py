@@ -117,3 +117,44 @@ def test_a_tmd_kills_downtime_is_the_ranks_longest_pause_between_two_steps_after
     info = soak.follow({"kind": "tmd_kill", "step": 5, "ts": 100.55}, after_seq=1)  # killed at 100.55
     assert (info["tier"], info["downtime_s"], info["relearn_s"]) == ("none", 2.0, 0.7)
     assert chaos.step_gap(chaos.step_ends(journal), since=200.0) is None
+
+
+def test_an_unanswered_request_for_a_standby_is_asked_again_at_the_next_poll_and_the_added_ones_are_checked(
+        monkeypatch):
+    """A full soak died on one AddStandbyRequest left unanswered for tmctl's 10 s (its reply was lost, tmd.netns's
+    bridge MAC): it is noted and asked again, as an unanswered status is; the standbys asked for must be in the
+    journal."""
+    from tmctl.client import TimedOut
+    from tmd import protocol as p
+
+    def status(nodes):
+        return p.StatusReply(job="j", world_size=1, generation=0, step=20, nodes=nodes, migration=None,
+                             recovery=None, failure=None, warnings=[])
+
+    standbys = [{"role": p.NodeRole.STANDBY, "warm": False, "name": "s1"}]  # warm once x2 was asked for
+    asked = []
+
+    class Client:
+        def request(self, msg):
+            asked.append(msg.node)
+            if len(asked) == 1:
+                raise TimedOut("tcp://10.214.0.2:1", 10.0)
+            standbys[0]["warm"] = True
+            standbys.append({"role": p.NodeRole.STANDBY, "warm": False, "name": msg.node})
+            return status(standbys)
+
+    journal = [{"seq": 1, "ts": 0, "event": p.Event.STANDBY_ADDED, "node": "x1"}]  # added, its reply lost
+    soak = bare_soak(lambda: journal)
+    soak.job = type("J", (), {"proc": type("P", (), {"poll": lambda self: None})(), "client": Client()})()
+    soak.added, soak.standby_asks = 0, []
+    soak.status = lambda: status(list(standbys))
+    monkeypatch.setattr(chaos, "wait_until", lambda f, *a, **k: next(v for v in iter(f, object()) if v))
+    assert soak.ready(12).step == 20
+    assert asked == ["x1", "x2"] and [a["answer"] for a in soak.standby_asks] == ["unanswered", "added"]
+    with pytest.raises(AssertionError, match=r"\['x2'\] answered as added are not in the journal"):
+        soak.standbys_added()
+    journal.append({"seq": 2, "ts": 1, "event": p.Event.STANDBY_ADDED, "node": "x2"})
+    assert soak.standbys_added() == {"asked": 2, "added": 2, "unanswered": 1}
+    soak.standby_asks, journal[:] = [{"node": "x3", "answer": "unanswered"}], []
+    with pytest.raises(AssertionError, match="asked for and none was added"):
+        soak.standbys_added()
