@@ -86,6 +86,7 @@ CHECKPOINTS_NEEDED = {"all_active": 1, "keeper_kill": 1, "corrupt_all_active": 2
 # fired tmd_kill near the end: the ranks finished while tmd was down, and the resumed tmd, seeing none come back,
 # restarted the job from its last checkpoint)
 STEPS_AFTER = {"tmd_kill": 100}
+STEP_TIMES_WAIT_S = 5.0  # for the step times a roll-back's work lost needs (tmd journals them once a second)
 MIN_STANDBYS = 2  # fewer standbys (warm or starting) than this: one is added by request (cold in namespaces)
 QUICK_S_MAX = 480.0  # --quick: both soaks (the uninterrupted runs not included) within 8 minutes
 # the soak's step floor, in the uninterrupted run too: its median step is the ETTR's unit, so both must be paced
@@ -220,11 +221,12 @@ def step_gap(ends: dict[int, tuple[float, float]], since: float) -> Optional[flo
     return round(max(0.0, max(gaps)), 3) if gaps else None
 
 
-def migration_downtime(evs: list[dict], migration_id: int) -> Optional[tuple[float]]:
-    """``(downtime_s,)`` of migration ``migration_id`` from its ``migration_downtime`` entry (None while there is
-    none: tmd writes it a window of steps after ``migration_committed``)."""
+def migration_downtime(evs: list[dict], migration_id: int, after_seq: int = 0) -> Optional[tuple[float]]:
+    """``(downtime_s,)`` of migration ``migration_id`` from its ``migration_downtime`` entry after journal entry
+    ``after_seq`` (None while there is none: tmd writes it a window of steps after ``migration_committed``). Ids
+    start at 1 again in the daemon of each relaunch from a checkpoint: an earlier migration may have the same one."""
     for e in evs:
-        if e["event"] == p.Event.MIGRATION_DOWNTIME and e.get("migration_id") == migration_id:
+        if e["seq"] > after_seq and e["event"] == p.Event.MIGRATION_DOWNTIME and e.get("migration_id") == migration_id:
             return (e.get("downtime_s"),)
     return None
 
@@ -399,15 +401,21 @@ class Soak:
                 step_ends(self.journal())), EVENT_TIMEOUT_S, "a step after the re-learning")
             info["downtime_s"] = step_gap(ends, fired)
         elif got["tier"] == "migration":  # tmd journals it once a window of steps after the switch has run
-            info["downtime_s"] = wait_until(lambda: migration_downtime(self.journal(), got["migration_id"]),
+            info["downtime_s"] = wait_until(lambda: migration_downtime(self.journal(), got["migration_id"], after_seq),
                                             EVENT_TIMEOUT_S, f"the downtime of migration {got['migration_id']}",
                                             poll_s=0.2)[0]
         if got["tier"] in ("replica", "snapshot"):
             journal = self.journal()
             failed = next((e for e in journal if e["seq"] > after_seq and e["event"] == p.Event.NODE_FAILED), None)
             info["detect_s"] = round(failed["ts"] - fired, 3) if failed else None
-            if got["tier"] == "snapshot":
-                info["work_lost_s"] = rolled_back_s(journal, got["rollback_step"], fired)
+            if got["tier"] == "snapshot":  # tmd journals step times once a second: the steps before the fault
+                # may come after recovery_done (a run here had step 41's after it: its work lost came out null)
+                deadline = time.monotonic() + STEP_TIMES_WAIT_S
+                while (lost := rolled_back_s(journal, got["rollback_step"], fired)) is None \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    journal = self.journal()
+                info["work_lost_s"] = lost
         info["next_step"] = (resume or info["step"]) + GAP_STEPS
         return info
 
