@@ -44,8 +44,10 @@ after the re-learning, less that step's own time, and ``relearn_s`` (tmd's re-le
 ``llama``; their events in ``gpt_faults``, ``llama_faults``): ``ettr`` (steps x the uninterrupted median step /
 the wall time of training; ``soak_median_step_s`` shows what the soak's steady state costs besides the faults:
 snapshots, namespaces, standbys), ``bit_identical`` (every rank's final parameter, optimizer and RNG hash equals the
-uninterrupted run's), the exit code and ``soak_s`` (seconds); ``totals`` sums them. The uninterrupted runs have
-no standby, no checkpoints, no snapshots and no namespaces.
+uninterrupted run's), ``standbys_by_request`` (``asked``, ``added`` by the journal's ``standby_added``, and
+``unanswered``: a request with no reply within tmctl's timeout is asked again at the next poll; standbys asked for
+and none added fails the soak), the exit code and ``soak_s`` (seconds); ``totals`` sums them. The uninterrupted
+runs have no standby, no checkpoints, no snapshots and no namespaces.
 
 Not in this soak (said in its output, ``not_covered``): ``tmd_kill`` in the ``llama`` job (a tmd restarted by
 ``tmd resume`` cannot recreate namespaces, so it would fail the job at its next checkpoint restart), a partition
@@ -68,6 +70,7 @@ import time
 from typing import Optional
 
 from benchmarks import report
+from tmctl.client import CoordinatorUnreachable
 from tmctl.localjob import Job, diagnose, events, tmd_command, wait_until
 from tmd import netns
 from tmd import protocol as p
@@ -83,6 +86,7 @@ CHECKPOINTS_NEEDED = {"all_active": 1, "keeper_kill": 1, "corrupt_all_active": 2
 # fired tmd_kill near the end: the ranks finished while tmd was down, and the resumed tmd, seeing none come back,
 # restarted the job from its last checkpoint)
 STEPS_AFTER = {"tmd_kill": 100}
+STEP_TIMES_WAIT_S = 5.0  # for the step times a roll-back's work lost needs (tmd journals them once a second)
 MIN_STANDBYS = 2  # fewer standbys (warm or starting) than this: one is added by request (cold in namespaces)
 QUICK_S_MAX = 480.0  # --quick: both soaks (the uninterrupted runs not included) within 8 minutes
 # the soak's step floor, in the uninterrupted run too: its median step is the ETTR's unit, so both must be paced
@@ -217,11 +221,12 @@ def step_gap(ends: dict[int, tuple[float, float]], since: float) -> Optional[flo
     return round(max(0.0, max(gaps)), 3) if gaps else None
 
 
-def migration_downtime(evs: list[dict], migration_id: int) -> Optional[tuple[float]]:
-    """``(downtime_s,)`` of migration ``migration_id`` from its ``migration_downtime`` entry (None while there is
-    none: tmd writes it a window of steps after ``migration_committed``)."""
+def migration_downtime(evs: list[dict], migration_id: int, after_seq: int = 0) -> Optional[tuple[float]]:
+    """``(downtime_s,)`` of migration ``migration_id`` from its ``migration_downtime`` entry after journal entry
+    ``after_seq`` (None while there is none: tmd writes it a window of steps after ``migration_committed``). Ids
+    start at 1 again in the daemon of each relaunch from a checkpoint: an earlier migration may have the same one."""
     for e in evs:
-        if e["event"] == p.Event.MIGRATION_DOWNTIME and e.get("migration_id") == migration_id:
+        if e["seq"] > after_seq and e["event"] == p.Event.MIGRATION_DOWNTIME and e.get("migration_id") == migration_id:
             return (e.get("downtime_s"),)
     return None
 
@@ -252,6 +257,8 @@ class Soak:
                                  "--checkpoint-every", str(CHECKPOINT_EVERY)))
         self.events: list[dict] = []
         self.added = 0
+        # every AddStandbyRequest: {"node", "answer": "added", an ErrorReply's code, or "unanswered" (and "error")}
+        self.standby_asks: list[dict] = []
         self.cut: Optional[netns.NodeNamespace] = None  # a partitioned node's namespace, until it is healed
 
     def journal(self) -> list[dict]:
@@ -264,9 +271,37 @@ class Soak:
         except Exception:  # noqa: BLE001 - tmd is between two daemons (a restart): ask again
             return None
 
+    def add_standby(self) -> bool:
+        """Ask tmd for one more standby (``x1``, ``x2``, ...); returns whether it answered (added, or refused: an
+        ErrorReply). No answer (tmctl's timeout, or tmd between two daemons of a restart) is noted in
+        ``standby_asks`` and not raised, as an unanswered status is not: the caller asks again later."""
+        self.added += 1
+        node = f"x{self.added}"
+        try:
+            reply = self.job.client.request(p.AddStandbyRequest(node=node))
+        except CoordinatorUnreachable as e:
+            self.standby_asks.append({"node": node, "answer": "unanswered", "error": str(e)})
+            print(f"[chaos] standby {node} asked for, no answer: {e}", file=sys.stderr, flush=True)
+            return False
+        answer = "added" if isinstance(reply, p.StatusReply) else getattr(reply, "code", type(reply).__name__)
+        self.standby_asks.append({"node": node, "answer": answer})
+        return True
+
+    def standbys_added(self) -> dict:
+        """What the requests for standbys did: ``asked``, ``unanswered``, ``added`` (the journal's
+        ``standby_added``). Raises AssertionError when standbys were asked for and none was added, or when one tmd
+        answered as added is not in the journal."""
+        journal = {e["node"] for e in self.journal() if e["event"] == p.Event.STANDBY_ADDED}
+        answered = {a["node"] for a in self.standby_asks if a["answer"] == "added"}
+        assert answered <= journal, f"standbys {sorted(answered - journal)} answered as added are not in the journal"
+        assert journal or not self.standby_asks, f"standbys were asked for and none was added: {self.standby_asks}"
+        return {"asked": len(self.standby_asks), "added": len(journal),
+                "unanswered": sum(1 for a in self.standby_asks if a["answer"] == "unanswered")}
+
     def ready(self, min_step: int) -> p.StatusReply:
         """The status once every rank is past ``min_step`` with a warm standby (one is added by request while fewer
-        than MIN_STANDBYS are left, at most one per 15 s)."""
+        than MIN_STANDBYS are left, at most one per 15 s; an unanswered request is asked again at the next
+        poll)."""
         asked = [0.0]
 
         def check():
@@ -277,9 +312,7 @@ class Soak:
                 return None
             standbys = [n for n in st.nodes if n["role"] == p.NodeRole.STANDBY]
             if len(standbys) < MIN_STANDBYS and time.monotonic() - asked[0] > 15:
-                asked[0] = time.monotonic()
-                self.added += 1
-                self.job.client.request(p.AddStandbyRequest(node=f"x{self.added}"))
+                asked[0] = time.monotonic() if self.add_standby() else 0.0
             if st.step < min_step or st.recovery and st.recovery.get("state") in ("halting", "recovering"):
                 return None
             return st if any(n["warm"] for n in standbys) else None
@@ -368,15 +401,21 @@ class Soak:
                 step_ends(self.journal())), EVENT_TIMEOUT_S, "a step after the re-learning")
             info["downtime_s"] = step_gap(ends, fired)
         elif got["tier"] == "migration":  # tmd journals it once a window of steps after the switch has run
-            info["downtime_s"] = wait_until(lambda: migration_downtime(self.journal(), got["migration_id"]),
+            info["downtime_s"] = wait_until(lambda: migration_downtime(self.journal(), got["migration_id"], after_seq),
                                             EVENT_TIMEOUT_S, f"the downtime of migration {got['migration_id']}",
                                             poll_s=0.2)[0]
         if got["tier"] in ("replica", "snapshot"):
             journal = self.journal()
             failed = next((e for e in journal if e["seq"] > after_seq and e["event"] == p.Event.NODE_FAILED), None)
             info["detect_s"] = round(failed["ts"] - fired, 3) if failed else None
-            if got["tier"] == "snapshot":
-                info["work_lost_s"] = rolled_back_s(journal, got["rollback_step"], fired)
+            if got["tier"] == "snapshot":  # tmd journals step times once a second: the steps before the fault
+                # may come after recovery_done (a run here had step 41's after it: its work lost came out null)
+                deadline = time.monotonic() + STEP_TIMES_WAIT_S
+                while (lost := rolled_back_s(journal, got["rollback_step"], fired)) is None \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    journal = self.journal()
+                info["work_lost_s"] = lost
         info["next_step"] = (resume or info["step"]) + GAP_STEPS
         return info
 
@@ -428,6 +467,7 @@ def run(workload: Workload, n: int, seed: int, run_dir: str) -> tuple[dict, list
     try:
         soak.drive(schedule(n, seed, workload.kinds), random.Random(seed), steps)
         rc = soak.job.finish(timeout_s=3600)
+        standbys = soak.standbys_added()
     except AssertionError:  # a wait timed out: the journal's tail and every rank's stacks, for the diagnosis
         print(diagnose(soak.job.run_dir), file=sys.stderr, flush=True)
         raise
@@ -444,7 +484,7 @@ def run(workload: Workload, n: int, seed: int, run_dir: str) -> tuple[dict, list
         **ettr(events(soak.job.run_dir), median_s),
         "bit_identical": finals(soak.job.run_dir) == expected and len(expected) == workload.nodes *
         workload.ranks_per_node,
-        "exit_code": rc, "soak_s": round(time.monotonic() - started, 1),
+        "standbys_by_request": standbys, "exit_code": rc, "soak_s": round(time.monotonic() - started, 1),
     }
     return section, soak.events, [ref_dir, soak.job.run_dir]
 

@@ -42,13 +42,17 @@ address (10.214.<k>.2, .3, ...)::
     host namespace                                            tm-<node>-<pid>-<j>
     tmbr<k> 10.214.<k>.1/24 -- port tmb<k>v<j>  <---->  tm0 10.214.<k>.<j>/24  (no default route)
 
-All of them share one link-local subnet, as hosts on one switch; nothing is routed or forwarded, and with no
-default route a name lookup fails at once (ENETUNREACH). ``cut()``/``heal()`` work as above on the veth's two
-ends (the host end is a bridge port). :func:`enter` moves the calling process itself into such a namespace
-(tmd does, so it binds and advertises its own address); the ``ip``/``tc`` commands of this module then still
-run in the host namespace (through ``nsenter`` and a descriptor of it kept open), so that process can add
-namespaces to the bridge later (standbys added by request). ``close()`` of the bridge deletes its namespaces and
-itself; bridges whose creator is gone (its pid is the bridge's alias ``tm-<pid>``) go at the next start.
+All of them share one link-local subnet, as hosts on one switch; nothing is routed or forwarded, and with no default
+route a name lookup fails at once (ENETUNREACH). The bridge has a MAC address of its own (:func:`bridge_mac`): a
+Linux bridge left to choose takes the lowest of its ports' MACs, so a namespace added later with a lower one changed
+it, and a namespace that was sending to the host then (tmd answering tmctl's ``standby add``) went on sending to the
+old MAC, which the host drops (``otherhost``), until that neighbour entry was resolved again: 0.2 to 13.4 s measured
+here with TCP's retransmission backoff, over tmctl's 10 s timeout. ``cut()``/``heal()`` work as above on the veth's
+two ends (the host end is a bridge port). :func:`enter` moves the calling process itself into such a namespace (tmd
+does, so it binds and advertises its own address); the ``ip``/``tc`` commands of this module then still run in the
+host namespace (through ``nsenter`` and a descriptor of it kept open), so that process can add namespaces to the
+bridge later (standbys added by request). ``close()`` of the bridge deletes its namespaces and itself; bridges whose
+creator is gone (its pid is the bridge's alias ``tm-<pid>``) go at the next start.
 
 **Holding namespaces for other programs** (``slurm/local-cluster.sh up DIR --multihost``: each slurmd in a
 namespace of its own)::
@@ -90,6 +94,11 @@ _host_net_fd: Optional[int] = None  # set by enter(): the host's network namespa
 
 _available: Optional[bool] = None
 _lock = threading.Lock()
+
+
+def bridge_mac(index: int) -> str:
+    """The MAC address of bridge ``tmbr<index>``: locally administered, unicast, one per bridge of this host."""
+    return f"02:74:6d:62:00:{index:02x}"
 
 
 def _ip(*args: str, netns: Optional[str] = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -410,8 +419,9 @@ class Bridge:
                 used.add(int(m.group(1)))
         self.index = -1
         for k in range(256):
-            if k not in used and _ip("link", "add", f"{BRIDGE_PREFIX}{k}", "type", "bridge",
-                                     check=False).returncode == 0:  # taken atomically: another job may race
+            # taken atomically (another job may race), with an address of its own: one no port changes
+            if k not in used and _ip("link", "add", f"{BRIDGE_PREFIX}{k}", "address", bridge_mac(k), "type",
+                                     "bridge", check=False).returncode == 0:
                 self.index = k
                 break
         if self.index < 0:

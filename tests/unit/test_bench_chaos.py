@@ -61,6 +61,21 @@ def test_a_roll_back_loses_the_steps_since_the_snapshot_as_first_done():
     assert chaos.rolled_back_s(journal, rollback_step=10, fired=50.0) is None
 
 
+def test_a_roll_backs_work_lost_waits_for_the_step_times_tmd_journals_after_the_recovery(monkeypatch):
+    """tmd journals step times once a second: the end of the snapshot's step may come after recovery_done."""
+    failed = {"seq": 2, "ts": 113.6, "event": "node_failed", "node": "n1"}
+    plan = {"seq": 3, "ts": 113.7, "event": "recovery_plan", "incident_id": 1, "rollback_step": 10}
+    done = {"seq": 4, "ts": 114.0, "event": "recovery_done", "incident_id": 1, "resume_step": 11,
+            "phases_s": {"total": 0.4}}
+    early = {"seq": 1, "ts": 0, "event": "step_times", "steps": [[s, 100.0 + s, 1.0] for s in range(10)]}
+    late = {"seq": 5, "ts": 114.5, "event": "step_times", "steps": [[s, 100.0 + s, 1.0] for s in range(10, 14)]}
+    reads = iter([[early, failed, plan, done]] * 2)
+    monkeypatch.setattr(chaos, "wait_until", lambda f, *a, **k: next(v for v in iter(f, object()) if v))
+    soak = bare_soak(lambda: next(reads, [early, failed, plan, done, late]))
+    info = soak.follow({"kind": "kill", "step": 13, "ts": 113.5}, after_seq=1)
+    assert (info["tier"], info["work_lost_s"], info["detect_s"]) == ("snapshot", 3.0, 0.1)
+
+
 def test_the_keepers_are_the_last_replica_classes_ones():
     journal = [{"seq": 1, "ts": 0, "event": "replica_classes", "keepers": {"0": 2}},
                {"seq": 2, "ts": 1, "event": "replica_classes", "keepers": {"0": 1, "1": 2, "2": 3, "3": 0}}]
@@ -77,9 +92,11 @@ def test_a_migrations_downtime_is_waited_for_as_tmd_journals_it_after_the_commit
     committed = {"seq": 2, "ts": 5.0, "event": "migration_committed", "migration_id": 7, "switch_step": 30}
     downtime = {"seq": 3, "ts": 6.0, "event": "migration_downtime", "migration_id": 7, "downtime_s": 0.12}
     other = {"seq": 4, "ts": 6.5, "event": "migration_downtime", "migration_id": 6, "downtime_s": 9.0}
-    reads = iter([[committed], [committed], [committed, other], [committed, other, downtime]])
+    # an earlier daemon's migration 7 (ids start at 1 again after a relaunch from a checkpoint): not this one's
+    earlier = {"seq": 1, "ts": 1.0, "event": "migration_downtime", "migration_id": 7, "downtime_s": 5.0}
+    reads = iter([[earlier, committed], [earlier, committed], [earlier, committed, other]])
     monkeypatch.setattr(chaos, "wait_until", lambda f, *a, **k: next(v for v in iter(f, object()) if v))
-    soak = bare_soak(lambda: next(reads, [committed, other, downtime]))
+    soak = bare_soak(lambda: next(reads, [earlier, committed, other, downtime]))
     info = soak.follow({"kind": "migrate", "step": 20, "ts": 4.0}, after_seq=1)
     assert (info["tier"], info["downtime_s"], info["next_step"]) == ("migration", 0.12, 30 + chaos.GAP_STEPS)
 
@@ -117,3 +134,44 @@ def test_a_tmd_kills_downtime_is_the_ranks_longest_pause_between_two_steps_after
     info = soak.follow({"kind": "tmd_kill", "step": 5, "ts": 100.55}, after_seq=1)  # killed at 100.55
     assert (info["tier"], info["downtime_s"], info["relearn_s"]) == ("none", 2.0, 0.7)
     assert chaos.step_gap(chaos.step_ends(journal), since=200.0) is None
+
+
+def test_an_unanswered_request_for_a_standby_is_asked_again_at_the_next_poll_and_the_added_ones_are_checked(
+        monkeypatch):
+    """A full soak died on one AddStandbyRequest left unanswered for tmctl's 10 s (its reply was lost, tmd.netns's
+    bridge MAC): it is noted and asked again, as an unanswered status is; the standbys asked for must be in the
+    journal."""
+    from tmctl.client import TimedOut
+    from tmd import protocol as p
+
+    def status(nodes):
+        return p.StatusReply(job="j", world_size=1, generation=0, step=20, nodes=nodes, migration=None,
+                             recovery=None, failure=None, warnings=[])
+
+    standbys = [{"role": p.NodeRole.STANDBY, "warm": False, "name": "s1"}]  # warm once x2 was asked for
+    asked = []
+
+    class Client:
+        def request(self, msg):
+            asked.append(msg.node)
+            if len(asked) == 1:
+                raise TimedOut("tcp://10.214.0.2:1", 10.0)
+            standbys[0]["warm"] = True
+            standbys.append({"role": p.NodeRole.STANDBY, "warm": False, "name": msg.node})
+            return status(standbys)
+
+    journal = [{"seq": 1, "ts": 0, "event": p.Event.STANDBY_ADDED, "node": "x1"}]  # added, its reply lost
+    soak = bare_soak(lambda: journal)
+    soak.job = type("J", (), {"proc": type("P", (), {"poll": lambda self: None})(), "client": Client()})()
+    soak.added, soak.standby_asks = 0, []
+    soak.status = lambda: status(list(standbys))
+    monkeypatch.setattr(chaos, "wait_until", lambda f, *a, **k: next(v for v in iter(f, object()) if v))
+    assert soak.ready(12).step == 20
+    assert asked == ["x1", "x2"] and [a["answer"] for a in soak.standby_asks] == ["unanswered", "added"]
+    with pytest.raises(AssertionError, match=r"\['x2'\] answered as added are not in the journal"):
+        soak.standbys_added()
+    journal.append({"seq": 2, "ts": 1, "event": p.Event.STANDBY_ADDED, "node": "x2"})
+    assert soak.standbys_added() == {"asked": 2, "added": 2, "unanswered": 1}
+    soak.standby_asks, journal[:] = [{"node": "x3", "answer": "unanswered"}], []
+    with pytest.raises(AssertionError, match="asked for and none was added"):
+        soak.standbys_added()
