@@ -19,11 +19,11 @@ pytestmark = pytest.mark.timeout(60)
 _prefix = itertools.count()
 
 
-def pair():
-    """Two connected ends (rank 0, rank 1) of a fresh gloo group."""
+def pair(timeout_s: float = 20.0):
+    """Two connected ends (rank 0, rank 1) of a fresh gloo group whose ops time out after ``timeout_s`` seconds."""
     store = dist.HashStore()
     prefix = f"t{next(_prefix)}"
-    timeout = datetime.timedelta(seconds=20)
+    timeout = datetime.timedelta(seconds=timeout_s)
     with cf.ThreadPoolExecutor(2) as ex:
         a, b = ex.map(lambda r: dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), r, 2, timeout), [0, 1])
     return a, b
@@ -535,7 +535,9 @@ def test_a_sender_dying_mid_data_makes_the_receiver_raise(monkeypatch, small_chu
 
     monkeypatch.setattr(datapath, "fill_slot", dying_fill)
     src = big(1)
-    a, b = pair()
+    # the receiver raises once the sender's group is gone (here at once), else at the group's timeout: where
+    # something in a long pytest run still holds the sender's group, that took 20 s
+    a, b = pair(timeout_s=5.0)
     with cf.ThreadPoolExecutor(1) as ex:
         fut = ex.submit(transfer.recv_state, b, 0)
         try:
