@@ -6,7 +6,8 @@ Every job is compared, rank by rank, with one uninterrupted run (module-scoped):
 hash (``state_sha256``) and the CPU RNG state's hash (``rng_sha256``). Launches are few: one job goes through a save
 whose directory cannot be made (a failed save: journalled, training goes on, nothing deleted), a torn save and a
 corrupted newest checkpoint, and the loss of every active node at once; a second job resumes from its checkpoints
-after it ended; a third, of another layout, is refused. A fourth job, TP x FSDP2 (examples.train_llama on 4 nodes
+after it ended; a third, of another layout, is refused; one with no standby at all loses a node and restarts once
+``--standby-wait-s`` passed. A fifth job, TP x FSDP2 (examples.train_llama on 4 nodes
 of 1 rank: no state has a replica), loses a node together with the node that keeps its buddy snapshots and is
 compared with an uninterrupted run of its own.
 """
@@ -136,6 +137,34 @@ def test_resume_from_after_the_job_ended_is_bit_identical(chaos, reference, tmp_
     assert finals(job.run_dir) == reference
     steps = [step for e in job.events("step_times") for step, _, _ in e["steps"]]
     assert min(steps) == STEPS - EVERY  # it started at the checkpoint's step, not at 0
+
+
+@pytest.mark.timeout(300)
+def test_no_standby_within_standby_wait_s_restarts_from_the_checkpoint(reference, tmp_path):
+    """No standby at all: a node lost after the first checkpoint leaves the incident waiting for one; after
+    ``--standby-wait-s`` it fails and the job restarts every process from the checkpoint, bit-identical."""
+    root = str(tmp_path / "ckpt")
+    job = Job(str(tmp_path / "job"), 0, STEPS, *NUMERICS, *PADDING,
+              tmd_args=("--checkpoint-dir", root, "--checkpoint-every", str(EVERY), "--standby-wait-s", "1"))
+    try:
+        job.wait_event("checkpoint_committed", timeout_s=120)
+        killed = job.pids("n2")
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        job.wait_event("job_restarting", timeout_s=60)
+        job.end_padding()
+        rc = job.finish(timeout_s=300)
+    finally:
+        job.close()
+    assert rc == 0, [e for e in job.events() if e["event"] in ("job_failed", "recovery_failed")]
+    assert sorted(e["returncode"] for e in job.events("process_exit") if e["node"] == "n2")[:2] == [-9, -9]
+    (waiting,) = job.events("recovery_waiting")
+    (failed,) = job.events("recovery_failed")
+    assert failed["reason"] == "no standby arrived within 1 s (--standby-wait-s)", failed
+    (restart,) = job.events("job_restarting")
+    assert restart["tier"] == "checkpoint" and "--standby-wait-s" in restart["reason"], restart
+    assert restart["ts"] - waiting["ts"] >= 1.0 and restart["step"] % EVERY == 0
+    assert finals(job.run_dir) == reference
 
 
 @pytest.mark.timeout(300)
