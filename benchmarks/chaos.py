@@ -71,7 +71,7 @@ from typing import Optional
 
 from benchmarks import report
 from tmctl.client import CoordinatorUnreachable
-from tmctl.localjob import Job, diagnose, events, tmd_command, wait_until
+from tmctl.localjob import Job, diagnose, events, final_hashes, tmd_command, wait_until
 from tmd import netns
 from tmd import protocol as p
 from worker import checkpoint as ck
@@ -147,15 +147,6 @@ def schedule(n: int, seed: int, kinds: tuple[str, ...] = GPT.kinds) -> list[str]
     drawn = list(kinds)[:n] + [rng.choice(kinds) for _ in range(max(0, n - len(kinds)))]
     rng.shuffle(drawn)
     return drawn
-
-
-def finals(run_dir: str) -> dict[int, list[str]]:
-    out = {}
-    for path in glob.glob(os.path.join(run_dir, "final", "rank*.json")):
-        with open(path) as f:
-            d = json.load(f)
-        out[d["rank"]] = [d["state_sha256"], d.get("rng_sha256")]
-    return out
 
 
 def step_ends(evs: list[dict], first: bool = False) -> dict[int, tuple[float, float]]:
@@ -473,7 +464,7 @@ def run(workload: Workload, n: int, seed: int, run_dir: str) -> tuple[dict, list
         raise
     finally:
         soak.job.close()
-    expected = finals(ref_dir)
+    expected = final_hashes(ref_dir, rng=True)  # {rank: (state, RNG)}
     section = {
         "workload": {"model": workload.model, "parallelism": workload.parallelism,
                      "nodes": workload.nodes, "ranks_per_node": workload.ranks_per_node, "standbys": 3,
@@ -482,7 +473,7 @@ def run(workload: Workload, n: int, seed: int, run_dir: str) -> tuple[dict, list
         "uninterrupted_median_step_s": round(median_s, 6), "soak_median_step_s": round(statistics.median(
             sec for _, sec in step_ends(events(soak.job.run_dir)).values()), 6),
         **ettr(events(soak.job.run_dir), median_s),
-        "bit_identical": finals(soak.job.run_dir) == expected and len(expected) == workload.nodes *
+        "bit_identical": final_hashes(soak.job.run_dir, rng=True) == expected and len(expected) == workload.nodes *
         workload.ranks_per_node,
         "standbys_by_request": standbys, "exit_code": rc, "soak_s": round(time.monotonic() - started, 1),
     }
