@@ -181,6 +181,7 @@ def _run_until_done(build: Callable, daemons: list, tier: Optional["Tier"]) -> i
     while tier is not None and daemons and daemons[-1].restart is not None and (
             daemons[-1].cluster is None or daemons[-1].rebuild is not None):  # SLURM: a requeue ends this run
         tier.last_seq = daemons[-1].journal.seq  # the relaunched daemon's journal goes on after it
+        tier.last_ids = (daemons[-1].migrations.next_id() - 1, daemons[-1].incidents.next_id() - 1)  # so do ids
         tier.export()  # TM_RESUME_FROM: the checkpoint every relaunched process loads
         code = supervise(build)
     return code

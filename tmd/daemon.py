@@ -129,6 +129,8 @@ class Daemon:
             self.migrations.first_id = resume.last_migration_id + 1  # migration ids go on after a restart
         self.incidents = Incidents(self.registry, self.journal, self, self.layout,
                                    snapshot_every=config.snapshot.snapshot_every)
+        if restarted:  # a relaunch from a checkpoint: one journal, so migration and incident ids go on too
+            self.migrations.first_id, self.incidents.first_id = (last + 1 for last in tier.last_ids)
         if resume is not None:
             self.incidents.restore(resume.replicas, resume.keepers, resume.unprotected)
         self.faults = Faults(self.registry, self.journal, self.layout, self.incidents)

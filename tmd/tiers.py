@@ -116,6 +116,7 @@ class Tier:
         self.latest_time: Optional[float] = None
         self.failed: Optional[str] = None  # the last failed save's message (shown for the job's life)
         self.last_seq = 0  # the journal's last sequence number when a restart ended the daemon before
+        self.last_ids = (0, 0)  # that daemon's last migration and incident ids: the relaunched one goes on after
         self._refused: list[str] = []  # what --resume-from passed over, journalled once a daemon is attached
         self._watched_at = 0.0
         self.impossible: Optional[str] = None  # why this tmd cannot restart the job (then it fails instead)

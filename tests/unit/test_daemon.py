@@ -284,3 +284,25 @@ def test_each_copy_of_a_done_is_acknowledged_and_journalled_once(daemon):
     for _ in range(2):
         d.on_frames([b"n2/0", p.encode(p.Done(rank=1, final_step=9, left=True))])
     assert events(d).count(Event.RANK_LEFT) == 1
+
+
+def test_a_daemon_relaunched_from_a_checkpoint_goes_on_with_the_journals_sequence_and_ids(tmp_path):
+    """One journal across a restart from a checkpoint: the relaunched daemon's entries, migration ids and incident
+    ids follow the previous daemon's (the chaos soak once read two migrations with id 1 in one journal)."""
+    from tmd.config import CheckpointTierConfig
+    from tmd.tiers import Restart, Tier
+
+    tier = Tier(CheckpointTierConfig(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=5), "t", 2)
+    tier.restarts.append(Restart(step=5, path=str(tmp_path / "ck" / "step-5"), reason="every rank is lost",
+                                 work_lost_s=1.0))
+    tier.last_seq, tier.last_ids = 40, (3, 2)
+    from tmd.protocol.keys import JobKeys
+
+    (tmp_path / "run").mkdir(mode=0o700)
+    JobKeys.create(str(tmp_path / "run" / "keys"))  # the first daemon's: a relaunch keeps them
+    d = Daemon("t", str(tmp_path / "run"), ["n1", "n2"], 1, [], RECORD_2, echo=False, tier=tier)
+    try:
+        assert d.migrations.next_id() == 4 and d.incidents.next_id() == 3
+        assert d.journal.seq >= 40
+    finally:
+        d.close()
