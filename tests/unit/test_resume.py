@@ -8,6 +8,7 @@ import os
 import pytest
 
 from tmd import protocol as p
+from tmd.episode import Episodes
 from tmd.journal import Journal
 from tmd.protocol.vocab import Event, ExitCode, FailureSignal, NodeRole, WorkerRole
 from tmd.registry import Registry
@@ -258,6 +259,7 @@ def test_a_resumed_tmd_keeps_the_checkpoint_tier_and_relaunches_the_job_from_a_c
             self.address = f"tcp://{kw.get('host', '127.0.0.1')}:{config.serve.port}"
             self.journal, self.restart = Journal(None), None
             self.port = config.serve.port
+            self.migrations = self.incidents = Episodes()  # none yet: ids go on from 1
             made.append(self)
 
         def run(self):
