@@ -404,15 +404,14 @@ class SlurmCluster:
         holders = {node.ranks[0] // rpn: node.name for node in reg.nodes_in(NodeRole.ACTIVE)
                    if node.ranks and node.name in usable}
         lost = [i for i in range(places) if i not in holders]
-        spares = [n.name for n in reg.nodes_in(NodeRole.STANDBY, NodeRole.GUARDING, NodeRole.JOINING)
-                  if n.name in usable]
+        standby = (NodeRole.STANDBY, NodeRole.GUARDING, NodeRole.JOINING)  # every process restarts: standbys all
+        spares = [n.name for n in reg.nodes_in(*standby) if n.name in usable]
         if len(spares) < len(lost):
             return None, (f"{len(lost)} of the job's {places} nodes are lost and {len(spares)} usable standby "
                           f"node{'' if len(spares) == 1 else 's'} can replace them")
         taken = dict(zip(lost, spares))
         world = [holders.get(i) or taken[i] for i in range(places)]
         rest = [n for n in reg.nodes.values() if n.name not in world and n.name in self.launcher.node_job]
-        standby = (NodeRole.STANDBY, NodeRole.GUARDING, NodeRole.JOINING)  # standbys again (drained ones too)
         self._rebuild = Rebuild(world=world, replaced={i * rpn: taken[i] for i in lost},
                                 standbys=[n.name for n in rest if n.role in standby],
                                 gone={n.name: (n.role, n.reason) for n in rest if n.role not in standby})
@@ -420,18 +419,16 @@ class SlurmCluster:
 
     def relaunch(self, control: JobControl, launcher: "SrunLauncher") -> None:
         """Drive the daemon of the job relaunched from a checkpoint inside the allocation (:meth:`rebuild_world`
-        planned it; tmd.cli makes ``control`` with the plan's world as its nodes): its launcher takes over which
-        SLURM job holds each node, the plan's other standbys join its registry again, its failed and left nodes
-        are known again (still drained and handed back), and every rank and standby process starts."""
+        planned it; tmd.cli makes ``control`` with the plan's world as its nodes and its other standbys as its
+        standbys, so that its ``tmd_started`` names them): its launcher takes over which SLURM job holds each node,
+        its failed and left nodes are known again (still drained and handed back), and every rank and standby
+        process starts."""
         plan, self._rebuild = self._rebuild, None
         if plan is None:
             raise RuntimeError("relaunch without a rebuilt world (rebuild_world)")
         launcher.node_job.update(self.launcher.node_job)
         self.launcher = launcher
         self.attach(control)
-        for name in plan.standbys:
-            if name not in self.registry.nodes:  # tmd.cli passes them as the daemon's standbys (its tmd_started)
-                self.registry.add_node(name)
         for name, (role, reason) in plan.gone.items():
             self.registry.restore(self.registry.add_node(name), role, [], reason)
         for name in plan.world:

@@ -222,23 +222,22 @@ class SessionCheckpoints:
         every = self.settings.every
         if self.settings.root is None or every <= 0 or self._unbuilt == generation:
             return  # (an unbuilt saver group was reported: the next generation builds one afresh)
-        if self._saver is None or self._generation != generation:
-            # at the generation's first committed step, every rank, while the store that built the generation's
-            # groups is up: tmd hosts it, and a build at a later save could meet a tmd killed meanwhile (its store
-            # gone; a restarted tmd hosts a new one) and wait GROUP_BUILD_TIMEOUT_S for nothing
-            try:
-                self._checkpointer(rank, world_size, generation)
-            except RuntimeError as e:  # a rank lost while the group was built (DistStoreError, a gloo error)
-                self._unbuilt = generation
-                self._warn(p.WarningCode.CHECKPOINT_FAILED,
-                           f"checkpoints of generation {generation} not saved: its saver group was not built within "
-                           f"{GROUP_BUILD_TIMEOUT_S:g} s at step {steps_done} ({type(e).__name__}: {e}); no saves "
-                           f"until the world changes")
-                return
+        # built (once per generation) at the generation's first committed step, every rank, while the store that
+        # built the generation's groups is up: tmd hosts it, and a build at a later save could meet a tmd killed
+        # meanwhile (its store gone; a restarted tmd hosts a new one) and wait GROUP_BUILD_TIMEOUT_S for nothing
+        try:
+            saver = self._checkpointer(rank, world_size, generation)
+        except RuntimeError as e:  # a rank lost while the group was built (DistStoreError, a gloo error)
+            self._unbuilt = generation
+            self._warn(p.WarningCode.CHECKPOINT_FAILED,
+                       f"checkpoints of generation {generation} not saved: its saver group was not built within "
+                       f"{GROUP_BUILD_TIMEOUT_S:g} s at step {steps_done} ({type(e).__name__}: {e}); no saves "
+                       f"until the world changes")
+            return
         if steps_done % every != 0 or steps_done == self.loaded_step:
             return
         with self._disarmed():
-            self._saver.save(steps_done, replicated, {**local, BUCKETS: BucketLayout(replicated)})
+            saver.save(steps_done, replicated, {**local, BUCKETS: BucketLayout(replicated)})
 
     def wait(self) -> None:
         """Wait for the save in flight (a leaver before it hands over, every rank at the end)."""
