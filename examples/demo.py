@@ -1,6 +1,6 @@
 """The end-to-end demo: a live migration of a training GPT, checked bit for bit against an uninterrupted run.
 
-    python -m examples.demo [--steps 40] [--migrate-at 15] [--tiny] [--min-step-time-s 0] [--netns-all]
+    python -m examples.demo [--steps 40] [--migrate-at 15] [--tiny] [--min-step-time-s S] [--netns-all]
 
 1. Reference: ``tmd local`` runs 2 nodes x 2 ranks with no standby for ``--steps`` steps.
 2. Migration: the same job with standby node s1; once rank 0 reaches ``--migrate-at`` the demo asks tmd to migrate
@@ -8,9 +8,10 @@
 3. Every rank's final parameters + optimizer state hash must equal the reference run's.
 
 tmd places the switch step about half a second of training ahead (``tmd.migration``), so a job whose steps are
-very short (``--tiny``: ~20 ms) can end before it: the migration is then aborted ("the job finished before the
-migration committed") and the demo exits 1. ``--min-step-time-s`` pads every step of both runs to at least that
-many seconds (examples/train_gpt.py; the numerics are unchanged).
+very short (``--tiny``: ~20 ms) would end before it. ``--min-step-time-s`` pads every step of both runs to at least
+that many seconds (examples/train_gpt.py; the numerics are unchanged); it defaults to 0.1 s with ``--tiny`` and to 0
+otherwise. Where the job still ends first, the migration is aborted ("the job finished before the migration
+committed") and the demo exits 1.
 
 With ``--netns-all`` (root) the migration run puts tmd and every node in a network namespace of its own, each
 with its own address on a bridge (``tmd local --netns-all``), as on separate hosts; the reference run is plain.
@@ -38,13 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--migrate-at", type=int, default=15)
     ap.add_argument("--tiny", action="store_true", help="a tiny GPT (fast)")
-    ap.add_argument("--min-step-time-s", type=float, default=0.0,
-                    help="pad every step to at least this many seconds (numerics unchanged)")
+    ap.add_argument("--min-step-time-s", type=float, default=None,
+                    help="pad every step to at least this many seconds (numerics unchanged); "
+                         "default 0.1 with --tiny, else 0")
     ap.add_argument("--run-dir", default="tmrun/demo")
     ap.add_argument("--verbose", action="store_true", help="echo every rank's output")
     ap.add_argument("--netns-all", action="store_true",
                     help="the migration run with tmd and each node in a network namespace of its own (root)")
     args = ap.parse_args(argv)
+    if args.min_step_time_s is None:
+        args.min_step_time_s = 0.1 if args.tiny else 0.0
     shutil.rmtree(args.run_dir, ignore_errors=True)
     ref_dir, mig_dir = os.path.join(args.run_dir, "reference"), os.path.join(args.run_dir, "migration")
 
