@@ -15,7 +15,9 @@ where their defaults are defined):
 - a node is silent for ``suspect_after_s`` (heartbeats come every 0.1 s) while a peer is blocked in a
   collective (its counters show a pending op older than ``blocked_after_s``): hung or cut off. Unless
   its processes run on tmd's host and use CPU (more than 0.05 s of CPU time since it was first seen silent):
-  it is then only slow to heartbeat (:class:`Slow`), not failed;
+  it is then only slow to heartbeat (:class:`Slow`), not failed. Nor while one of their threads waits for a CPU
+  (runnable, or in an uninterruptible disk wait): on a starved host a computing rank can get less than 0.05 s of
+  CPU in the grace, while a hung or cut-off rank sleeps;
 - a node is silent for ``heartbeat_timeout_s`` whatever its peers do.
 
 A process that exits with a positive code (not killed by a signal) may be a training script that raised: its
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import socket
 import time
 from typing import Callable, Iterable, Optional, Protocol, Union
@@ -68,6 +71,11 @@ class ProcessInspector(Protocol):
     def cpu_s(self, w: Worker) -> Optional[float]:
         """User + system CPU time (seconds) the process used so far, or None (not on this host, or gone)."""
 
+    def waiting_for_cpu(self, w: Worker) -> bool:
+        """Whether a thread of the process is runnable (``R``) or in an uninterruptible wait (``D``) now: it
+        computes, or waits for a CPU or the disk, rather than sleeping on a socket or a lock. False where it
+        cannot be seen (not on this host, gone)."""
+
 
 class ExitedProcess(Protocol):
     """A process the launcher saw exit (tmd.local.Proc)."""
@@ -78,6 +86,26 @@ class ExitedProcess(Protocol):
 
 
 PF_EXITING = 0x4  # Linux include/linux/sched.h: the task is in do_exit()
+
+
+def thread_states(pid: int, task_dir: str = "/proc/{pid}/task") -> list[str]:
+    """The state letter of each thread of process ``pid`` (field 3 of ``/proc/<pid>/task/<tid>/stat``; proc(5):
+    ``R`` running or runnable, ``S`` sleeping, ``D`` disk wait, ``T`` stopped, ``Z`` zombie ...). Empty where the
+    directory cannot be read (not Linux, the process gone); a thread that ends while being read is left out."""
+    root = task_dir.format(pid=pid)
+    try:
+        tids = os.listdir(root)
+    except OSError:
+        return []
+    states = []
+    for tid in tids:
+        try:
+            with open(os.path.join(root, tid, "stat"), "rb") as f:
+                stat = f.read()
+            states.append(stat[stat.rindex(b")") + 2:].split()[0].decode())
+        except (OSError, ValueError, IndexError):
+            continue
+    return states
 
 
 def exiting(pid: int, stat_path: str = "/proc/{pid}/stat") -> bool:
@@ -139,6 +167,9 @@ class HostProcesses:
         except psutil.Error:
             return None
         return t.user + t.system
+
+    def waiting_for_cpu(self, w: Worker) -> bool:
+        return self._process(w) is not None and any(st in "RD" for st in thread_states(w.pid))
 
     def kill(self, w: Worker) -> bool:
         """SIGKILL ``w``'s process if it runs on this host (a stopped one too). Returns whether it was sent."""
@@ -214,6 +245,9 @@ class _NoProcesses:
 
     def cpu_s(self, w: Worker) -> Optional[float]:
         return None
+
+    def waiting_for_cpu(self, w: Worker) -> bool:
+        return False
 
 
 @dataclasses.dataclass
@@ -394,8 +428,9 @@ class Detector:
     def _busy(self, n: Node, live: list[Worker], now: float) -> tuple[bool, Optional[Slow]]:
         """For a silent node whose processes run on this host: are they using CPU (alive, only slow to
         heartbeat) rather than blocked (hung, cut off)? The first call samples CPU time and says busy; a later
-        call says busy if they used more than BUSY_CPU_S of CPU since (then also a :class:`Slow` verdict).
-        Remote processes: never busy."""
+        call says busy if they used more than BUSY_CPU_S of CPU since (then also a :class:`Slow` verdict), or if
+        a thread of theirs waits for a CPU now (a starved host: busy, no verdict). Remote processes: never
+        busy."""
         total = 0.0
         for w in live:
             cpu = self.processes.cpu_s(w)
@@ -410,4 +445,6 @@ class Detector:
         if total - cpu > BUSY_CPU_S:
             self._suspect_cpu[n.name] = (now, total)
             return True, Slow(n, round(now - since, 3), round(total - cpu, 3))
+        if any(self.processes.waiting_for_cpu(w) for w in live):
+            return True, None
         return now - since < BUSY_GRACE_S, None

@@ -1,6 +1,11 @@
 """Failure detection on synthetic heartbeats and process states: no processes, clocks and psutil injected."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 from types import SimpleNamespace
 
 import pytest
@@ -24,12 +29,16 @@ class Processes:
     def __init__(self):
         self.states: dict[str, ProcessState] = {}
         self.cpu: dict[str, float] = {}
+        self.waiting: set[str] = set()  # processes with a thread that waits for a CPU
 
     def state(self, w):
         return self.states.get(w.identity.decode())
 
     def cpu_s(self, w):
         return self.cpu.get(w.identity.decode())
+
+    def waiting_for_cpu(self, w):
+        return w.identity.decode() in self.waiting
 
 
 class Job:
@@ -162,6 +171,45 @@ def test_a_slow_but_computing_node_is_not_failed():
     assert isinstance(v[0], Slow)
     assert failures(job.tick(1.55, *BUT_N2)) == []  # no CPU since, but within the 0.1 s grace
     assert failures(job.tick(1.7, *BUT_N2)) == [("n2", FailureSignal.SILENT)]  # no more CPU: hung
+
+
+def test_a_starved_node_whose_threads_wait_for_a_cpu_is_not_failed():
+    """On a crowded host a computing rank may get under 0.05 s of CPU in the grace; a thread of it is runnable."""
+    job = Job()
+    job.procs.cpu.update({"n2/0": 10.0, "n2/1": 10.0})
+    job.block("n1/0", since=0.0)
+    assert failures(job.tick(1.0, *BUT_N2)) == []  # the first sample
+    job.procs.cpu["n2/0"] = 10.02  # 20 ms of CPU: less than the rule asks
+    job.procs.waiting.add("n2/1")  # but a thread of n2/1 is runnable: it waits for a CPU
+    assert job.tick(1.5, *BUT_N2) == []  # busy, and no Slow verdict
+    assert job.tick(3.0, *BUT_N2) == []
+    job.procs.waiting.clear()  # every thread sleeps now: hung
+    assert failures(job.tick(3.1, *BUT_N2)) == [("n2", FailureSignal.SILENT)]
+    starved = Job()
+    starved.procs.cpu.update({"n2/0": 10.0, "n2/1": 10.0})
+    starved.procs.waiting.add("n2/0")
+    starved.block("n1/0", since=0.0)
+    starved.tick(1.0, *BUT_N2)
+    assert failures(starved.tick(5.1, *BUT_N2)) == [("n2", FailureSignal.SILENT)]  # the long timeout still holds
+
+
+def test_thread_states_tells_a_computing_process_from_a_sleeping_one():
+    from tmd.detection import thread_states
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        deadline = time.monotonic() + 5
+        while "R" not in thread_states(spinner.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until it runs: the kernel has no event for that
+        assert "R" in thread_states(spinner.pid)
+        deadline = time.monotonic() + 5
+        while thread_states(sleeper.pid) != ["S"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert thread_states(sleeper.pid) == ["S"]
+    finally:
+        spinner.kill(), sleeper.kill()
+        spinner.wait(), sleeper.wait()
+    assert thread_states(spinner.pid) == []  # gone
 
 
 def test_start_up_grace_only_the_long_timeout_before_the_first_step():
