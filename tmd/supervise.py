@@ -18,7 +18,7 @@ import time
 from typing import Callable, Optional
 
 from tmd.daemon import Daemon, TmdCrashed
-from tmd.protocol.vocab import ExitCode
+from tmd.protocol.vocab import ExitCode, NodeRole
 from tmd.resume import JobState, ResumeError, load
 
 MAX_CRASHES = 3  # crashes within WINDOW_S after which supervise gives up
@@ -66,12 +66,17 @@ def supervise(build: Callable[[Optional[JobState]], Daemon], *, max_crashes: int
 def hand_over(crashed: Daemon, resumed: Daemon) -> None:
     """Give ``resumed`` what ``crashed`` drove: its process launcher (the resumed daemon keeps watching the
     processes it started, with their exit codes) and its SLURM cluster (re-pointed at ``resumed``; the nodes of
-    its standby jobs stay standbys of the job)."""
+    its standby jobs stay standbys of the job; failed and left nodes the journal since the last ``tmd_started``
+    does not name, those of the world before a rebuild inside the allocation, stay known, so that SLURM still
+    drains the failed ones and they are handed back)."""
     if crashed.launcher is not None:
         resumed.launcher = crashed.launcher
     cluster = crashed.cluster
     if cluster is not None:
         cluster.attach(resumed)
+        for name, node in crashed.registry.nodes.items():
+            if name not in resumed.registry.nodes and node.role in (NodeRole.FAILED, NodeRole.LEFT):
+                resumed.registry.restore(resumed.registry.add_node(name), node.role, [], node.reason)
         for nodes in cluster.adopted.values():
             for name in nodes:
                 if name not in resumed.registry.nodes:

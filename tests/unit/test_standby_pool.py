@@ -367,6 +367,29 @@ def test_a_restarted_tmd_gets_the_slurm_side_with_its_standby_jobs_pool_and_drai
     assert cluster.pool.jobs == ["100"]
 
 
+def test_a_restarted_tmd_still_knows_the_failed_and_left_nodes_of_the_world_before_a_rebuild(pool_job, tmp_path):
+    """After a rebuild inside the allocation the journal since the last tmd_started no longer names the old
+    world's failed node; a tmd that crashes then must still drain it (not take it for a standby)."""
+    from tmd.supervise import hand_over
+
+    cluster, fake, reg, step, events = pool_job
+    step()
+    step()  # standby job 100 runs on n4, adopted
+    reg.restore(reg.nodes["n4"], NodeRole.FAILED, [], "n4/0 exited with code -9")  # it failed before a rebuild
+    reg.restore(reg.add_node("n9"), NodeRole.LEFT, [], "migrated")
+    crashed = FakeControl(cluster.journal, reg, str(tmp_path))
+    crashed.launcher, crashed.cluster = cluster.launcher, cluster
+    resumed = FakeControl(Journal(None), Registry(["n1", "n2"], 1, []), str(tmp_path))  # its journal: n1, n2
+    resumed.launcher = resumed.cluster = None
+    hand_over(crashed, resumed)
+    got = {n: (resumed.registry.nodes[n].role, resumed.registry.nodes[n].reason) for n in ("n4", "n9")}
+    assert got == {"n4": (NodeRole.FAILED, "n4/0 exited with code -9"), "n9": (NodeRole.LEFT, "migrated")}
+    step()
+    step()  # the drain runs on the poller's thread
+    assert ["scontrol", "update", "NodeName=n4", "State=DRAIN",
+            "Reason=trainmover: job 1: n4/0 exited with code -9"] in fake.calls
+
+
 def test_a_prolog_report_written_after_its_job_runs_is_journalled_once_and_a_resent_notice_once(pool_job):
     """SLURM lists a job as RUNNING while its prologs may still run: tmd journals each node's prolog report
     when it appears, not only those there at adoption; an epilog notice the hook resends is journalled once."""
