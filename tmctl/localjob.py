@@ -325,8 +325,14 @@ class Job:
 
     def migrate(self, source: str, target: str, timeout_s: float = 120) -> int:
         """Request a migration (in process: no tmctl start-up delay) as soon as tmd accepts it (the job trains,
-        ``target`` is warm); returns its id. Raises AssertionError on another refusal, or after ``timeout_s`` s."""
+        ``target`` is warm); returns its id. Raises AssertionError on another refusal, or after ``timeout_s`` s.
+        It asks tmd's status (which journals nothing) until the job is past its recorded steps and ``target`` is
+        warm, so that the journal does not fill with ``migrate_refused``."""
         def request():
+            st = self.client.request(p.StatusRequest())
+            record_steps = ((st.config or {}).get("replay") or {}).get("record_steps", 0)
+            if st.step <= record_steps or not any(n["name"] == target and n["warm"] for n in st.nodes):
+                return None
             reply = self.client.request(p.MigrateRequest(sources=[source], targets=[target]))
             if isinstance(reply, p.ErrorReply) and reply.code in (p.ErrorCode.NOT_READY, p.ErrorCode.BUSY_STANDBY):
                 return None  # not training yet, or the standby is still starting
