@@ -71,8 +71,11 @@ def last_known(run_dir: str, events: Optional[list[dict]] = None) -> dict:
             out["config"] = ev.get("config")
         elif name == Event.JOB_WARNING:
             out["warnings"].append({k: ev.get(k) for k in ("rank", "node", "code", "message")})
-        if isinstance(ev.get("step"), int):
-            out["step"] = ev["step"] if out["step"] is None else max(out["step"], ev["step"])
+        steps = [ev["step"]] if isinstance(ev.get("step"), int) else []
+        if name == Event.STEP_TIMES and isinstance(ev.get("steps"), list):  # [[step, ts, seconds], ...]
+            steps += [row[0] for row in ev["steps"] if isinstance(row, list) and row and isinstance(row[0], int)]
+        if steps:
+            out["step"] = max(steps) if out["step"] is None else max(out["step"], *steps)
     if events:
         last = events[-1]
         out["ended"] = last.get("event") == Event.TMD_STOPPED

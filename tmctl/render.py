@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from typing import Any, Optional
 
@@ -69,8 +70,20 @@ def ranks(values: Any) -> str:
     return ",".join(out)
 
 
+# Characters that would act on the terminal rather than show: C0/C1 controls but tab and newline (ESC starts
+# colour and cursor sequences), bidirectional overrides and isolates (U+202A-U+202E, U+2066-U+2069, which reorder
+# what follows them), zero-width marks and the BOM. Text from ranks (errors, warnings) and the journal may hold any.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that would act on a terminal written as its Python escape (``\\x1b``,
+    ``\\u202e``); tabs and newlines stay."""
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
 def _dash(value: Any) -> str:
-    return "-" if value is None else str(value)
+    return "-" if value is None else printable(str(value))
 
 
 def _cell(value: Any) -> str:
@@ -187,7 +200,7 @@ def clock(ts: Any) -> str:
 
 
 def _details(ev: dict) -> str:
-    return " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+    return " ".join(f"{printable(str(k))}={printable(v) if isinstance(v, str) else json.dumps(v)}"
                     for k, v in ev.items() if k not in ("seq", "ts", "event"))
 
 
@@ -293,7 +306,7 @@ def failure_text(f: dict) -> str:
     head = (f"[red]job failed[/]: rank {_cell(f.get('rank'))} on {_cell(f.get('node'))} ({_cell(f.get('kind'))}): "
             f"{_cell(f.get('error'))}")
     tb = f.get("traceback") or f.get("log_tail")
-    return head + ("\n" + escape(str(tb).rstrip("\n")) if tb else "")
+    return head + ("\n" + escape(printable(str(tb)).rstrip("\n")) if tb else "")
 
 
 def last_known(state: dict) -> str:

@@ -53,7 +53,7 @@ import math
 import typing
 from typing import Any, Optional
 
-from tmd.protocol.messages import MIN_RECORD_STEPS
+from tmd.protocol.messages import INT_RANGE, MIN_RECORD_STEPS
 
 
 class ConfigError(ValueError):
@@ -91,6 +91,8 @@ def _typed(name: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"{flag(name)} must be a finite number, not {value!r}")
         return float(value)
     if base is int and isinstance(value, int) and not isinstance(value, bool):
+        if not INT_RANGE[0] <= value <= INT_RANGE[1]:  # it could not reach a rank: the protocol's integers are 64-bit
+            raise ConfigError(f"{flag(name)} must fit in 64 bits, not a {value.bit_length()}-bit integer")
         return value
     if base in (bool, str) and isinstance(value, base):
         return value
@@ -142,15 +144,22 @@ class DetectionConfig(_Section):
                 f"not {self.blocked_after_s:g}, {self.suspect_after_s:g}, {self.heartbeat_timeout_s:g} (seconds)")
 
 
+MAX_RECORD_STEPS = 100  # recorded steps at job start, at most: each rank holds every recorded collective output
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReplayConfig(_Section):
     """Record and replay (worker.sandbox)."""
 
     record_steps: int = setting(
-        3, f"Steps recorded at job start (at least {MIN_RECORD_STEPS}: DDP regroups its buckets in the second); "
-           "joiners replay them as shadow iterations.")
+        3, f"Steps recorded at job start (at least {MIN_RECORD_STEPS}: DDP regroups its buckets in the second; "
+           f"at most {MAX_RECORD_STEPS}: every rank keeps each recorded collective's output in memory); joiners "
+           "replay them as shadow iterations.")
 
     def check(self) -> None:
+        if self.record_steps > MAX_RECORD_STEPS:
+            raise ConfigError(f"{flag('record_steps')} must be at most {MAX_RECORD_STEPS}, not {self.record_steps}: "
+                              "every rank keeps the output of each recorded collective in memory (worker.sandbox)")
         if self.record_steps < MIN_RECORD_STEPS:
             raise ConfigError(f"{flag('record_steps')} must be at least {MIN_RECORD_STEPS}, not {self.record_steps}: "
                               "a joiner replays DDP's bucket regrouping of the second step "

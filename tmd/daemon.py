@@ -576,13 +576,28 @@ class Daemon:
                                 local_rank=w.local_rank, rank=msg.rank, final_step=msg.final_step)
         self.send(w, p.DoneAck(rank=msg.rank))
 
+    def _own_rank(self, w: Worker, msg: Union[p.RankFailed, p.RankWarning]) -> bool:
+        """Whether ``msg`` speaks for the rank tmd gave ``w``: the one it owns, or takes over as a joiner of the
+        running migration. The worker key is shared by every process of the job: another rank's failure or
+        warning, or one from a process given no rank, is refused."""
+        rank = w.rank
+        if rank is None and self.migrations.current is not None:  # a joiner owns its rank from the commit on
+            rank = next((r for r, j in self.migrations.current.joiners.items() if j is w), None)
+        if rank is not None and msg.rank == rank:
+            return True
+        held = "no rank" if rank is None else f"rank {rank}"
+        self._refuse(w.identity, f"{msg.TYPE} for rank {msg.rank} from {w.node}/{w.local_rank}, which holds {held}")
+        return False
+
     def _rank_failed(self, w: Worker, msg: p.RankFailed) -> None:
+        if not self._own_rank(w, msg):
+            return
         if msg.kind == p.FailureKind.CHECKPOINT_REFUSED and self.tier is not None:
             if self.restart is not None:  # another rank refused it too: the restart before it is planned already
                 return
             if self.tier.load_refused(msg.rank, w.node, msg.error):  # one tmd chose: restart from an older one
                 raise RecoveryError(f"rank {msg.rank} on {w.node} refused checkpoint {self.tier.resume_from} at load")
-        if w.rank is not None and self.registry.rank_owner.get(w.rank) is not w and not w.fenced:
+        if self.registry.rank_owner.get(msg.rank) is not w and not w.fenced:
             # a joiner (in its sandbox) that raised, e.g. a mesh created in another order: its standby is out of
             # this migration or incident (its exit aborts it), never the job, which trains on untouched
             self.journal.record(Event.JOINER_FAILED, rank=msg.rank, node=w.node, local_rank=w.local_rank,
@@ -604,6 +619,8 @@ class Daemon:
                             bytes_per_copy=msg.bytes_per_copy, copy_s=round(msg.copy_s, 6))
 
     def _rank_warning(self, w: Worker, msg: p.RankWarning) -> None:
+        if not self._own_rank(w, msg):
+            return
         if msg.code == p.WarningCode.CHECKPOINT_FAILED and self.tier is not None:
             self.tier.save_failed(msg.rank, w.node, msg.message)  # every failed save, not the first one only
             return

@@ -133,7 +133,8 @@ class Faults:
         """A rank found misuse at start: journal and keep it (one entry per rank and code)."""
         if any(x["rank"] == msg.rank and x["code"] == msg.code for x in self.warnings):
             return
-        entry = {"rank": msg.rank, "node": w.node, "code": msg.code, "message": msg.message}
+        # kept for every StatusReply, one per rank and code: bounded, so that a reply fits in one frame
+        entry = {"rank": msg.rank, "node": w.node, "code": msg.code, "message": cut_text(msg.message, 1000)}
         self.warnings.append(entry)
         self.journal.record(Event.JOB_WARNING, **entry)
 

@@ -368,6 +368,13 @@ class Migrations(Episodes[Migration]):
             self.journal.record(Event.STALE_PHASE_REPORT, worker=w.identity.decode(), migration_id=msg.migration_id,
                                 phase=msg.phase)
             return
+        role = m.role_of(w)
+        if role is None or (msg.phase == MigrationPhase.WARMED and role != MigrationRole.JOINER):
+            # a process with no such part (it holds the worker key, but tmd never asked it): counts for nothing
+            self.journal.record(Event.UNEXPECTED_PHASE_REPORT, migration_id=m.id, state=m.state, phase=msg.phase,
+                                rank=msg.rank, worker=w.identity.decode(), reason=f"it is no {role or 'party'} "
+                                f"that reports {msg.phase} in migration {m.id}")
+            return
         if not msg.ok:
             self.abort(m, f"{w.node}/{w.local_rank} (rank {msg.rank}) failed in {msg.phase}: {msg.error}")
             return

@@ -118,9 +118,12 @@ class Registry:
         return node
 
     def add_worker(self, w: Worker) -> Node:
-        """Register a worker process on its node. Raises KeyError for an unknown node and ValueError for a
-        local rank out of range or already taken by a live process."""
+        """Register a worker process on its node. Raises KeyError for an unknown node and ValueError for a node
+        that left the job or failed, or a local rank out of range or already taken by a live process."""
         node = self.nodes[w.node]
+        if node.role in (NodeRole.LEFT, NodeRole.FAILED):
+            raise ValueError(f"node {node.name} {'left the job' if node.role == NodeRole.LEFT else 'failed'}: "
+                             "it takes no new process")
         if not 0 <= w.local_rank < node.expected_workers:
             raise ValueError(f"local rank {w.local_rank} out of range for node {node.name}")
         old = node.workers.get(w.local_rank)

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Callable, Optional
 from tmd import protocol as p
 from tmd.control import JobControl
 from tmd.migration import MigrationError
-from tmd.protocol.vocab import ErrorCode, Event
+from tmd.protocol.vocab import ErrorCode, Event, NodeRole
 
 if TYPE_CHECKING:
     from tmd.slurm import SlurmCluster
 
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a standby's name: a file name on every system
-MAX_ADDED_STANDBYS = 4  # standbys added by request over a job's life (each starts ranks_per_node processes)
+MAX_ADDED_STANDBYS = 4  # nodes alive beyond the job's own at start, by tmctl standby add (each: ranks_per_node processes)
 ADD_STANDBY_INTERVAL_S = 10.0  # seconds between two standbys added by request
 
 
@@ -32,8 +32,10 @@ class Requests:
                  cluster: Callable[[], Optional["SlurmCluster"]], max_added_standbys: int = MAX_ADDED_STANDBYS,
                  add_standby_interval_s: float = ADD_STANDBY_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``max_added_standbys``: standbys ``tmctl standby add`` may add over the job's life (those of a
-        resumed tmd's journal count); ``add_standby_interval_s``: seconds between two added standbys;
+        """``max_added_standbys``: how many more nodes than the job started with (those of a resumed tmd's
+        journal) may be alive, that is neither failed nor left, once ``tmctl standby add`` added one: a standby
+        that took over a failed node's ranks replaces it and frees its place; ``add_standby_interval_s``:
+        seconds between two added standbys;
         ``clock``: monotonic seconds (tests pass their own)."""
         self.control = control
         self.status_reply = status
@@ -41,7 +43,7 @@ class Requests:
         self.max_added_standbys = max_added_standbys
         self.add_standby_interval_s = add_standby_interval_s
         self.clock = clock
-        self._initial_nodes = set(control.registry.nodes)  # the job's nodes and standbys at start
+        self._initial_nodes = len(control.registry.nodes)  # the job's nodes and standbys at start
         self._last_added: Optional[float] = None
 
     def status(self, identity: bytes, msg: p.StatusRequest) -> None:
@@ -72,8 +74,8 @@ class Requests:
         """Local mode: add standby node ``msg.node`` and start its processes; answered with the status.
         Refused (ErrorReply, journalled as ``standby_refused``): a name that is not NODE_NAME (letters, digits,
         ``.``, ``_``, ``-``; at most 64 characters, not starting with a punctuation mark) or already in use;
-        more than ``max_added_standbys`` standbys added by request over the job's life (each costs
-        ``ranks_per_node`` processes); a request sooner than ``add_standby_interval_s`` seconds after the last
+        more than ``max_added_standbys`` nodes alive beyond the job's own at start (each costs ``ranks_per_node``
+        processes; failed and left nodes count for nothing); a request sooner than ``add_standby_interval_s`` seconds after the last
         one that was served."""
         c = self.control
         if c.launcher is None:
@@ -87,10 +89,11 @@ class Requests:
             if name in c.registry.nodes:
                 raise MigrationError(ErrorCode.BAD_REQUEST, f"node '{name}' is already part of this job (it is "
                                                             f"{c.registry.nodes[name].role})")
-            added = len(set(c.registry.nodes) - self._initial_nodes)
-            if added >= self.max_added_standbys:
-                raise MigrationError(ErrorCode.BAD_REQUEST, f"{added} standbys were added by request already, the "
-                                                            f"most this job allows (tmd's max_added_standbys)")
+            alive = sum(1 for n in c.registry.nodes.values() if n.role not in (NodeRole.FAILED, NodeRole.LEFT))
+            if alive - self._initial_nodes >= self.max_added_standbys:
+                raise MigrationError(ErrorCode.BAD_REQUEST, f"{alive} nodes are alive, {alive - self._initial_nodes}"
+                                     f" more than the job started with: the most tmctl standby add allows (tmd's "
+                                     f"max_added_standbys, {self.max_added_standbys})")
             now = self.clock()
             if self._last_added is not None and now - self._last_added < self.add_standby_interval_s:
                 wait = self.add_standby_interval_s - (now - self._last_added)

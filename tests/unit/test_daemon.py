@@ -1,4 +1,5 @@
 """tmd's daemon on its own (in-process, no worker processes): applying detection's verdicts, and the job's end."""
+import dataclasses
 import time
 
 import pytest
@@ -219,7 +220,8 @@ def test_a_checkpoint_the_ranks_refuse_at_load_restarts_the_job_from_the_one_bef
         daemon._rank_failed(n1, refused)  # noqa: SLF001
     daemon._recovery_impossible(f"rank 0 on n1 refused checkpoint {newer} at load")  # noqa: SLF001 - as the loop
     assert daemon.restart is not None and daemon.restart.path == older
-    daemon._rank_failed(daemon.registry.by_identity[b"n2/0"], refused)  # noqa: SLF001 - the second: nothing new
+    again = dataclasses.replace(refused, rank=1)
+    daemon._rank_failed(daemon.registry.by_identity[b"n2/0"], again)  # noqa: SLF001 - the second: nothing new
     names = [e["event"] for e in daemon.journal.since(0, 1000)]
     assert names.count(Event.JOB_RESTARTING) == 2 and Event.JOB_FAILED not in names
     assert names.count(Event.CHECKPOINT_REFUSED) == 1

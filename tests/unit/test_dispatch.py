@@ -122,6 +122,33 @@ def test_a_warning_is_shown_and_refuses_migrations(daemon):
     assert daemon.status().nodes[0]["pids"] == {"0": 1}
 
 
+def test_a_worker_speaks_only_for_its_own_rank_and_no_process_joins_a_node_that_left(daemon):
+    """Every process of the job holds the worker key: what one says of another rank, or a process that registers
+    on a node that left the job, is refused, and the job is untouched."""
+    from tmd.registry import Worker
+
+    n1, _, s1 = register(daemon, "n1"), register(daemon, "n2"), register(daemon, "s1")
+    spoofed = [(n1, p.RankFailed(rank=1, step=5, kind=p.FailureKind.SCRIPT_ERROR, error="E: not mine", traceback="")),
+               (n1, p.RankWarning(rank=1, code=p.WarningCode.NOTHING_MANAGED, message="not mine")),
+               (n1, p.RankWarning(rank=101, code=p.WarningCode.STATE_AFTER_UPDATE, message="A" * 100)),
+               (s1, p.RankFailed(rank=-1, step=0, kind=p.FailureKind.SCRIPT_ERROR, error="E: a standby", traceback=""))]
+    for identity, msg in spoofed:
+        daemon.on_frames([identity, p.encode(msg)])  # no JobFailed raised
+    assert daemon.status().warnings == [] and daemon.status().failure is None
+    assert [e["error"] for e in refusals(daemon)] == [
+        "RankFailed for rank 1 from n1/0, which holds rank 0", "RankWarning for rank 1 from n1/0, which holds rank 0",
+        "RankWarning for rank 101 from n1/0, which holds rank 0", "RankFailed for rank -1 from s1/0, which holds no rank"]
+    daemon.registry.nodes["n2"].role = p.NodeRole.LEFT  # (its migration committed)
+    daemon.registry.nodes["n2"].workers[0].exited = True
+    ghost = b"n2/0/fedcba9876543210"
+    daemon.on_frames([ghost, p.encode(p.Register(node="n2", local_rank=0, pid=2, host="elsewhere", standby=False))])
+    assert isinstance(daemon.sent[-1][1], p.Release) and "node n2 left the job" in daemon.sent[-1][1].reason
+    assert ghost not in daemon.registry.by_identity
+    daemon.on_frames([n1, p.encode(p.RankWarning(rank=0, code=p.WarningCode.STATE_AFTER_UPDATE, message="B" * 5000))])
+    (kept,) = daemon.status().warnings  # its own: kept, with its message cut
+    assert kept["rank"] == 0 and len(kept["message"]) < 1100
+
+
 def test_each_authenticated_role_may_send_only_its_own_messages(daemon):
     """tmd.protocol.keys labels each connection worker, client or hook: a message of another role is refused."""
     S = p.Sender
@@ -192,8 +219,10 @@ def test_a_joiner_that_raises_is_journalled_and_the_job_trains_on(daemon):
     register(daemon, "n1")
     register(daemon, "n2")
     s1 = register(daemon, "s1")
-    joiner = daemon.registry.by_identity[s1]
-    joiner.rank = 1  # given rank 1 by a migration, not its owner yet (n2's process is)
+    for w in daemon.registry.rank_owner.values():
+        w.step = 5  # past the recorded steps
+    daemon.request_migration(["n2"], ["s1"])  # s1/0 takes rank 1 over: its owner only from the commit on
+    assert daemon.registry.by_identity[s1].rank is None and daemon.registry.rank_owner[1].node == "n2"
     daemon.on_frames([s1, p.encode(p.RankFailed(rank=1, step=2, kind=p.FailureKind.SCRIPT_ERROR,
                                                 error="RuntimeError: mesh created in another order",
                                                 traceback="tb"))], p.Sender.WORKER)

@@ -8,7 +8,7 @@ from tmd.guards import Adoption
 from tmd.journal import Journal
 from tmd.migration import MigrationError, Migrations
 from tmd.protocol.vocab import (
-    ErrorCode, Event, Health, MigrationPhase, MigrationRole, MigrationState, NodeRole,
+    ErrorCode, Event, Health, MigrationMark, MigrationPhase, MigrationRole, MigrationState, NodeRole,
 )
 from tests.support import RecordingChannel
 from tmd.registry import Node, Registry, Worker
@@ -153,6 +153,21 @@ def test_stale_reports_are_ignored(world):
     ack(migs, reg, ["s1/0"], MigrationPhase.WARMED, mid=7)
     assert m.state == MigrationState.WARMING
     assert journal.since(0, 100)[-1]["event"] == Event.STALE_PHASE_REPORT
+
+
+def test_reports_of_a_process_with_no_part_in_the_migration_count_for_nothing():
+    """The worker key is every process's: a stayer's WARMED, or any report of a process outside the migration
+    (here a second standby s2), must not advance it, nor abort it."""
+    reg, migs, sent, journal = make_world(["s1", "s2"])
+    m = migs.request("n2", "s1")
+    ack(migs, reg, ["n1/0", "n1/1", "s2/0", "s2/1"], MigrationPhase.WARMED)  # as many as the joiners: not them
+    ack(migs, reg, ["s2/0"], MigrationPhase.PREPARED, ok=False, error="spoofed")
+    assert m.state == MigrationState.WARMING and MigrationMark.PREPARE_STARTED not in m.phases
+    odd = [e for e in journal.since(0, 100) if e["event"] == Event.UNEXPECTED_PHASE_REPORT]
+    assert len(odd) == 5 and odd[0]["reason"] == "it is no stayer that reports warmed in migration 1"
+    assert odd[2]["reason"] == "it is no party that reports warmed in migration 1"
+    ack(migs, reg, ["s1/0", "s1/1"], MigrationPhase.WARMED)  # the joiners: phase 1 starts
+    assert MigrationMark.PREPARE_STARTED in m.phases
 
 
 def switching(migs, reg):

@@ -308,8 +308,14 @@ def test_add_standby_is_capped_and_rate_limited():
     assert add("x" * 65) == ErrorCode.BAD_REQUEST and add("-x") == ErrorCode.BAD_REQUEST
     assert control.launcher.started == ["s2", "s3"] and replies == ["status", "status"]
     refused = [e for e in control.journal.since(0, 100) if e["event"] == Event.STANDBY_REFUSED]
-    assert len(refused) == 5 and "2 standbys were added" in refused[2]["reason"]
+    assert len(refused) == 5 and "4 nodes are alive, 2 more than the job started with" in refused[2]["reason"]
     assert [n.name for n in control.registry.nodes_in(NodeRole.STANDBY)] == ["s1", "s2", "s3"]
+    # s2 took over n1's ranks after n1 failed: n1's place is free again, and one more standby may come
+    control.registry.fail_node(control.registry.nodes["n1"], "n1/0 exited with code -9")
+    clock[0] += 10
+    assert add("s4") == "ok" and control.launcher.started == ["s2", "s3", "s4"]
+    clock[0] += 10
+    assert add("s5") == ErrorCode.BAD_REQUEST
 
 
 # --- resume and the in-process restart --------------------------------------------------------------------------

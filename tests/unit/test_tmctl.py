@@ -799,3 +799,27 @@ def test_status_shows_the_checkpoint_tier_a_failed_save_and_each_restart():
     assert "checkpoint_failed: checkpoint at step 10 not saved" in lines[1] and "training goes on" in lines[1]
     assert "restarted[/] from the checkpoint tier at step 5 (3.2 s of work lost): every rank is lost" in lines[2]
     assert render.checkpoint_lines(None) == []
+
+
+def test_the_last_step_of_an_ended_job_counts_its_step_times():
+    from tmctl.ended import last_known
+
+    events = [{"seq": 1, "ts": 1.0, "event": "tmd_started", "job": "j"},
+              {"seq": 2, "ts": 2.0, "event": "worker_rejoined", "step": 4566},
+              {"seq": 3, "ts": 3.0, "event": "step_times", "steps": [[4933, 3.0, 0.1], [4934, 3.1, 0.1], ["x"]]},
+              {"seq": 4, "ts": 4.0, "event": "tmd_stopped", "exit_code": 0}]
+    assert last_known("/nowhere", events)["step"] == 4934
+
+
+def test_text_from_ranks_cannot_act_on_the_terminal():
+    from tmctl import render
+
+    hostile = "\x1b[2J\x1b[31mred\u202eevil\x07 [bold]x"
+    line = render.warning_lines([{"rank": 0, "node": "n1", "code": "state_after_update", "message": hostile}])[0]
+    assert "\x1b" not in line and "\u202e" not in line and "\x07" not in line
+    assert line.endswith("\\x1b[2J\\x1b[31mred\\u202eevil\\x07 \\[bold]x")  # shown, escaped; rich markup too
+    event = render.event_line({"seq": 1, "ts": 0.0, "event": "job_warning", "message": hostile, "k\x1b": 1})
+    assert "\x1b" not in event and "\u202e" not in event
+    failure = render.failure_text({"rank": 0, "node": "n1", "kind": "script_error", "error": "E\x1b[2J",
+                                   "traceback": "Traceback\n  line\x1b]0;title\x07\nE"})
+    assert "\x1b" not in failure and "\x07" not in failure and failure.count("\n") == 3
