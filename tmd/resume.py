@@ -11,9 +11,9 @@ A restarted tmd re-learns the job from two sources:
 
 - the journal (``events.jsonl``, the events of the job since its ``tmd_started``, :func:`load`): the layout
   (which node holds which ranks after the migrations and recoveries that completed), the highest group
-  generation used (new generations go on after it: a store prefix is never reused), the last migration id,
-  the job's settings (the last ``job_config``: tmd.config.JobConfig; an option given to ``tmd resume``
-  overrides its field), and ``tmd.json``'s address and launch command;
+  generation used (new generations go on after it: a store prefix is never reused), the last migration and
+  incident ids, the job's settings (the last ``job_config``: tmd.config.JobConfig; an option given to ``tmd
+  resume`` overrides its field), and ``tmd.json``'s address and launch command;
 - the workers: it binds the same ZeroMQ address, so every agent reconnects; to any worker message from an
   identity it does not know it answers :class:`~tmd.protocol.Reregister`, carrying the new store (the old
   store died with the old tmd); the worker points its group builder at the new store and answers
@@ -33,7 +33,9 @@ Cases at the restart:
 
 Not resumed: a failure recovery (incident) that was in progress when tmd died. ``tmd resume`` by hand does not
 take SLURM mode (its standby jobs and srun steps are not re-learned from disk); a tmd that crashed in SLURM mode
-is restarted in its process by tmd.supervise, which hands the SLURM side (poller, standby jobs, srun steps) over. Incident ids start again at 1 after a restart; migration ids go on.
+is restarted in its process by tmd.supervise, which hands the SLURM side (poller, standby jobs, srun steps) over.
+Migration and incident ids go on after the journal's highest (those before a relaunch from a checkpoint too), so
+one journal never holds two migrations or two incidents with the same id.
 """
 from __future__ import annotations
 
@@ -81,6 +83,7 @@ class JobState:
     roles: dict[str, tuple[NodeRole, list[int]]]  # node -> (role, ranks) now
     generation: int  # the highest group generation used
     last_migration_id: int
+    last_incident_id: int  # the journal's highest incident id: a restarted tmd's incidents go on after it
     cut_migration: Optional[dict]  # a migration the crash interrupted: id, sources, targets (lists), commit
     open_incident: Optional[int]  # a recovery the crash interrupted (not resumed)
     last_seq: int
@@ -120,6 +123,11 @@ def load(run_dir: str) -> JobState:
     if not starts:
         raise ResumeError(f"no job to resume in {layout.path}: its journal has no {Event.TMD_STARTED} event")
     restarts = [e for e in events if e["event"] == Event.JOB_RESTARTING]  # a relaunch journals tmd_started anew
+    # ids go on across a relaunch from a checkpoint (tmd.tiers.Tier.last_ids): count those before it too
+    earlier_ids = tuple(max((e[key] for e in events[:starts[-1]] if e["event"] == ev and _is_int(e.get(key))),
+                            default=0)
+                        for ev, key in ((Event.MIGRATION_REQUESTED, "migration_id"),
+                                        (Event.RECOVERY_STARTED, "incident_id")))
     events = events[starts[-1]:]
     started = events[0]
     ends = [e for e in events if e["event"] in (Event.TMD_STARTED, Event.TMD_RESTARTED, Event.TMD_STOPPED,
@@ -136,7 +144,7 @@ def load(run_dir: str) -> JobState:
         raise ResumeError(f"tmd of job {started.get('job')} still runs (pid {pid})")
 
     try:
-        return _replay(layout.path, info, events, started, pid, restarts)
+        return _replay(layout.path, info, events, started, pid, restarts, earlier_ids)
     except _Malformed as e:
         raise ResumeError(f"cannot resume: the {e.file} of {layout.path} is malformed: {e}") from None
 
@@ -150,9 +158,11 @@ class _Malformed(ValueError):
         self.file = file
 
 
-def _replay(path: str, info: dict, events: list[dict], started: dict, pid, restarts: list) -> JobState:
+def _replay(path: str, info: dict, events: list[dict], started: dict, pid, restarts: list,
+            earlier_ids: tuple[int, int]) -> JobState:
     """The JobState of the journal's ``events`` (from the last ``tmd_started`` on) and ``info`` (tmd.json), every
-    field it relies on checked first. Raises _Malformed."""
+    field it relies on checked first; ``earlier_ids``: the highest migration and incident ids before that
+    ``tmd_started`` (a relaunch from a checkpoint goes on with them). Raises _Malformed."""
     where = f"its {Event.TMD_STARTED}"
     nodes = _names(started.get("nodes"), f"{where} nodes")
     standbys = _names(started.get("standbys"), f"{where} standbys", empty=True)
@@ -187,7 +197,8 @@ def _replay(path: str, info: dict, events: list[dict], started: dict, pid, resta
     roles: dict[str, tuple[NodeRole, list[int]]] = {
         n: (NodeRole.ACTIVE, list(range(i * rpn, (i + 1) * rpn))) for i, n in enumerate(nodes)}
     roles.update({s: (NodeRole.STANDBY, []) for s in standbys})
-    generation = consumed = last_mid = 0
+    generation = consumed = 0
+    last_mid, last_incident = earlier_ids
     migration: Optional[dict] = None
     incident: Optional[int] = None
     lost: dict[str, list[int]] = {}  # failed node -> the ranks it held
@@ -228,6 +239,7 @@ def _replay(path: str, info: dict, events: list[dict], started: dict, pid, resta
                 roles[_name(e.get("standby"), "standby")] = (NodeRole.JOINING, [])
             elif ev == Event.RECOVERY_STARTED:
                 incident = _count(e.get("incident_id"), "incident_id")
+                last_incident = max(last_incident, incident)
                 _node_map(e.get("adopted") or {}, "adopted")
             elif ev == Event.RECOVERY_PLAN:
                 consumed += 1
@@ -256,7 +268,8 @@ def _replay(path: str, info: dict, events: list[dict], started: dict, pid, resta
         job=job, run_dir=path, address=address, command=command, cwd=info.get("cwd"), netns=info.get("netns") or {},
         nodes=nodes, ranks_per_node=rpn, standbys=standbys, config=_config(events, web_port), roles=roles,
         generation=max(generation, consumed),  # each migration and each recovery plan took one
-        last_migration_id=last_mid, cut_migration=migration, open_incident=incident,
+        last_migration_id=last_mid, last_incident_id=last_incident, cut_migration=migration,
+        open_incident=incident,
         last_seq=max(seqs, default=0), last_ts=stamps[-1] if stamps else time.time(),
         previous_pid=pid if isinstance(pid, int) else None,
         replicas=replicas, keepers=keepers, unprotected=unprotected, web_port=web_port, restarts=restarts)
@@ -453,7 +466,7 @@ class Resumed:
 
     def start(self) -> None:
         """Apply the journal's layout and highest generation to the registry and journal the restart (the
-        daemon goes on with the migration ids: ``state.last_migration_id``)."""
+        daemon goes on with the migration and incident ids: ``state.last_migration_id``, ``last_incident_id``)."""
         c, st = self.control, self.state
         reg = c.registry
         for name, (role, ranks) in st.roles.items():

@@ -261,6 +261,39 @@ def test_tmd_resume_of_a_malformed_journal_says_so_in_one_line_and_exits_2(tmp_p
         "distinct node names"]
 
 
+
+def test_a_resumed_tmd_goes_on_with_the_journals_incident_and_migration_ids(tmp_path):
+    """The restarted tmd's first incident gets the id after the journal's highest, as its first migration does
+    (both started again at 1: one journal held two recovery_started with incident_id 1). A relaunch from a
+    checkpoint journals tmd_started anew and goes on with the ids: those before it count too."""
+    from tmd.config import JobConfig
+    from tmd.daemon import Daemon
+
+    recovery = [{"event": Event.NODE_FAILED, "node": "n1", "ranks": [0, 1]},
+                {"event": Event.RECOVERY_STARTED, "incident_id": 1, "adopted": {}},
+                {"event": Event.RECOVERY_DONE, "incident_id": 1, "standbys": {"n1": "s1"}},
+                {"event": Event.RECOVERY_STARTED, "incident_id": 2, "adopted": {}}]
+    st = load(write_job(tmp_path, *recovery))
+    assert (st.last_incident_id, st.open_incident, st.last_migration_id) == (2, 2, 0)
+    relaunched = {"event": Event.TMD_STARTED, "job": "j", "world_size": 4, "nodes": ["n1", "n2"],
+                  "standbys": ["s1", "s2"]}
+    cut = [migration(Event.MIGRATION_REQUESTED, mid=3), migration(Event.MIGRATION_ABORTED, mid=3)]
+    st = load(write_job(tmp_path, *cut, *recovery, relaunched))
+    assert (st.last_incident_id, st.open_incident, st.last_migration_id) == (2, None, 3)
+
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir, mode=0o700)
+    first = Daemon("t", run_dir, ["n1", "n2"], 1, ["s1"], JobConfig(), echo=False)
+    for e in recovery:
+        first.journal.record(e["event"], **{k: v for k, v in e.items() if k != "event"})
+    first.close()  # as if killed: no tmd_stopped
+    second = Daemon("t", run_dir, ["n1", "n2"], 1, ["s1"], JobConfig(), echo=False, resume=load(run_dir))
+    try:
+        assert second.incidents.next_id() == 3 and second.migrations.next_id() == 1
+    finally:
+        second.close()
+
+
 # --- Resumed, through the narrow interface --------------------------------------------------------------------
 class Control:
     """A JobControl that records: what would be sent, and the nodes declared failed."""
