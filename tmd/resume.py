@@ -54,10 +54,9 @@ from tmd.control import JobControl
 from tmd.journal import read_events
 from tmd.protocol.layout import RunDir
 from tmd.protocol.vocab import Event, ExitCode, FailureSignal, NodeRole, WorkerRole
-from tmd.protocol.keys import WORKER_DIR
 from tmd.registry import Worker
 from tmd.requests import NODE_NAME
-from tmd.rundir import SECRET, UnsafePath, check_file, no_follow, private_dir, trusted_dir
+from tmd.rundir import SECRET, UnsafePath, check_file, check_run_dir, no_follow, private_dir, trusted_dir
 
 REASK_S = 1.0  # a worker that has not answered Reregister is asked again after this many seconds
 
@@ -374,22 +373,17 @@ def _config(events: list[dict], web_port: Optional[int]) -> JobConfig:
 
 def check_owned(layout: RunDir) -> str:
     """What ``tmd resume`` trusts is this user's own: the run directory (resolved, returned), its ``tmd.json``
-    and journal, and the keys directory and its files (tmd.rundir: owned by this user, not a symlink, the run
-    directory and files writable by nobody else, the keys readable by nobody else). The command tmd.json names
+    and journal, the keys directory and its files, and the ``record/`` and ``logs/`` directories it writes in
+    (tmd.rundir.check_run_dir: owned by this user, not a symlink, the run directory and files writable by nobody
+    else, the keys readable by nobody else). The command tmd.json names
     is then the user's own: only the user (or root) can have written it. Raises tmd.rundir.UnsafePath;
     FileNotFoundError when a file is missing."""
     real = private_dir(layout.path, "run directory", create=False)
     for path, what in ((os.path.join(real, RunDir.TMD_JSON), "tmd.json"),
                        (os.path.join(real, RunDir.EVENTS), "journal")):
         check_file(path, what)
-    keys = os.path.join(real, "keys")
-    for d in (keys, os.path.join(keys, WORKER_DIR)):
-        if not os.path.lexists(d):
-            continue  # a job run with --no-auth has no keys; one of an older tmd no worker/
-        private_dir(d, "keys directory", create=False, loose=SECRET)
-        for entry in os.scandir(d):
-            if not entry.is_dir(follow_symlinks=False):
-                check_file(entry.path, "key file", loose=SECRET)
+    # a job run with --no-auth has no keys; one of an older tmd no keys/worker/
+    check_run_dir(real, keys_loose=SECRET)
     return real
 
 
