@@ -127,7 +127,7 @@ def local(
     # host namespace, and --netns-all's netns.enter refuses a process with more than one thread
     namespaces, bridge, specs, host = _namespaces(netns_node, netns_all, active + spares)
     tier = _tier(name, nodes * ranks_per_node, config, resume_from)
-    run_dir = _private(run_dir, "run directory")
+    run_dir = _private(run_dir, "run directory", run_dir=True)
     command = list(ctx.args) or DEFAULT_COMMAND
     _refuse_unstartable(command, run_dir)
     isolation = _isolation(active, spares) if isolate_nodes else None
@@ -293,7 +293,7 @@ def slurm(
     from tmd.protocol import layout
 
     host = host or socket.gethostbyname(socket.gethostname())  # this host's address, never all interfaces
-    run_dir = _private(run_dir or os.path.join("tmrun", job_id), "run directory")
+    run_dir = _private(run_dir or os.path.join("tmrun", job_id), "run directory", run_dir=True)
     _refuse_unstartable(command, run_dir)
     _private(layout.job_dir(job_id), "state directory")  # ~/.trainmover/jobs/<JOBID>: tmd.json and the keys
     tier = _tier(job_id, len(nodes) * rpn, config, resume_from)
@@ -459,13 +459,17 @@ def _tier(job: str, world_size: int, config: JobConfig, resume_from: Optional[st
     return tier
 
 
-def _private(path: str, what: str) -> str:
+def _private(path: str, what: str, run_dir: bool = False) -> str:
     """``path`` made (0700) or checked as a directory only this user can change (tmd.rundir.private_dir),
-    resolved; else exit 2 with one line saying why."""
-    from tmd.rundir import private_dir
+    resolved; with ``run_dir``, what tmd writes in it checked too (tmd.rundir.check_run_dir: a journal, ``logs/``
+    or log that is a symlink); else exit 2 with one line saying why."""
+    from tmd.rundir import check_run_dir, private_dir
 
     try:
-        return private_dir(path, what)
+        real = private_dir(path, what)
+        if run_dir:
+            check_run_dir(real)
+        return real
     except OSError as e:  # tmd.rundir.UnsafePath, or e.g. no permission to create it
         print(f"error: {e}: refusing it (choose another, or fix its owner and mode)", file=sys.stderr)
         raise typer.Exit(ExitCode.REFUSED)

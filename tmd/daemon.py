@@ -132,6 +132,7 @@ class Daemon:
         if restarted:  # a relaunch from a checkpoint: one journal, so migration and incident ids go on too
             self.migrations.first_id, self.incidents.first_id = (last + 1 for last in tier.last_ids)
         if resume is not None:
+            self.incidents.first_id = resume.last_incident_id + 1  # incident ids go on after a restart too
             self.incidents.restore(resume.replicas, resume.keepers, resume.unprotected)
         self.faults = Faults(self.registry, self.journal, self.layout, self.incidents)
         self.guards = Guards(self.registry, self.journal, self, self.layout, config.standby.guards, record_steps,

@@ -11,9 +11,9 @@ A restarted tmd re-learns the job from two sources:
 
 - the journal (``events.jsonl``, the events of the job since its ``tmd_started``, :func:`load`): the layout
   (which node holds which ranks after the migrations and recoveries that completed), the highest group
-  generation used (new generations go on after it: a store prefix is never reused), the last migration id,
-  the job's settings (the last ``job_config``: tmd.config.JobConfig; an option given to ``tmd resume``
-  overrides its field), and ``tmd.json``'s address and launch command;
+  generation used (new generations go on after it: a store prefix is never reused), the last migration and
+  incident ids, the job's settings (the last ``job_config``: tmd.config.JobConfig; an option given to ``tmd
+  resume`` overrides its field), and ``tmd.json``'s address and launch command;
 - the workers: it binds the same ZeroMQ address, so every agent reconnects; to any worker message from an
   identity it does not know it answers :class:`~tmd.protocol.Reregister`, carrying the new store (the old
   store died with the old tmd); the worker points its group builder at the new store and answers
@@ -33,7 +33,9 @@ Cases at the restart:
 
 Not resumed: a failure recovery (incident) that was in progress when tmd died. ``tmd resume`` by hand does not
 take SLURM mode (its standby jobs and srun steps are not re-learned from disk); a tmd that crashed in SLURM mode
-is restarted in its process by tmd.supervise, which hands the SLURM side (poller, standby jobs, srun steps) over. Incident ids start again at 1 after a restart; migration ids go on.
+is restarted in its process by tmd.supervise, which hands the SLURM side (poller, standby jobs, srun steps) over.
+Migration and incident ids go on after the journal's highest (those before a relaunch from a checkpoint too), so
+one journal never holds two migrations or two incidents with the same id.
 """
 from __future__ import annotations
 
@@ -52,9 +54,9 @@ from tmd.control import JobControl
 from tmd.journal import read_events
 from tmd.protocol.layout import RunDir
 from tmd.protocol.vocab import Event, ExitCode, FailureSignal, NodeRole, WorkerRole
-from tmd.protocol.keys import WORKER_DIR
 from tmd.registry import Worker
-from tmd.rundir import SECRET, UnsafePath, check_file, no_follow, private_dir, trusted_dir
+from tmd.requests import NODE_NAME
+from tmd.rundir import SECRET, UnsafePath, check_file, check_run_dir, no_follow, private_dir, trusted_dir
 
 REASK_S = 1.0  # a worker that has not answered Reregister is asked again after this many seconds
 
@@ -80,6 +82,7 @@ class JobState:
     roles: dict[str, tuple[NodeRole, list[int]]]  # node -> (role, ranks) now
     generation: int  # the highest group generation used
     last_migration_id: int
+    last_incident_id: int  # the journal's highest incident id: a restarted tmd's incidents go on after it
     cut_migration: Optional[dict]  # a migration the crash interrupted: id, sources, targets (lists), commit
     open_incident: Optional[int]  # a recovery the crash interrupted (not resumed)
     last_seq: int
@@ -94,8 +97,10 @@ class JobState:
 
 def load(run_dir: str) -> JobState:
     """Read ``tmd.json`` and the journal of ``run_dir``. Raises ResumeError when there is nothing to resume:
-    no such job, the job ended, or its tmd still runs; when this user did not make it (:func:`check_owned`); or
-    when the journalled configuration does not read."""
+    no such job, the job ended, or its tmd still runs; when this user did not make it (:func:`check_owned`); when
+    the journalled configuration does not read; or when a field the replay relies on has a shape tmd never writes
+    (a journal or tmd.json damaged or tampered with: ``cannot resume: the journal of DIR is malformed: ...``, one
+    line naming the event and field)."""
     layout = RunDir(run_dir)
     try:
         layout = RunDir(check_owned(layout))
@@ -117,6 +122,11 @@ def load(run_dir: str) -> JobState:
     if not starts:
         raise ResumeError(f"no job to resume in {layout.path}: its journal has no {Event.TMD_STARTED} event")
     restarts = [e for e in events if e["event"] == Event.JOB_RESTARTING]  # a relaunch journals tmd_started anew
+    # ids go on across a relaunch from a checkpoint (tmd.tiers.Tier.last_ids): count those before it too
+    earlier_ids = tuple(max((e[key] for e in events[:starts[-1]] if e["event"] == ev and _is_int(e.get(key))),
+                            default=0)
+                        for ev, key in ((Event.MIGRATION_REQUESTED, "migration_id"),
+                                        (Event.RECOVERY_STARTED, "incident_id")))
     events = events[starts[-1]:]
     started = events[0]
     ends = [e for e in events if e["event"] in (Event.TMD_STARTED, Event.TMD_RESTARTED, Event.TMD_STOPPED,
@@ -132,73 +142,213 @@ def load(run_dir: str) -> JobState:
     if isinstance(pid, int) and pid != os.getpid() and _is_tmd(pid):
         raise ResumeError(f"tmd of job {started.get('job')} still runs (pid {pid})")
 
-    nodes, standbys = list(started["nodes"]), list(started["standbys"])
-    rpn = started["world_size"] // len(nodes)
+    try:
+        return _replay(layout.path, info, events, started, pid, restarts, earlier_ids)
+    except _Malformed as e:
+        raise ResumeError(f"cannot resume: the {e.file} of {layout.path} is malformed: {e}") from None
+
+
+class _Malformed(ValueError):
+    """A journal or ``tmd.json`` field of a shape tmd never writes (tampered with, or damaged): one line saying
+    which and what it holds; ``file`` names the file (``journal`` or ``tmd.json``)."""
+
+    def __init__(self, message: str, file: str = "journal") -> None:
+        super().__init__(message)
+        self.file = file
+
+
+def _replay(path: str, info: dict, events: list[dict], started: dict, pid, restarts: list,
+            earlier_ids: tuple[int, int]) -> JobState:
+    """The JobState of the journal's ``events`` (from the last ``tmd_started`` on) and ``info`` (tmd.json), every
+    field it relies on checked first; ``earlier_ids``: the highest migration and incident ids before that
+    ``tmd_started`` (a relaunch from a checkpoint goes on with them). Raises _Malformed."""
+    where = f"its {Event.TMD_STARTED}"
+    nodes = _names(started.get("nodes"), f"{where} nodes")
+    standbys = _names(started.get("standbys"), f"{where} standbys", empty=True)
+    if set(nodes) & set(standbys):
+        raise _Malformed(f"{where} names {sorted(set(nodes) & set(standbys))} both active and standby")
+    world = started.get("world_size")
+    if not _is_int(world) or world < 1 or world % len(nodes):
+        raise _Malformed(f"{where} world_size is {_show(world)}, not a positive multiple of its "
+                         f"{len(nodes)} node(s)")
+    job = started.get("job") or info.get("job")
+    if not isinstance(job, str) or not job:
+        raise _Malformed(f"{where} job is {_show(job)}, not a name")
+    address = info.get("address")
+    try:
+        if not isinstance(address, str) or not address.startswith("tcp://"):
+            raise ValueError
+        host, port = split_address(address)
+        if not host or not 0 < port < 65536:
+            raise ValueError
+    except ValueError:
+        raise _Malformed(f"its address is {_show(address)}, not tcp://HOST:PORT", "tmd.json") from None
+    command = info.get("command")
+    if command is not None and not (isinstance(command, list) and command
+                                    and all(isinstance(a, str) for a in command)):
+        raise _Malformed(f"its command is {_show(command)}, not a list of strings", "tmd.json")
+    if info.get("cwd") is not None and not isinstance(info["cwd"], str):
+        raise _Malformed(f"its cwd is {_show(info['cwd'])}, not a directory", "tmd.json")
+    if info.get("netns") is not None and not isinstance(info["netns"], dict):
+        raise _Malformed(f"its netns is {_show(info['netns'])}, not an object", "tmd.json")
+
+    rpn = world // len(nodes)
     roles: dict[str, tuple[NodeRole, list[int]]] = {
         n: (NodeRole.ACTIVE, list(range(i * rpn, (i + 1) * rpn))) for i, n in enumerate(nodes)}
     roles.update({s: (NodeRole.STANDBY, []) for s in standbys})
-    generation = consumed = last_mid = 0
+    generation = consumed = 0
+    last_mid, last_incident = earlier_ids
     migration: Optional[dict] = None
     incident: Optional[int] = None
     lost: dict[str, list[int]] = {}  # failed node -> the ranks it held
-    for e in events:
+    for i, e in enumerate(events):
         ev = e["event"]
-        if isinstance(e.get("generation"), int):
-            generation = max(generation, e["generation"])
-        if ev == Event.MIGRATION_REQUESTED:
-            consumed += 1
-            last_mid = max(last_mid, e["migration_id"])
-            migration = {"id": e["migration_id"], **_pairs(e), "commit": False}
-            for target in migration["targets"]:
-                roles[target] = (NodeRole.JOINING, [])
-        elif ev == Event.MIGRATION_TRANSFERRED and migration and migration["id"] == e["migration_id"]:
-            migration["commit"] = True  # tmd journals this, then tells every party to commit
-        elif ev in (Event.MIGRATION_COMMITTED, Event.MIGRATION_ABORTED) and migration \
-                and migration["id"] == e["migration_id"]:
-            if ev == Event.MIGRATION_COMMITTED:
-                _hand_over(roles, migration)
-            else:
-                adopted = _adopted_by_recovery(events, e)
+        try:
+            if _is_int(e.get("generation")):
+                generation = max(generation, e["generation"])
+            if ev == Event.MIGRATION_REQUESTED:
+                consumed += 1
+                mid = _count(e.get("migration_id"), "migration_id")
+                last_mid = max(last_mid, mid)
+                migration = {"id": mid, **_pairs(e), "commit": False}
+                for source in migration["sources"]:
+                    if source not in roles:
+                        raise _Malformed(f"source {source} is not a node of the job")
                 for target in migration["targets"]:
-                    if roles.get(target, (None,))[0] == NodeRole.JOINING and target not in adopted:
-                        roles[target] = (NodeRole.STANDBY, [])
-            migration = None
-        elif ev == Event.STANDBY_ADDED:  # tmctl standby add (local mode)
-            roles[e["node"]] = (NodeRole.STANDBY, [])
-        elif ev == Event.NODE_FAILED:
-            lost[e["node"]] = list(e.get("ranks") or [])
-            roles[e["node"]] = (NodeRole.FAILED, [])
-        elif ev == Event.STANDBY_PROMOTED:
-            roles[e["standby"]] = (NodeRole.JOINING, [])
-        elif ev == Event.RECOVERY_STARTED:
-            incident = e["incident_id"]
-        elif ev == Event.RECOVERY_PLAN:
-            consumed += 1
-        elif ev == Event.RECOVERY_DONE:
-            incident = None
-            for failed_node, standby in e["standbys"].items():
-                roles[standby] = (NodeRole.ACTIVE, sorted(lost.get(failed_node, [])))
+                    roles[target] = (NodeRole.JOINING, [])
+            elif ev == Event.MIGRATION_TRANSFERRED and migration and migration["id"] == e.get("migration_id"):
+                migration["commit"] = True  # tmd journals this, then tells every party to commit
+            elif ev in (Event.MIGRATION_COMMITTED, Event.MIGRATION_ABORTED) and migration \
+                    and migration["id"] == e.get("migration_id"):
+                if ev == Event.MIGRATION_COMMITTED:
+                    _hand_over(roles, migration)
+                else:
+                    adopted = _adopted_by_recovery(events[i + 1:], migration["targets"])
+                    for target in migration["targets"]:
+                        if roles.get(target, (None,))[0] == NodeRole.JOINING and target not in adopted:
+                            roles[target] = (NodeRole.STANDBY, [])
+                migration = None
+            elif ev == Event.STANDBY_ADDED:  # tmctl standby add (local mode)
+                roles[_name(e.get("node"), "node")] = (NodeRole.STANDBY, [])
+            elif ev == Event.NODE_FAILED:
+                node = _name(e.get("node"), "node")
+                lost[node] = _ranks(e.get("ranks") or [], world, "ranks")
+                roles[node] = (NodeRole.FAILED, [])
+            elif ev == Event.STANDBY_PROMOTED:
+                roles[_name(e.get("standby"), "standby")] = (NodeRole.JOINING, [])
+            elif ev == Event.RECOVERY_STARTED:
+                incident = _count(e.get("incident_id"), "incident_id")
+                last_incident = max(last_incident, incident)
+                _node_map(e.get("adopted") or {}, "adopted")
+            elif ev == Event.RECOVERY_PLAN:
+                consumed += 1
+            elif ev == Event.RECOVERY_DONE:
+                incident = None
+                for failed_node, standby in _node_map(e.get("standbys"), "standbys").items():
+                    roles[standby] = (NodeRole.ACTIVE, sorted(lost.get(failed_node, [])))
+        except _Malformed as err:
+            raise _Malformed(f"its {ev} event{_seq(e)}: {err}") from None
     if migration is not None and migration["commit"]:
         _hand_over(roles, migration)
     for name, (role, _) in roles.items():
         if role == NodeRole.JOINING:  # a cut migration's target, or a cut recovery's standby: a standby again
             roles[name] = (NodeRole.STANDBY, [])
-    seqs = [e["seq"] for e in events if isinstance(e.get("seq"), int)]
-    classes = [e for e in events if e["event"] == Event.REPLICA_CLASSES]
-    replicas = {int(r): list(c) for r, c in classes[-1]["replicas"].items()} if classes else {}
-    keepers = {int(r): int(k) for r, k in classes[-1]["keepers"].items()} if classes else {}
-    unprotected = [{k: e[k] for k in ("rank", "node", "code", "message")} for e in events
-                   if e["event"] == Event.NO_REPLICA]
+    seqs = [e["seq"] for e in events if _is_int(e.get("seq"))]
+    stamps = [e["ts"] for e in events if isinstance(e.get("ts"), (int, float)) and not isinstance(e["ts"], bool)]
+    replicas, keepers = _replica_classes(events, world)
+    unprotected = []
+    for e in events:
+        if e["event"] == Event.NO_REPLICA:
+            if not all(k in e for k in ("rank", "node", "code", "message")):
+                raise _Malformed(f"its {Event.NO_REPLICA} event{_seq(e)} lacks rank, node, code or message")
+            unprotected.append({k: e[k] for k in ("rank", "node", "code", "message")})
     web_port = _web_port(info)
     return JobState(
-        job=started.get("job") or info.get("job"), run_dir=layout.path, address=info["address"],
-        command=info.get("command"), cwd=info.get("cwd"), netns=info.get("netns") or {},
+        job=job, run_dir=path, address=address, command=command, cwd=info.get("cwd"), netns=info.get("netns") or {},
         nodes=nodes, ranks_per_node=rpn, standbys=standbys, config=_config(events, web_port), roles=roles,
         generation=max(generation, consumed),  # each migration and each recovery plan took one
-        last_migration_id=last_mid, cut_migration=migration, open_incident=incident,
-        last_seq=max(seqs, default=0), last_ts=events[-1].get("ts", time.time()),
+        last_migration_id=last_mid, last_incident_id=last_incident, cut_migration=migration,
+        open_incident=incident,
+        last_seq=max(seqs, default=0), last_ts=stamps[-1] if stamps else time.time(),
         previous_pid=pid if isinstance(pid, int) else None,
         replicas=replicas, keepers=keepers, unprotected=unprotected, web_port=web_port, restarts=restarts)
+
+
+def _replica_classes(events: list[dict], world: int) -> tuple[dict, dict]:
+    """The last ``replica_classes`` event's replicas (rank -> the ranks of its class) and keepers (rank -> the
+    rank keeping its buddy snapshot); empty when there is none."""
+    classes = [e for e in events if e["event"] == Event.REPLICA_CLASSES]
+    if not classes:
+        return {}, {}
+    e = classes[-1]
+    try:
+        replicas = {_rank(r, world): _ranks(c, world, "a class") for r, c in _object(e.get("replicas")).items()}
+        keepers = {_rank(r, world): _rank(k, world) for r, k in _object(e.get("keepers")).items()}
+    except _Malformed as err:
+        raise _Malformed(f"its {Event.REPLICA_CLASSES} event{_seq(e)}: {err}") from None
+    return replicas, keepers
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value) -> str:
+    """``value`` as a journal holds it, cut to 60 characters."""
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _seq(e: dict) -> str:
+    return f" (seq {e['seq']})" if _is_int(e.get("seq")) else ""
+
+
+def _count(value, what: str) -> int:
+    """An id: an int >= 1."""
+    if not _is_int(value) or value < 1:
+        raise _Malformed(f"{what} is {_show(value)}, not a number >= 1")
+    return value
+
+
+def _name(value, what: str) -> str:
+    if not isinstance(value, str) or not NODE_NAME.fullmatch(value):
+        raise _Malformed(f"{what} is {_show(value)}, not a node name")
+    return value
+
+
+def _names(value, what: str, empty: bool = False) -> list[str]:
+    """A list of distinct node names (non-empty unless ``empty``)."""
+    if not isinstance(value, list) or not (value or empty) or len(set(map(str, value))) != len(value):
+        raise _Malformed(f"{what} is {_show(value)}, not a list of distinct node names")
+    return [_name(n, what) for n in value]
+
+
+def _object(value) -> dict:
+    if not isinstance(value, dict):
+        raise _Malformed(f"{_show(value)} is not an object")
+    return value
+
+
+def _node_map(value, what: str) -> dict[str, str]:
+    """A node -> node object (a recovery's ``standbys`` or ``adopted``)."""
+    if not isinstance(value, dict):
+        raise _Malformed(f"{what} is {_show(value)}, not an object of node names")
+    return {_name(k, what): _name(v, what) for k, v in value.items()}
+
+
+def _rank(value, world: int) -> int:
+    """A rank of the job: an int in [0, ``world``), or its decimal string (a JSON object's key)."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if not _is_int(value) or not 0 <= value < world:
+        raise _Malformed(f"rank {_show(value)} is not one of the job's {world} ranks")
+    return value
+
+
+def _ranks(value, world: int, what: str) -> list[int]:
+    if not isinstance(value, list):
+        raise _Malformed(f"{what} is {_show(value)}, not a list of ranks")
+    return [_rank(r, world) for r in value]
 
 
 def _config(events: list[dict], web_port: Optional[int]) -> JobConfig:
@@ -223,22 +373,17 @@ def _config(events: list[dict], web_port: Optional[int]) -> JobConfig:
 
 def check_owned(layout: RunDir) -> str:
     """What ``tmd resume`` trusts is this user's own: the run directory (resolved, returned), its ``tmd.json``
-    and journal, and the keys directory and its files (tmd.rundir: owned by this user, not a symlink, the run
-    directory and files writable by nobody else, the keys readable by nobody else). The command tmd.json names
+    and journal, the keys directory and its files, and the ``record/`` and ``logs/`` directories it writes in
+    (tmd.rundir.check_run_dir: owned by this user, not a symlink, the run directory and files writable by nobody
+    else, the keys readable by nobody else). The command tmd.json names
     is then the user's own: only the user (or root) can have written it. Raises tmd.rundir.UnsafePath;
     FileNotFoundError when a file is missing."""
     real = private_dir(layout.path, "run directory", create=False)
     for path, what in ((os.path.join(real, RunDir.TMD_JSON), "tmd.json"),
                        (os.path.join(real, RunDir.EVENTS), "journal")):
         check_file(path, what)
-    keys = os.path.join(real, "keys")
-    for d in (keys, os.path.join(keys, WORKER_DIR)):
-        if not os.path.lexists(d):
-            continue  # a job run with --no-auth has no keys; one of an older tmd no worker/
-        private_dir(d, "keys directory", create=False, loose=SECRET)
-        for entry in os.scandir(d):
-            if not entry.is_dir(follow_symlinks=False):
-                check_file(entry.path, "key file", loose=SECRET)
+    # a job run with --no-auth has no keys; one of an older tmd no keys/worker/
+    check_run_dir(real, keys_loose=SECRET)
     return real
 
 
@@ -262,10 +407,19 @@ def _is_tmd(pid: int) -> bool:
 
 def _pairs(e: dict) -> dict:
     """The ``sources`` and ``targets`` lists of a migration event (a journal written before migrations moved
-    several nodes has ``source`` and ``target``: one node each)."""
+    several nodes has ``source`` and ``target``: one node each). Raises _Malformed when they are not lists of
+    node names of the same length."""
     if isinstance(e.get("sources"), list) and isinstance(e.get("targets"), list):
-        return {"sources": list(e["sources"]), "targets": list(e["targets"])}
-    return {"sources": [e["source"]], "targets": [e["target"]]}
+        sources, targets = e["sources"], e["targets"]
+    elif "source" in e and "target" in e:
+        sources, targets = [e["source"]], [e["target"]]
+    else:
+        raise _Malformed(f"sources {_show(e.get('sources'))} and targets {_show(e.get('targets'))} are not lists "
+                         f"of node names")
+    sources, targets = _names(sources, "sources"), _names(targets, "targets")
+    if len(sources) != len(targets):
+        raise _Malformed(f"{len(sources)} sources for {len(targets)} targets")
+    return {"sources": sources, "targets": targets}
 
 
 def _hand_over(roles: dict, migration: dict) -> None:
@@ -275,12 +429,11 @@ def _hand_over(roles: dict, migration: dict) -> None:
         roles[source] = (NodeRole.LEFT, [])
 
 
-def _adopted_by_recovery(events: list[dict], aborted: dict) -> set[str]:
-    """The standbys of an aborted migration whose warm joiners the recovery that follows adopted (a leaver that
-    died hands its pair's joiners over)."""
-    targets = set(_pairs(aborted)["targets"])
-    return {s for e in events if e["seq"] > aborted["seq"] and e["event"] == Event.RECOVERY_STARTED
-            for s in (e.get("adopted") or {}).values() if s in targets}
+def _adopted_by_recovery(later: list[dict], targets: list[str]) -> set[str]:
+    """The standbys of an aborted migration (its ``targets``) whose warm joiners a recovery that follows (in the
+    ``later`` events) adopted (a leaver that died hands its pair's joiners over)."""
+    return {s for e in later if e["event"] == Event.RECOVERY_STARTED and isinstance(e.get("adopted"), dict)
+            for s in e["adopted"].values() if s in targets}  # (a malformed one is refused when the replay gets there)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -307,7 +460,7 @@ class Resumed:
 
     def start(self) -> None:
         """Apply the journal's layout and highest generation to the registry and journal the restart (the
-        daemon goes on with the migration ids: ``state.last_migration_id``)."""
+        daemon goes on with the migration and incident ids: ``state.last_migration_id``, ``last_incident_id``)."""
         c, st = self.control, self.state
         reg = c.registry
         for name, (role, ranks) in st.roles.items():

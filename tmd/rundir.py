@@ -10,6 +10,9 @@ tmd may run as root, and what it finds in these places it trusts: ``tmd resume``
   and every later use goes through the checked real path.
 * :func:`check_file` accepts a file only when it is a regular file (not a symlink) owned by this user and not
   writable by group or others.
+* :func:`check_run_dir` accepts a run directory only when what tmd writes in it (``tmd.json``, the journal,
+  ``keys/``, ``record/``, ``logs/`` and their files) is no symlink and the user's: ``O_NOFOLLOW`` guards a path's
+  last component only, so a symlinked ``logs/`` would send every log elsewhere.
 * :func:`trusted_dir` accepts a directory a command may run in: it and every directory above it owned by root
   or this user and writable by nobody else.
 * Files are written without following a symlink: :func:`no_follow` (an ``opener`` for :func:`open`, adds
@@ -115,6 +118,45 @@ def check_file(path: str, what: str = "file", loose: int = PRIVATE) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise UnsafePath(f"{what} {path} is not a regular file")
     _check(path, st, what, loose, (os.geteuid(),))
+
+
+def check_inside(real: str, dirs: tuple[tuple[str, str, str, int], ...], files: tuple[tuple[str, str], ...]) -> None:
+    """Refuse a path inside the checked directory ``real`` (:func:`private_dir`'s, resolved) through which tmd
+    would write elsewhere, or write to what another user controls (``O_NOFOLLOW`` covers only a path's last
+    component: ``logs`` a symlink would send every log elsewhere). ``dirs``: (relative path, what it is, what
+    its files are, the mode bits refused on both), a parent before what is in it: each that exists must be a
+    directory of this user's and no symlink (:func:`private_dir` without ``create``), and each entry in it a
+    regular file of this user's (:func:`check_file`) unless it is one of ``dirs``. ``files``: (relative path, what
+    it is): each that exists must be a regular file of this user's. Raises :class:`UnsafePath`."""
+    for rel, what in files:
+        path = os.path.join(real, rel)
+        if os.path.lexists(path):
+            check_file(path, what)
+    inner = {os.path.join(real, rel) for rel, *_ in dirs}
+    for rel, what, entries, loose in dirs:
+        path = os.path.join(real, rel)
+        if not os.path.lexists(path):
+            continue
+        private_dir(path, what, create=False, loose=loose)
+        for entry in os.scandir(path):
+            if entry.path not in inner:
+                check_file(entry.path, entries, loose=loose)
+
+
+def check_run_dir(real: str, keys_loose: int = PRIVATE) -> None:
+    """Refuse the run directory ``real`` (:func:`private_dir`'s, resolved) when what tmd writes in it is a symlink,
+    not a regular file or directory, or another user's (:func:`check_inside`): ``tmd.json``, the journal, the
+    ``keys`` directory and its ``worker/`` (``keys_loose``: the mode bits refused there), ``record/``, ``logs/``,
+    and the files in those directories. Raises :class:`UnsafePath`."""
+    from tmd.protocol.keys import WORKER_DIR
+    from tmd.protocol.layout import RunDir
+
+    keys = "keys"  # (tmd.daemon's default keys directory)
+    check_inside(real, dirs=((keys, "keys directory", "key file", keys_loose),
+                             (os.path.join(keys, WORKER_DIR), "keys directory", "key file", keys_loose),
+                             (RunDir.RECORD, "recordings directory", "recording", PRIVATE),
+                             (RunDir.LOGS, "logs directory", "log file", PRIVATE)),
+                 files=((RunDir.TMD_JSON, "tmd.json"), (RunDir.EVENTS, "journal")))
 
 
 def trusted_dir(path: str, what: str = "directory") -> str:

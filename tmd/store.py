@@ -281,15 +281,23 @@ class StoreServer:
     def _handle(self, frames: list[bytes]) -> None:
         """One request (ZAP admitted its sender: the worker key, or anyone on a plain socket)."""
         identity = frames[0]
-        if len(frames) < 4 or len(frames) > ps.MAX_FRAMES + 1:
+        if len(frames) < 3:  # no request id and op: nothing to answer to
             self.refused += 1
             return
         request_id, op = frames[1], frames[2]
         try:
-            timeout_ms = int(frames[3])
             args = frames[4:]
+            if len(args) > ps.MAX_FRAMES - 3:
+                raise StoreError(f"a store request may name at most {ps.MAX_FRAMES - 3} keys, not {len(args)}")
+            try:
+                timeout_ms = int(frames[3])
+            except (IndexError, ValueError):
+                raise StoreError(f"store {op[:16]!r}: its timeout (ms) is missing or not an integer") from None
+            if not 0 <= timeout_ms <= ps.MAX_TIMEOUT_MS:
+                raise StoreError(f"store {op[:16]!r}: its timeout must be 0 to {ps.MAX_TIMEOUT_MS} ms, not "
+                                 f"{timeout_ms}")
             least, most = ps.ARITY.get(op, (-1, -1))
-            if not least <= len(args) <= most or not 0 <= timeout_ms <= ps.MAX_TIMEOUT_MS:
+            if not least <= len(args) <= most:
                 raise StoreError(f"malformed store request {op[:16]!r} with {len(args)} arguments")
             self._do(identity, request_id, op, timeout_ms, args)
         except (StoreError, ValueError) as e:
@@ -315,7 +323,7 @@ class StoreServer:
         elif op == ps.CHECK:
             result = [b"1" if all(st._key(k) in st.data for k in args) else b"0"]
         elif op == ps.DELETE:
-            result = [b"1" if st.delete(args[0]) else b"0"]
+            result = [b"1" if st.delete(st._key(args[0])) else b"0"]  # an empty key is refused, as by done
         elif op == ps.NUM_KEYS:
             result = [str(len(st.data)).encode()]
         elif op == ps.DONE:

@@ -175,6 +175,125 @@ def test_nothing_to_resume(tmp_path):
         load(write_job(tmp_path, {"event": Event.JOB_FINISHED}))
 
 
+
+def tamper(run_dir: str, start: dict = {}, info: dict = {}, drop: tuple = ()) -> str:  # noqa: B006 - read only
+    """``run_dir`` (write_job's) with its ``tmd_started`` fields and tmd.json's changed (``start``, ``info``) or
+    removed (``drop``: names of either)."""
+    with open(os.path.join(run_dir, "tmd.json")) as f:
+        data = {k: v for k, v in {**json.load(f), **info}.items() if k not in drop}
+    with open(os.path.join(run_dir, "tmd.json"), "w") as f:
+        json.dump(data, f)
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        lines = [json.loads(line) for line in f if line.endswith("}\n")]
+    lines[0] = {k: v for k, v in {**lines[0], **start}.items() if k not in drop}
+    with open(os.path.join(run_dir, "events.jsonl"), "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in lines)
+    return run_dir
+
+
+def failed(node: str = "n2", ranks=(2, 3)) -> dict:
+    return {"event": Event.NODE_FAILED, "node": node, "ranks": ranks if isinstance(ranks, str) else list(ranks)}
+
+
+TAMPERED = {  # what a damaged or tampered journal or tmd.json holds -> what the error says
+    "no nodes": ({"start": {"nodes": []}}, "tmd_started nodes is [], not a list of distinct node names"),
+    "nodes missing": ({"drop": ("nodes",)}, "tmd_started nodes is null, not a list"),
+    "nodes a string": ({"start": {"nodes": "n1"}}, "tmd_started nodes is 'n1', not a list"),
+    "a node a path": ({"start": {"nodes": ["n1", "../n2"]}}, "tmd_started nodes is '../n2', not a node name"),
+    "twice the same node": ({"start": {"nodes": ["n1", "n1"]}}, "not a list of distinct node names"),
+    "a standby active too": ({"start": {"standbys": ["n1"]}}, "names ['n1'] both active and standby"),
+    "world size a string": ({"start": {"world_size": "2"}}, "world_size is '2', not a positive multiple of its 2"),
+    "world size negative": ({"start": {"world_size": -2}}, "world_size is -2, not a positive multiple"),
+    "world size not a multiple": ({"start": {"world_size": 3}}, "world_size is 3, not a positive multiple"),
+    "standbys null": ({"start": {"standbys": None}}, "tmd_started standbys is null, not a list"),
+    "no address": ({"drop": ("address",)}, "tmd.json of {} is malformed: its address is null, not tcp://HOST:PORT"),
+    "a garbage address": ({"info": {"address": "garbage"}}, "its address is 'garbage', not tcp://HOST:PORT"),
+    "a port out of range": ({"info": {"address": "tcp://127.0.0.1:70000"}}, "not tcp://HOST:PORT"),
+    "a command string": ({"info": {"command": "python -c pass"}},
+                         "tmd.json of {} is malformed: its command is 'python -c pass', not a list"),
+    "netns a list": ({"info": {"netns": [1]}}, "its netns is [1], not an object"),
+    "no migration id": ({"events": [{"event": Event.MIGRATION_REQUESTED, "sources": ["n2"], "targets": ["s1"]}]},
+                        "its migration_requested event (seq 2): migration_id is null, not a number >= 1"),
+    "targets null": ({"events": [migration(Event.MIGRATION_REQUESTED, targets=None)]},
+                     "migration_requested event (seq 2): sources [\"n2\"] and targets null are not lists"),
+    "more sources than targets": ({"events": [migration(Event.MIGRATION_REQUESTED, source="n1,n2")]},
+                                  "2 sources for 1 targets"),
+    "an unknown source": ({"events": [migration(Event.MIGRATION_REQUESTED, source="n9")]},
+                          "source n9 is not a node of the job"),
+    "recovery standbys a list": ({"events": [failed(), {"event": Event.RECOVERY_STARTED, "incident_id": 1},
+                                             {"event": Event.RECOVERY_DONE, "incident_id": 1, "standbys": [1]}]},
+                                 "its recovery_done event (seq 4): standbys is [1], not an object of node names"),
+    "no incident id": ({"events": [failed(), {"event": Event.RECOVERY_STARTED}]},
+                       "its recovery_started event (seq 3): incident_id is null"),
+    "ranks a string": ({"events": [failed(ranks="abc")]}, "its node_failed event (seq 2): ranks is 'abc', not a list"),
+    "a rank out of range": ({"events": [failed(ranks=(2, 9))]}, "rank 9 is not one of the job's 4 ranks"),
+    "replica classes of no rank": ({"events": [{"event": Event.REPLICA_CLASSES, "replicas": {"x": 1}, "keepers": {}}]},
+                                   "its replica_classes event (seq 2): rank 'x' is not one of the job's 4 ranks"),
+    "a no_replica warning without its fields": ({"events": [{"event": Event.NO_REPLICA, "rank": 1}]},
+                                                "its no_replica event (seq 2) lacks rank, node, code or message"),
+}
+
+
+@pytest.mark.parametrize("case", TAMPERED, ids=list(TAMPERED))
+def test_a_malformed_journal_or_tmd_json_is_refused_in_one_line(tmp_path, case):
+    """A journal or tmd.json whose fields have shapes tmd never writes (tampered with, or damaged) is refused with
+    one ResumeError line naming the field, never a traceback (a ZeroDivisionError, KeyError or TypeError before),
+    nor a resumed tmd that hangs (a negative world size)."""
+    edits, says = TAMPERED[case]
+    run_dir = tamper(write_job(tmp_path, *edits.get("events", ())), edits.get("start", {}), edits.get("info", {}),
+                     edits.get("drop", ()))
+    with pytest.raises(ResumeError) as e:
+        load(run_dir)
+    file = "tmd.json" if "info" in edits or "address" in edits.get("drop", ()) else "journal"
+    assert str(e.value).startswith(f"cannot resume: the {file} of {tmp_path} is malformed: ")
+    assert says.format(tmp_path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tmd_resume_of_a_malformed_journal_says_so_in_one_line_and_exits_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from tmd import cli
+
+    result = CliRunner().invoke(cli.app, ["resume", "--run-dir", tamper(write_job(tmp_path), {"nodes": []})])
+    assert result.exit_code == ExitCode.REFUSED
+    assert result.output.strip().splitlines() == [
+        f"error: cannot resume: the journal of {tmp_path} is malformed: its tmd_started nodes is [], not a list of "
+        "distinct node names"]
+
+
+
+def test_a_resumed_tmd_goes_on_with_the_journals_incident_and_migration_ids(tmp_path):
+    """The restarted tmd's first incident gets the id after the journal's highest, as its first migration does
+    (both started again at 1: one journal held two recovery_started with incident_id 1). A relaunch from a
+    checkpoint journals tmd_started anew and goes on with the ids: those before it count too."""
+    from tmd.config import JobConfig
+    from tmd.daemon import Daemon
+
+    recovery = [{"event": Event.NODE_FAILED, "node": "n1", "ranks": [0, 1]},
+                {"event": Event.RECOVERY_STARTED, "incident_id": 1, "adopted": {}},
+                {"event": Event.RECOVERY_DONE, "incident_id": 1, "standbys": {"n1": "s1"}},
+                {"event": Event.RECOVERY_STARTED, "incident_id": 2, "adopted": {}}]
+    st = load(write_job(tmp_path, *recovery))
+    assert (st.last_incident_id, st.open_incident, st.last_migration_id) == (2, 2, 0)
+    relaunched = {"event": Event.TMD_STARTED, "job": "j", "world_size": 4, "nodes": ["n1", "n2"],
+                  "standbys": ["s1", "s2"]}
+    cut = [migration(Event.MIGRATION_REQUESTED, mid=3), migration(Event.MIGRATION_ABORTED, mid=3)]
+    st = load(write_job(tmp_path, *cut, *recovery, relaunched))
+    assert (st.last_incident_id, st.open_incident, st.last_migration_id) == (2, None, 3)
+
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir, mode=0o700)
+    first = Daemon("t", run_dir, ["n1", "n2"], 1, ["s1"], JobConfig(), echo=False)
+    for e in recovery:
+        first.journal.record(e["event"], **{k: v for k, v in e.items() if k != "event"})
+    first.close()  # as if killed: no tmd_stopped
+    second = Daemon("t", run_dir, ["n1", "n2"], 1, ["s1"], JobConfig(), echo=False, resume=load(run_dir))
+    try:
+        assert second.incidents.next_id() == 3 and second.migrations.next_id() == 1
+    finally:
+        second.close()
+
+
 # --- Resumed, through the narrow interface --------------------------------------------------------------------
 class Control:
     """A JobControl that records: what would be sent, and the nodes declared failed."""

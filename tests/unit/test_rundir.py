@@ -18,7 +18,8 @@ from tmd.journal import Journal
 from tmd.protocol.keys import WORKER_DIR, JobKeys, KeysUnavailable
 from tmd.protocol.vocab import Event, Sender
 from tmd.resume import ResumeError, load
-from tmd.rundir import SECRET, UnsafePath, check_file, no_follow, private_dir, trusted_dir, write_atomic
+from tmd.rundir import (SECRET, UnsafePath, check_file, check_run_dir, no_follow, private_dir, trusted_dir,
+                        write_atomic)
 
 pytestmark = [pytest.mark.timeout(20),
               pytest.mark.skipif(os.geteuid() != 0, reason="plays another user by chown: needs root")]
@@ -123,6 +124,48 @@ def test_files_are_never_written_through_a_symlink(tmp_path):
     assert not os.path.islink(tmp_path / "tmd.json") and mode(tmp_path / "tmd.json") == 0o600
 
 
+
+def used_run_dir(run_dir) -> str:
+    """A run directory as a job leaves it: tmd.json, journal, keys, a recording and the logs."""
+    os.makedirs(os.path.join(run_dir, "record"), mode=0o700)
+    os.makedirs(os.path.join(run_dir, "logs"), mode=0o700)
+    for name in ("tmd.json", "events.jsonl", "record/rank0.world.pt", "logs/n1.0.log", "logs/fork-server.log"):
+        write_atomic(os.path.join(run_dir, name), b"x")
+    JobKeys.create(os.path.join(run_dir, "keys")).worker_keys()
+    return str(run_dir)
+
+
+def swap_for_symlink(run_dir: str, rel: str) -> None:
+    """``rel`` (a file or directory of ``run_dir``) moved out of the run directory, a symlink to it in its place."""
+    aside = os.path.join(run_dir + ".aside", os.path.basename(rel))
+    os.makedirs(os.path.dirname(aside), exist_ok=True)
+    os.rename(os.path.join(run_dir, rel), aside)
+    os.symlink(aside, os.path.join(run_dir, rel))
+
+
+@pytest.mark.parametrize("plant, why", [
+    (lambda d: swap_for_symlink(d, "events.jsonl"), "journal .*/events.jsonl is a symlink"),
+    (lambda d: swap_for_symlink(d, "keys"), "keys directory .*/keys is a symlink"),
+    (lambda d: swap_for_symlink(d, os.path.join("keys", WORKER_DIR)), "keys directory .*/keys/worker is a symlink"),
+    (lambda d: swap_for_symlink(d, "logs"), "logs directory .*/logs is a symlink"),
+    (lambda d: swap_for_symlink(d, "logs/n1.0.log"), "log file .*/logs/n1.0.log is a symlink"),
+    (lambda d: os.symlink("/etc/passwd", os.path.join(d, "logs", "n2.0.log")), "log file .*/n2.0.log is a symlink"),
+    (lambda d: os.mkfifo(os.path.join(d, "logs", "n2.0.log")), "log file .*/n2.0.log is not a regular file"),
+    (lambda d: swap_for_symlink(d, "record"), "recordings directory .*/record is a symlink"),
+    (lambda d: os.chown(os.path.join(d, "logs"), NOBODY, NOBODY), "logs directory .*/logs belongs to uid 65534"),
+    (lambda d: os.chmod(os.path.join(d, "logs"), 0o777), "logs directory .*/logs has mode 0777"),
+    (lambda d: os.chown(os.path.join(d, "record", "rank0.world.pt"), NOBODY, NOBODY), "recording .* belongs to"),
+])
+def test_a_run_directory_whose_files_or_subdirectories_lead_elsewhere_is_refused(tmp_path, plant, why):
+    """O_NOFOLLOW covers a path's last component only: a symlinked logs/ (or keys/, record/) would have every file
+    in it written elsewhere. tmd local and tmd slurm refuse such a run directory (check_run_dir) in one line."""
+    run_dir = used_run_dir(tmp_path / "run")
+    check_run_dir(run_dir)  # as a job leaves it: accepted
+    plant(run_dir)
+    with pytest.raises(UnsafePath, match=why):
+        check_run_dir(run_dir)
+
+
 # --- tmd resume ---------------------------------------------------------------------------------------------------
 def fake_job(run_dir, cwd: str = REPO) -> str:
     """A crashed job's run directory as tmd leaves it (tmd.json with its command, a journal, keys)."""
@@ -154,6 +197,9 @@ def test_resume_accepts_the_users_own_job(tmp_path):
     (lambda d: os.chmod(os.path.join(d, "keys", WORKER_DIR, "secret"), 0o644), "key file .* has mode 0644"),
     (lambda d: (os.rename(os.path.join(d, "keys"), os.path.join(d, "k")),
                 os.symlink(os.path.join(d, "k"), os.path.join(d, "keys"))), "keys directory .* is a symlink"),
+    (lambda d: (os.mkdir(os.path.join(d, "elsewhere")), os.symlink(os.path.join(d, "elsewhere"),
+                                                                    os.path.join(d, "logs"))),
+     "logs directory .* is a symlink"),
 ])
 def test_resume_refuses_a_job_it_did_not_make(tmp_path, plant, why):
     run_dir = fake_job(tmp_path / "job")

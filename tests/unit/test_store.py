@@ -220,6 +220,27 @@ def test_an_oversized_frame_is_dropped_unread(server, keys, store):
     assert server.state.data == {} and store.num_keys() == 0
 
 
+
+@pytest.mark.parametrize("request_frames, says", [
+    ([ps.WAIT, b"100", *(b"k%d" % i for i in range(1030))], b"a store request may name at most 1024 keys, not 1030"),
+    ([ps.DELETE, b"1000", b""], b"a store key must be 1 to 512 bytes, not 0"),
+    ([ps.GET, b"-5", b"k"], b"store b'get': its timeout must be 0 to 86400000 ms, not -5"),
+    ([ps.GET, b"soon", b"k"], b"store b'get': its timeout (ms) is missing or not an integer"),
+    ([ps.NUM_KEYS], b"store b'num': its timeout (ms) is missing or not an integer"),
+    ([ps.GET, b"1000", b"k", b"l"], b"malformed store request b'get' with 2 arguments"),
+])
+def test_every_refused_request_is_answered_with_the_bound_it_breaks(server, keys, request_frames, says):
+    """A wait for 1030 keys (over the 1024 a request may name) got no answer at all; an empty key was deleted
+    (``ok 0``) where done refuses it; a negative timeout was called a malformed request "with 1 arguments"."""
+    sock = _dealer(server, *zmq.auth.load_certificate(os.path.join(keys.path, "worker.key_secret")),
+                   keys.public(Sender.COORDINATOR))
+    sock.send_multipart([b"12345678", *request_frames])
+    assert sock.poll(5000), "no answer"
+    assert sock.recv_multipart() == [b"12345678", ps.ERR, says]
+    sock.close()
+    assert server.refused == 1 and server.state.data == {} and server.state.waiters == 0
+
+
 def test_a_client_without_the_worker_key_fails_at_once(server, keys, tmp_path):
     tmctl_keys = JobKeys.load(keys.path, parties=(Sender.CLIENT,))
     with pytest.raises(KeysUnavailable, match="no worker secret key"):

@@ -64,6 +64,27 @@ def test_a_command_that_cannot_start_is_refused_and_the_run_directory_says_why(t
     assert nothing_runs_in(run_dir)
 
 
+
+@pytest.mark.parametrize("link", ["events.jsonl", "keys", "logs", "logs/n1.0.log"])
+def test_a_run_directory_with_a_symlink_where_tmd_writes_is_refused_in_one_line(tmp_path, link):
+    """A journal, keys or logs directory, or log that is a symlink: one line naming it, exit 2, nothing started (a
+    90-line traceback of ELOOP before; a symlinked logs/ was followed)."""
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True, mode=0o700)
+    os.chmod(run_dir, 0o700)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if link == "logs":
+        (run_dir / "logs").rmdir()
+    os.symlink(elsewhere if link in ("keys", "logs") else elsewhere / "file", run_dir / link)
+    done, _ = tmd_local(run_dir, "--", sys.executable, "-c", "pass")
+    assert done.returncode == ExitCode.REFUSED, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and f"{run_dir / link} is a symlink: refusing it" in \
+        lines[0], done.stderr
+    assert "Traceback" not in done.stdout and os.listdir(elsewhere) == [] and nothing_runs_in(run_dir)
+
+
 def test_unstartable_names_what_is_wrong(tmp_path):
     script = tmp_path / "train.sh"
     script.write_text("#!/bin/sh\n")
