@@ -203,10 +203,17 @@ class Session:
 
         Managed optimizers get a step pre-hook that raises :class:`StepAborted` when a collective of the step
         failed (nothing is updated then) and a post-hook that records the step as committed.
-        Raises TypeError for an object without state_dict/load_state_dict (nothing is managed then)."""
+        Raises TypeError for an object without state_dict/load_state_dict, or for a ``ZeroRedundancyOptimizer``
+        (its ``state_dict()`` needs a collective, ``consolidate_state_dict()``, which a rank reading its own state
+        alone cannot make: manage its inner ``.optim``, the shard this rank updates). Nothing is managed then."""
+        zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # loaded if the script made one
         for name, obj in objects.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"managed object {name!r} has no state_dict/load_state_dict")
+            if zero is not None and isinstance(obj, zero.ZeroRedundancyOptimizer):
+                raise TypeError(f"managed object {name!r} is a ZeroRedundancyOptimizer, whose state_dict() needs "
+                                f"a collective: manage its inner optimizer instead, session.manage({name}="
+                                f"{name}.optim) (the shard of the state this rank updates)")
         self.objects.update(objects)
         for opt in self._ledger.manage(objects, rank_local):
             self._hooks.add(opt)

@@ -25,8 +25,13 @@ the attempt must put back before it sends its state to anyone or redoes the step
 - *Rank-local objects.* Drawing a batch may move a data loader's own position (a count of batches served, an
   iterator's index), and a survivor drew the interrupted step's batches. The ledger keeps a copy of every
   ``rank_local`` object's state_dict (``copy.deepcopy``: plain data, a few KB; 2 us for the demo's stream), and
-  :meth:`StepLedger.restore_local` loads it back, so the redone step draws from where the attempt began. (A
+  :meth:`StepLedger.restore_objects` loads it back, so the redone step draws from where the attempt began. (A
   replacement gets the lost rank's from a replica's exchanged copy: worker.step_exchange.)
+- *Other replicated objects.* A replicated managed object that is neither a module, an optimizer nor a GradScaler
+  (an LR scheduler, a count of samples seen) may change before ``optimizer.step()``: a script that counts its
+  samples as it draws them would count the interrupted step's twice once the step is redone. The ledger keeps a
+  copy of each one's state_dict too (``copy.deepcopy``, as for rank-local objects; keep large tensors in modules)
+  and :meth:`StepLedger.restore_objects` loads it back with the rank-local ones.
 - *A GradScaler's bookkeeping.* ``scaler.unscale_(opt)`` marks the optimizer as unscaled until ``scaler.update()``,
   which the refused ``scaler.step(opt)`` never reached; a managed ``torch.amp.GradScaler`` forgets that mark
   (:meth:`StepLedger.restore_grad_scalers`).
@@ -64,6 +69,13 @@ def failure(control: Control) -> Optional[str]:
     return groups.failure() if groups is not None and control.role == p.WorkerRole.ACTIVE else None
 
 
+def copied_object(obj: Any) -> bool:
+    """Whether the ledger copies replicated object ``obj``'s state_dict as each attempt begins: not a module (its
+    parameters change only in the update, its buffers are copied as buffers), not an optimizer (it changes only in
+    its refused step), not a GradScaler (its scale changes only in ``update()``, and reading it syncs a GPU)."""
+    return not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler))
+
+
 def _fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype
 
@@ -87,6 +99,7 @@ class StepLedger:
         self.buffer_copies: dict[tuple[str, str], torch.Tensor] = {}
         self.copied_at = -1  # the step whose begin() took ``buffer_copies`` and ``local_copies``
         self.local_copies: dict[str, Any] = {}  # the rank-local objects' state_dicts as the attempt began
+        self.object_copies: dict[str, Any] = {}  # the other replicated objects' (copied_object), likewise
 
     def manage(self, objects: dict[str, Any], rank_local: bool) -> list[torch.optim.Optimizer]:
         """Track ``objects``: replicated unless ``rank_local``. Returns the optimizers among them not managed
@@ -146,6 +159,8 @@ class StepLedger:
                 copies[k] = saved
         self.buffer_copies = copies
         self.local_copies = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.local.items()}
+        self.object_copies = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.replicated.items()
+                              if copied_object(obj)}
         self.copied_at = step
 
     def refuse(self) -> None:
@@ -167,10 +182,13 @@ class StepLedger:
         return self.committed_step == step if self.optimizers else not self.step_raised
 
     # --- putting back what a void attempt changed ----------------------------------------------------------------
-    def restore_local(self) -> None:
-        """Put the rank-local objects back as the interrupted attempt began (a survivor that did not commit it)."""
+    def restore_objects(self) -> None:
+        """Put the rank-local objects and the other replicated objects (:func:`copied_object`) back as the
+        interrupted attempt began (a survivor that did not commit it)."""
         for name, state in self.local_copies.items():
             self.local[name].load_state_dict(copy.deepcopy(state))
+        for name, state in self.object_copies.items():
+            self.replicated[name].load_state_dict(copy.deepcopy(state))
 
     def restore_buffers(self) -> None:
         """Put the managed modules' buffers back as the interrupted attempt began (a survivor that did not

@@ -82,3 +82,16 @@ def test_an_uncaught_step_aborted_is_reported_as_such_with_what_to_do(monkeypatc
 def test_another_exception_while_a_peer_failure_is_latched_is_still_not_the_scripts_error(monkeypatch):
     reports, printed = _ended_by(lambda rec: RuntimeError("gloo: connection closed"), monkeypatch)
     assert reports == [] and len(printed) == 2
+
+
+def test_a_zero_redundancy_optimizer_is_refused_with_what_to_manage_instead():
+    """Its state_dict() needs a collective (consolidate_state_dict): managed, every step would fail at once."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from tests.unit.rank_rooms import make
+
+    rec = make(rank=0)
+    zero = object.__new__(ZeroRedundancyOptimizer)  # (building one needs a process group; the type is what counts)
+    with pytest.raises(TypeError, match=r"is a ZeroRedundancyOptimizer.*session.manage\(optimizer=optimizer.optim\)"):
+        rec.session.manage(optimizer=zero)
+    assert "optimizer" not in rec.session.objects and rec.ledger.optimizers == []
