@@ -158,7 +158,7 @@ class Session:
             self._recording_kept = settings.restart and os.path.exists(
                 p.layout.recording_path(a.record_dir, a.rank, p.layout.WORLD_GROUP))
         self._exchange.node = self.node
-        self._exchange.snapshots = Snapshots(a.snapshot_every, a.rank, groups)
+        self._exchange.snapshots = Snapshots(a.snapshot_every, a.rank, groups, first=a.record_steps - 1)
         if a.role == p.WorkerRole.ACTIVE:
             recording = a.record_steps > 0 and not self._recording_kept
             groups.init_world(a.generation, p.MoverMode.RECORD if recording else p.MoverMode.LIVE, connect=True)

@@ -12,8 +12,10 @@ bit-identical to an uninterrupted run.
 **When.** Snapshots are on when tmd's ``Assign.snapshot_every`` K > 0 and, from the job's first step, some rank's
 replica class lies on one node (every rank computes the same from the first exchange). A snapshot of step S is taken
 as step S + 1 starts (after S committed, and after what steps after the optimizer, an LR scheduler) where
-``S % K == K - 1``, and after the first commit after a migration or recovery (a rank that joined or recovered
-asks for one through the exchange; everyone sees the same request).
+``S % K == K - 1``, at the job's last recorded step (``record_steps - 1``: a failure before that ends the job
+anyway, and a failure after it then finds a snapshot without waiting for step K - 1), and after the first commit
+after a migration or recovery (a rank that joined or recovered asks for one through the exchange; everyone sees
+the same request).
 
 **Cost.** At S every rank copies its replicated managed state into host memory (a device-to-host copy; on the CPU
 a memcpy, measured as the step-time overhead), then a background thread sends that copy to its keeper while
@@ -113,9 +115,12 @@ class Snapshots:
     """This rank's buddy snapshots (see the module docstring). The training thread takes and restores; the two
     threads of a round write ``kept`` under ``lock``."""
 
-    def __init__(self, every: int, rank: int, groups: Any) -> None:
-        """``every``: K in steps (0: off); ``groups``: the rank's GroupManager (store connections, host)."""
+    def __init__(self, every: int, rank: int, groups: Any, first: int = -1) -> None:
+        """``every``: K in steps (0: off); ``groups``: the rank's GroupManager (store connections, host);
+        ``first``: a step that takes a snapshot too (the job's last recorded step, ``record_steps - 1``: without
+        it a failure before step K - 1 found no snapshot to roll back to; -1: none)."""
         self.every = every
+        self.first = first
         self.rank = rank
         self.groups = groups
         self.enabled = False
@@ -153,7 +158,7 @@ class Snapshots:
 
     def due(self, step: int, wants: list[bool]) -> bool:
         """Whether step ``step`` takes a snapshot when it commits (``wants``: every rank's request)."""
-        return self.enabled and (step % self.every == self.every - 1 or any(wants))
+        return self.enabled and (step % self.every == self.every - 1 or step == self.first or any(wants))
 
     def prune(self, held: list[list[int]]) -> None:
         """Drop snapshots older than the newest step every rank holds complete (``held``: each rank's

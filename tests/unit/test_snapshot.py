@@ -98,6 +98,14 @@ def test_due_every_k_steps_or_when_any_rank_wants_one():
     assert s.due(7, [False, False, True, False])
 
 
+def test_the_last_recorded_step_takes_the_first_snapshot():
+    """Without it, an FSDP job that lost a node between its recorded steps and step K - 1 had nothing to roll
+    back to and failed (an outside script: kill -9 at step 5, "the survivors hold no common buddy snapshot")."""
+    s = Snapshots(10, 0, groups=None, first=2)  # record_steps 3
+    s.configure(TWO_NODES, FSDP_CLASSES)
+    assert [step for step in range(25) if s.due(step, [False] * 4)] == [2, 9, 19]
+
+
 # --- agreement: held, latest, prune -------------------------------------------------------------------------------
 def holding(own, kept, rank=0):
     s = snaps(rank=rank)
