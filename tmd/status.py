@@ -42,6 +42,9 @@ def node_status(n: Node, now: float, stragglers: list[int]) -> dict:
     }
 
 
+MAX_WARNINGS = 64  # warnings a StatusReply carries (each at most ~1,000 characters: tmd.faults); the rest: journal
+
+
 def status_reply(job: str, registry: Registry, migration: Optional[Episode], recovery: Optional[Episode],
                  stragglers: Callable[[Node], list[int]], decorate: Optional[Callable[[list[dict]], None]] = None,
                  now: Optional[float] = None, failure: Optional[dict] = None,
@@ -51,11 +54,17 @@ def status_reply(job: str, registry: Registry, migration: Optional[Episode], rec
     """The StatusReply of job ``job``: ``migration`` and ``recovery`` are the latest of each (or None);
     ``stragglers(node)`` gives a node's straggler ranks; ``decorate`` may add fields to the node dicts (SLURM
     mode); ``now`` defaults to time.monotonic(); ``failure``: why the job failed (tmd.faults), ``warnings``: the
-    misuse ranks reported; ``page``: the status page's address (tmd.web), None when it is off; ``config``: the
+    misuse ranks reported (the first MAX_WARNINGS - 1, then one saying how many more); ``page``: the status
+    page's address (tmd.web), None when it is off; ``config``: the
     job's settings (tmd.config.JobConfig.to_dict()); ``checkpoints``: the checkpoint tier's state
     (tmd.tiers.Tier.status), None when it is off; ``slurm``: the SLURM side's summary
     (tmd.slurm.SlurmCluster.status), None in local mode."""
     now = time.monotonic() if now is None else now
+    warnings = list(warnings or [])
+    if len(warnings) > MAX_WARNINGS:  # one per rank and code can be thousands: the reply must fit one frame
+        more = len(warnings) - MAX_WARNINGS + 1
+        warnings = warnings[:MAX_WARNINGS - 1] + [{"rank": None, "node": None, "code": "more_warnings",
+                                                   "message": f"{more} more warnings: tmctl events (job_warning)"}]
     nodes = [node_status(n, now, stragglers(n)) for n in registry.nodes.values()]
     if decorate is not None:
         decorate(nodes)
@@ -63,5 +72,5 @@ def status_reply(job: str, registry: Registry, migration: Optional[Episode], rec
                          step=registry.current_step(), nodes=nodes,
                          migration=migration.to_dict() if migration else None,
                          recovery=recovery.to_dict() if recovery else None, failure=failure,
-                         warnings=list(warnings or []), page=page, config=config, checkpoints=checkpoints,
+                         warnings=warnings, page=page, config=config, checkpoints=checkpoints,
                          slurm=slurm)

@@ -229,3 +229,19 @@ def test_a_joiner_that_raises_is_journalled_and_the_job_trains_on(daemon):
     (failed,) = [e for e in daemon.journal.since(0, 1000) if e["event"] == Event.JOINER_FAILED]
     assert failed["rank"] == 1 and failed["node"] == "s1" and failed["error"].endswith("another order")
     assert daemon.status().failure is None and daemon.exit_code is None
+
+
+def test_thousands_of_warnings_leave_the_status_reply_one_frame(daemon):
+    """One warning per rank and code, each up to ~1,000 characters: at 4,096 ranks, more than a frame holds."""
+    from tmd.status import MAX_WARNINGS
+
+    n1 = register(daemon, "n1")
+    w = daemon.registry.by_identity[n1]
+    for rank in range(5000):
+        w.rank = rank  # (as if each rank had reported its own)
+        daemon.on_frames([n1, p.encode(p.RankWarning(rank=rank, code=p.WarningCode.STATE_AFTER_UPDATE,
+                                                     message="x" * 5000))])
+    reply = daemon.status()
+    assert len(reply.warnings) == MAX_WARNINGS and reply.warnings[-1]["message"].startswith("4937 more warnings")
+    assert len(p.encode(reply)) < p.MAX_MESSAGE_BYTES
+    assert len(daemon.faults.warnings) == 5000  # every one kept (and journalled)
