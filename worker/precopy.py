@@ -153,7 +153,7 @@ def unflatten(state: Any, leaves: list) -> Any:
         if isinstance(value, torch.Tensor):
             return next(it)
         if isinstance(value, dict):
-            out = type(value)() if type(value) in (dict, collections.OrderedDict) else {}
+            out = type(value)() if type(value) in transfer._MAPPINGS else {}
             for k, v in value.items():
                 out[k] = walk(v)
             metadata = getattr(value, "_metadata", None)
