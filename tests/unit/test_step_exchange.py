@@ -13,7 +13,7 @@ from worker.control import Stage
 from worker.snapshot import round_id
 from worker.step_exchange import NO_FINGERPRINT, pack, unpack
 from tests.unit.rank_rooms import (
-    NODE_OF, Failed, World, blob, fp, fsdp_rank, make, one_step, trained, with_loader,
+    NODE_OF, Failed, World, blob, fp, fsdp_rank, loader_steps, make, one_step, trained, with_loader,
 )
 
 pytestmark = pytest.mark.timeout(10)
@@ -235,12 +235,7 @@ def test_plain_rank_local_and_replicated_states_pass_and_are_checked_once(monkey
     calls = []
     monkeypatch.setattr(rank_state, "check_plain", lambda *a, real=rank_state.check_plain, **k: calls.append(1)
                         or real(*a, **k))
-    for step in range(2):
-        rec.control.set_step(step)
-        rec.begin_step()
-        model(loader.batch(step)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    loader_steps(rec, model, opt, loader, 2)
     assert rec.failures == [] and len(calls) == 2  # rank-local, then replicated: once
 
 
