@@ -27,14 +27,20 @@ goes on, and the joiner then follows the leaver's optimizer steps, so at S only 
    optimizer's step function with hooks bypassed: the same inputs, code and thread count give bit-identical
    outputs.
 3. **Tail** (leaver, at the boundary before S; built while the last gradients are still sent): every managed
-   object's state_dict again, flattened (:func:`flatten`), as a digest of its structure and its leaf count, and
-   by value only what the joiner's replay did not make identical: every tensor not owned by a replayed optimizer
-   (buffers, an EMA copy: always, because a change through ``.data`` bumps no version counter), optimizer
-   tensors changed outside a replayed step, the non-tensor values (learning rates, a scheduler's or sampler's
-   position) and the RNG state. A tensor the replay made identical has no entry in the header: the tail's CPU is
-   ~3.5 us per tensor at the slower end (``python -m benchmarks.tail``; ~27 us with a per-tensor reference). The
-   joiner flattens its own state_dicts, refuses a structure that differs from the leaver's, loads only the
-   objects whose leaves differ (:func:`load_tail`) and reports ``transferred``.
+   object's state_dict again, flattened (:func:`flatten`), as its structure (compact JSON text of its containers,
+   keys and tensors' dtypes and shapes) and its leaf count, and by value only what the joiner's replay did not
+   make identical: every tensor not owned by a replayed optimizer (buffers, an EMA copy: always, because a change
+   through ``.data`` bumps no version counter), optimizer tensors changed outside a replayed step, the non-tensor
+   values (learning rates, a scheduler's or sampler's position) and the RNG state. A tensor the replay made
+   identical has no entry in the header but its place in the structure: the tail's CPU is ~3.5 us per tensor at
+   the slower end (``python -m benchmarks.tail``; ~27 us with a per-tensor reference). The joiner flattens its
+   own state_dicts; where the structure is its own it loads only the objects whose leaves differ
+   (:func:`load_tail`). Where it is not (plain values change shape from step to step: a history list the leaver
+   appended to since the pre-copy, a dict of other keys), the object's state is made from the leaver's structure
+   (:func:`rebuild`: its values, its sent tensors, and for each kept tensor the joiner's own at the same path, of
+   the same dtype and shape) and loaded whole. Tensors must keep their dtypes and shapes: the joiner checks that
+   right after loading the pre-copy (:func:`check_tensors`), before it reports ``transferred``, so a joiner
+   whose tensors differ from the leaver's is refused while the migration can still abort.
 
 Only ``torch.optim`` optimizers are replayed (a third-party optimizer's step may issue collectives), and only
 when their parameters and gradients are dense tensors, or DTensors (FSDP2, tensor parallel) whose local shards
@@ -103,15 +109,16 @@ def replayable_class(obj: Any) -> bool:
 
 
 def flatten(state: Any) -> tuple[list, str]:
-    """``state`` (a state_dict) as (its leaves, a digest of its structure). The leaves: every tensor and every other
-    value that is not a mapping, list or tuple, depth first (a mapping's values in its order, a sequence's items in
-    order). The digest: SHA-256, in hex, of the mapping keys, sequence lengths, and each leaf's kind (a tensor's
-    dtype and shape; not its values). Two states with the same digest differ at most in their leaves' values; a
-    mapping's type (dict or OrderedDict) and its ``_metadata`` are not part of it. Raises TypeError for a mapping
-    key worker.transfer cannot encode."""
+    """``state`` (a state_dict) as (its leaves, its structure). The leaves: every tensor and every other value that
+    is not a mapping, list or tuple, depth first (a mapping's values in its order, a sequence's items in order).
+    The structure: a prefix code of the containers, as compact JSON text (a list): each node is its tag (``"d"`` a
+    dict or other mapping, ``"o"`` an OrderedDict, ``"c"`` a collections.Counter, ``"l"`` a list, ``"t"`` a tuple,
+    ``"v"`` a leaf that is not a tensor, or a tensor's dtype, ``"torch.float32"``, then its number of dimensions and
+    its sizes); a container's tag is followed by its length and its items (a mapping's as key, then value; a key
+    that is not a str or int as worker.transfer encodes it). Two states of the same structure differ at most in
+    their leaves' values; a mapping's ``_metadata`` is not part of it. :func:`rebuild` makes a state from a
+    structure and leaves. Raises TypeError for a mapping key worker.transfer cannot encode."""
     leaves: list = []
-    # a prefix code: every node starts with its tag ("d", "l", "t", "v" or a tensor's dtype name, then its number
-    # of dimensions and its sizes)
     spec: list = []
 
     def walk(value: Any) -> None:
@@ -121,7 +128,8 @@ def flatten(state: Any) -> tuple[list, str]:
             spec.extend(value.shape)
             leaves.append(value)
         elif isinstance(value, dict):
-            spec.append("d")
+            kind = type(value)
+            spec.append("o" if kind is collections.OrderedDict else "c" if kind is collections.Counter else "d")
             spec.append(len(value))
             for k, v in value.items():
                 spec.append(k if type(k) is str or type(k) is int else transfer.encode(k, _no_tensor_key))
@@ -136,7 +144,7 @@ def flatten(state: Any) -> tuple[list, str]:
             leaves.append(value)
 
     walk(state)
-    return leaves, hashlib.sha256(json.dumps(spec, separators=(",", ":")).encode()).hexdigest()
+    return leaves, json.dumps(spec, separators=(",", ":"))
 
 
 def _no_tensor_key(t: torch.Tensor) -> Any:
@@ -153,7 +161,7 @@ def unflatten(state: Any, leaves: list) -> Any:
         if isinstance(value, torch.Tensor):
             return next(it)
         if isinstance(value, dict):
-            out = type(value)() if type(value) in (dict, collections.OrderedDict) else {}
+            out = type(value)() if type(value) in transfer._MAPPINGS else {}
             for k, v in value.items():
                 out[k] = walk(v)
             metadata = getattr(value, "_metadata", None)
@@ -432,10 +440,10 @@ class Precopy:
                 self.seen[_key(t)] = _Seen(t, _version(t), name)
 
     def _tail_state(self, name: str, obj: Any) -> dict:
-        """``obj``'s state_dict as a tail (see :func:`load_tail`): its structure's digest and leaf count, and by
+        """``obj``'s state_dict as a tail (see :func:`load_tail`): its structure (:func:`flatten`) and leaf count, and by
         value only the leaves that the joiner's replay did not make identical: the tensors at positions ``sent``
         among the leaves, and every leaf that is not a tensor (``values``, in order)."""
-        leaves, digest = flatten(obj.state_dict())
+        leaves, structure = flatten(obj.state_dict())
         sent, values = [], []
         for at, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
@@ -446,7 +454,7 @@ class Precopy:
                 self.sent += 1
                 sent.append(at)
             values.append(leaf)
-        return {"structure": digest, "leaves": len(leaves), "sent": sent, "values": values}
+        return {"structure": structure, "leaves": len(leaves), "sent": sent, "values": values}
 
     # --- the sender thread -----------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -485,9 +493,10 @@ _TAIL_FIELDS = {"structure", "leaves", "sent", "values"}
 
 def load_tail(objects: dict[str, Any], states: dict[str, Any]) -> None:
     """Load a tail (as received: each managed object's ``{"structure", "leaves", "sent", "values"}``, see
-    ``Precopy._tail_state``) into the joiner's ``objects``. Each object's own state_dict must have the leaver's
-    structure (:func:`flatten`'s digest, tensors' dtypes and shapes included) and leaf count; its tensors are kept
-    but at the ``sent`` positions, which take the received tensors, and its other leaves take the received values.
+    ``Precopy._tail_state``) into the joiner's ``objects``. An object whose own state_dict has the leaver's structure
+    (:func:`flatten`'s, tensors' dtypes and shapes included) and leaf count keeps its tensors but at the ``sent``
+    positions, which take the received tensors, and its other leaves take the received values; another is loaded
+    whole from the leaver's structure (:func:`rebuild`).
     An object whose leaves all stay as they are is not loaded at all (the demo's case). An optimizer whose changes
     all lie in its parameter groups' hyperparameters (a scheduler's learning rate: the usual case) has them set as
     a replayed step sets them, without a ``load_state_dict`` (which copies every group and visits every state
@@ -499,8 +508,17 @@ def load_tail(objects: dict[str, Any], states: dict[str, Any]) -> None:
     loads, hyperparameters = [], []
     for name, obj in objects.items():
         own = obj.state_dict()
-        leaves, digest = flatten(own)
-        changed = _tail_leaves(name, states[name], leaves, digest)
+        leaves, structure = flatten(own)
+        tail = states[name]
+        if type(tail) is not dict or set(tail) != _TAIL_FIELDS:
+            raise TransferRefused(f"{name}: malformed tail {transfer._short(tail)}")
+        if type(tail["structure"]) is not str or type(tail["leaves"]) is not int or tail["structure"] != structure \
+                or tail["leaves"] != len(leaves):
+            # Not the joiner's structure (a list that grew on the leaver since the pre-copy, a dict with other
+            # keys): the state is made from the leaver's structure and loaded whole.
+            loads.append((name, obj, own, rebuild(name, tail, own)))
+            continue
+        changed = _tail_leaves(name, tail, leaves)
         if changed is None:
             continue
         new, first = changed
@@ -513,10 +531,41 @@ def load_tail(objects: dict[str, Any], states: dict[str, Any]) -> None:
         _set_hyperparameters(obj, groups)
     for name, obj, own, state in loads:
         if isinstance(obj, torch.nn.Module) and isinstance(state, dict):
-            placed = transfer.place_shards(name, obj, state)
+            placed = transfer.place_shards(name, obj, state)  # the same keys as own's (else KeyError)
             obj.load_state_dict({k: v for k, v in placed.items() if v is not own[k]}, strict=False)
         else:
             transfer.load_state({name: obj}, {name: state})
+
+
+def _tensor_layout(state: Any, path: tuple = (), out: Optional[dict] = None) -> dict:
+    """{path: (dtype, shape)} of every tensor in ``state`` (a DTensor's or received shard's global shape)."""
+    out = {} if out is None else out
+    if isinstance(state, transfer.ReceivedShard):
+        out[path] = (state.local.dtype, tuple(state.shape))
+    elif isinstance(state, torch.Tensor):
+        out[path] = (state.dtype, tuple(state.shape))
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            _tensor_layout(v, path + (k,), out)
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            _tensor_layout(v, path + (i,), out)
+    return out
+
+
+def check_tensors(objects: dict[str, Any], states: dict[str, Any]) -> None:
+    """After a joiner loaded the leaver's ``states`` into ``objects``: every tensor the leaver sent must stand at
+    the same path of the object's own state_dict with the same dtype and shape (a module's load_state_dict casts
+    another dtype silently; a custom object may keep its own tensors). Called before the joiner reports
+    ``transferred``, so such a joiner is refused while the migration can still abort; the tail then never has to
+    refuse a state for its tensors (:func:`rebuild`). Raises TransferRefused."""
+    for name, obj in objects.items():
+        mine = _tensor_layout(obj.state_dict())
+        for path, theirs in _tensor_layout(states[name]).items():
+            if mine.get(path) != theirs:
+                here = "none" if path not in mine else f"{mine[path][0]} {list(mine[path][1])}"
+                raise TransferRefused(f"{name}: the tensor at {_path(path)} is {theirs[0]} {list(theirs[1])} on "
+                                      f"the leaver, {here} on this joiner after loading it; state refused")
 
 
 def _set_hyperparameters(opt: torch.optim.Optimizer, groups: list) -> None:
@@ -541,20 +590,12 @@ def _changed_groups(obj: Any, own: Any, new: list, first: int) -> Optional[list]
     return groups
 
 
-def _tail_leaves(name: str, tail: Any, leaves: list, digest: str) -> Optional[tuple[list, int]]:
-    """The leaves object ``name`` takes from its ``tail`` (its own ``leaves`` of structure ``digest`` where kept)
+def _tail_leaves(name: str, tail: dict, leaves: list) -> Optional[tuple[list, int]]:
+    """The leaves object ``name`` takes from its ``tail``, whose structure is its own (its own ``leaves`` where kept),
     and the position of the first that differs from its own, or None when they are all its own already. Raises
     TransferRefused."""
-    if type(tail) is not dict or set(tail) != _TAIL_FIELDS:
-        raise TransferRefused(f"{name}: malformed tail {transfer._short(tail)}")
-    if type(tail["structure"]) is not str or type(tail["leaves"]) is not int or tail["structure"] != digest \
-            or tail["leaves"] != len(leaves):
-        raise TransferRefused(f"{name}: the leaver's state_dict has another structure than this joiner's (other "
-                              "keys, or tensors of other dtypes or shapes); state refused")
-    sent, values = tail["sent"], tail["values"]
-    if type(sent) is not list or type(values) is not list or any(
-            type(at) is not int or not 0 <= at < len(leaves) or not isinstance(leaves[at], torch.Tensor)
-            or (i and at <= sent[i - 1]) for i, at in enumerate(sent)):
+    sent, values = _sent_and_values(name, tail, len(leaves))
+    if any(not isinstance(leaves[at], torch.Tensor) for at in sent):
         raise TransferRefused(f"{name}: bad positions of sent tensors {transfer._short(sent)} in the tail")
     sent_at = set(sent)
     new, given, first = [], iter(values), None
@@ -562,13 +603,7 @@ def _tail_leaves(name: str, tail: Any, leaves: list, digest: str) -> Optional[tu
         if isinstance(leaf, torch.Tensor) and at not in sent_at:
             new.append(leaf)  # kept: the replay made it identical
             continue
-        value = next(given, given)
-        if value is given:
-            raise TransferRefused(f"{name}: the tail carries {len(values)} values, fewer than its structure holds")
-        if isinstance(leaf, torch.Tensor) != isinstance(value, (torch.Tensor, transfer.ReceivedShard)):
-            raise TransferRefused(f"{name}: a tensor where the tail's structure holds a value, or the reverse")
-        if isinstance(value, (dict, list, tuple)):  # flatten never leaves a container as a leaf
-            raise TransferRefused(f"{name}: a container {transfer._short(value)} where a leaf belongs")
+        value = _given(name, given, values, isinstance(leaf, torch.Tensor))
         if isinstance(leaf, torch.Tensor) and (tuple(value.shape) != tuple(leaf.shape) or (
                 value.local if isinstance(value, transfer.ReceivedShard) else value).dtype != leaf.dtype):
             raise TransferRefused(f"{name}: a sent tensor of another dtype or shape than this joiner's at leaf {at}")
@@ -578,6 +613,114 @@ def _tail_leaves(name: str, tail: Any, leaves: list, digest: str) -> Optional[tu
     if next(given, given) is not given:
         raise TransferRefused(f"{name}: the tail carries {len(values)} values, more than its structure holds")
     return None if first is None else (new, first)
+
+
+def _sent_and_values(name: str, tail: dict, leaves: int) -> tuple[list, list]:
+    """A tail's ``sent`` positions (increasing, below ``leaves``) and its ``values``, checked. Raises
+    TransferRefused."""
+    sent, values = tail["sent"], tail["values"]
+    if type(sent) is not list or type(values) is not list or any(
+            type(at) is not int or not 0 <= at < leaves or (i and at <= sent[i - 1]) for i, at in enumerate(sent)):
+        raise TransferRefused(f"{name}: bad positions of sent tensors {transfer._short(sent)} in the tail")
+    return sent, values
+
+
+def _given(name: str, given: Any, values: list, tensor: bool) -> Any:
+    """The tail's next value (``given``: an iterator over ``values``), a tensor (or received shard) if ``tensor``,
+    else a leaf that is neither. Raises TransferRefused."""
+    value = next(given, given)
+    if value is given:
+        raise TransferRefused(f"{name}: the tail carries {len(values)} values, fewer than its structure holds")
+    if tensor != isinstance(value, (torch.Tensor, transfer.ReceivedShard)):
+        raise TransferRefused(f"{name}: a tensor where the tail's structure holds a value, or the reverse")
+    if isinstance(value, (dict, list, tuple)):  # flatten never leaves a container as a leaf
+        raise TransferRefused(f"{name}: a container {transfer._short(value)} where a leaf belongs")
+    return value
+
+
+def rebuild(name: str, tail: dict, own: Any) -> Any:
+    """Object ``name``'s state as the leaver's ``tail`` describes it, when its structure is not this joiner's
+    ``own`` state_dict's (plain values may change shape from step to step: a history list that grows, a dict of
+    other keys): the containers of the tail's structure (:func:`flatten`), its values, its sent tensors, and for
+    every tensor the leaver did not send (the replay made it identical), this joiner's own tensor at the same
+    path, which must be of the dtype and shape the structure gives. An OrderedDict takes the ``_metadata`` of
+    this joiner's at the same path. Raises TransferRefused, with nothing loaded."""
+    try:
+        spec = json.loads(tail["structure"]) if type(tail["structure"]) is str else None
+    except ValueError:
+        spec = None
+    if type(spec) is not list or type(tail["leaves"]) is not int:
+        raise TransferRefused(f"{name}: malformed structure in the tail")
+    sent, values = _sent_and_values(name, tail, tail["leaves"])
+    sent_at, given, at, leaf = set(sent), iter(values), 0, 0
+
+    def item() -> Any:
+        nonlocal at
+        if at >= len(spec):
+            raise TransferRefused(f"{name}: the tail's structure ends early")
+        at += 1
+        return spec[at - 1]
+
+    def count() -> int:
+        n = item()
+        if type(n) is not int or n < 0:
+            raise TransferRefused(f"{name}: bad length {transfer._short(n)} in the tail's structure")
+        return n
+
+    def walk(mine: Any, path: tuple, depth: int) -> Any:
+        nonlocal leaf
+        if depth > transfer.MAX_DEPTH:
+            raise TransferRefused(f"{name}: the tail's structure is nested deeper than {transfer.MAX_DEPTH} levels")
+        tag = item()
+        if tag in ("d", "o", "c"):
+            out = {} if tag == "d" else collections.OrderedDict() if tag == "o" else collections.Counter()
+            for _ in range(count()):
+                key = item()
+                if type(key) not in (str, int):
+                    key = transfer.decode(key, transfer._no_tensor)
+                    try:
+                        hash(key)
+                    except TypeError:
+                        raise TransferRefused(f"{name}: bad key {transfer._short(key)} in the tail's structure") \
+                            from None
+                out[key] = walk(mine.get(key) if isinstance(mine, dict) else None, path + (key,), depth + 1)
+            if tag == "o" and getattr(mine, "_metadata", None) is not None:
+                out._metadata = mine._metadata  # type: ignore[attr-defined]
+            return out
+        if tag in ("l", "t"):
+            items = [walk(mine[i] if type(mine) in (list, tuple) and i < len(mine) else None, path + (i,), depth + 1)
+                     for i in range(count())]
+            return items if tag == "l" else tuple(items)
+        if tag == "v":
+            if leaf in sent_at:
+                raise TransferRefused(f"{name}: bad positions of sent tensors {transfer._short(sent)} in the tail")
+            leaf += 1
+            return _given(name, given, values, False)
+        if type(tag) is not str or tag.removeprefix("torch.") not in _DTYPE_NAMES:
+            raise TransferRefused(f"{name}: bad node {transfer._short(tag)} in the tail's structure")
+        shape = [count() for _ in range(count())]
+        position, leaf = leaf, leaf + 1
+        value = _given(name, given, values, True) if position in sent_at else mine
+        if position not in sent_at and not isinstance(value, torch.Tensor):
+            raise TransferRefused(f"{name}: the leaver kept its tensor at {_path(path)}, where this joiner holds "
+                                  "none (another structure); state refused")
+        dtype = value.local.dtype if isinstance(value, transfer.ReceivedShard) else value.dtype
+        if str(dtype) != tag or list(value.shape) != shape:
+            raise TransferRefused(f"{name}: the tensor at {_path(path)} is {tag} {shape} on the leaver, "
+                                  f"{dtype} {list(value.shape)} here (another structure); state refused")
+        return value
+
+    state = walk(own, (), 0)
+    if at != len(spec) or leaf != tail["leaves"] or next(given, given) is not given:
+        raise TransferRefused(f"{name}: the tail's structure, leaf count and values do not agree")
+    return state
+
+
+_DTYPE_NAMES = {str(d).removeprefix("torch.") for d in transfer.DTYPES.values()}
+
+
+def _path(path: tuple) -> str:
+    return "/".join(map(str, path)) or "its top"
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -676,6 +819,7 @@ def follow(pg: Any, objects: dict[str, Any], buffers: Optional[list[torch.Tensor
     if kind not in (Kind.FULL, Kind.PRECOPY):
         raise TransferRefused(f"a migration's first message must be a full state or a pre-copy, not {kind!r}")
     transfer.load_state(objects, states)
+    check_tensors(objects, states)  # before ``transferred``: a tail can no longer be refused for its tensors
     del states
     if buffers is not None:  # what was loaded by copy is garbage now: free it before the switch step, not in it
         buffers.clear()

@@ -21,6 +21,7 @@ a failure latches like any other collective. Each rank keeps every rank's payloa
 """
 from __future__ import annotations
 
+import collections
 import copy
 import hashlib
 import io
@@ -82,6 +83,59 @@ def deserialize(data: bytes) -> dict[str, Any]:
     """The state :func:`serialize` wrote. Raises ``pickle.UnpicklingError`` for anything ``weights_only``
     loading refuses (e.g. a rank-local state_dict holding arbitrary objects)."""
     return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+PLAIN_RULE = ("plain data: tensors, None, bool, int, float, str, bytes, and list / tuple / dict / OrderedDict / "
+              "Counter of them")
+_SCALARS = (type(None), bool, int, float, str, bytes)
+_MAPPINGS = (dict, collections.OrderedDict, collections.Counter)
+
+
+def _unplain(value: Any, path: str, depth: int = 0) -> Optional[tuple[str, type]]:
+    """(path, type) of the first value in ``value`` that is not plain data (:data:`PLAIN_RULE`), or None."""
+    if isinstance(value, torch.Tensor) or type(value) in _SCALARS:
+        return None
+    if depth > 64:
+        return path, type(value)
+    if type(value) in _MAPPINGS:
+        for k, v in value.items():
+            bad = _unplain(k, f"{path} key {k!r}", depth + 1) if not isinstance(k, torch.Tensor) else \
+                (f"{path} key", type(k))
+            bad = bad or _unplain(v, f"{path}/{k}", depth + 1)
+            if bad:
+                return bad
+        return None
+    if type(value) in (list, tuple):
+        for i, v in enumerate(value):
+            bad = _unplain(v, f"{path}/{i}", depth + 1)
+            if bad:
+                return bad
+        return None
+    return path, type(value)
+
+
+def check_plain(states: dict[str, Any], rank_local: bool) -> Optional[str]:
+    """A one-line error naming the first managed object (``states``: its state_dict by name) whose state_dict holds
+    a value that is not plain data (:data:`PLAIN_RULE`: what worker.transfer sends in a migration or recovery and,
+    for a ``rank_local`` object, what :func:`deserialize` loads with ``torch.load(weights_only=True)``), or None.
+    A rank-local state is also put through :func:`encode` and :func:`deserialize` (a tensor subclass, say)."""
+    for name, state in states.items():
+        why = None
+        bad = _unplain(state, "")
+        if bad is not None:
+            path, kind = bad
+            where = f" at {path.lstrip('/')}" if path.strip("/") else ""
+            why = f"it holds a {kind.__module__}.{kind.__qualname__}{where}"
+        elif rank_local:
+            try:
+                deserialize(encode({"local": {name: state}}))
+            except Exception as e:  # noqa: BLE001 - what a replacement's load would raise
+                why = f"torch.load(weights_only=True) refuses its saved bytes ({type(e).__name__})"
+        if why is not None:
+            return (f"{'rank-local' if rank_local else 'replicated'} managed object {name!r} cannot be moved by a "
+                    f"migration or recovery: {why}; a managed state_dict must be {PLAIN_RULE} (convert it in "
+                    "state_dict(), e.g. float(x) or list(d))")
+    return None
 
 
 def restore(state: dict[str, Any], local_objects: dict[str, Any]) -> None:

@@ -94,7 +94,8 @@ def copy_state(value: Any) -> Any:
             out._metadata = copy.deepcopy(metadata)
         return out
     if isinstance(value, dict):
-        return {k: copy_state(v) for k, v in value.items()}
+        out = {k: copy_state(v) for k, v in value.items()}
+        return collections.Counter(out) if type(value) is collections.Counter else out  # MultiStepLR's milestones
     if isinstance(value, (list, tuple)):
         return type(value)(copy_state(v) for v in value)
     return copy.deepcopy(value)

@@ -5,8 +5,10 @@ already void: worker.step_hooks' stage ``exchange``), every rank serialises its 
 ``rank_local`` managed objects; worker.rank_state) and the world group all-gathers them (two tiny collectives
 through the mover: a failure latches and the step is refused like any other). A rank that commits step S
 therefore holds every rank's state as of the end of S's compute, which is the state at the start of S + 1
-(assumed: no RNG draws between the optimizer step and the start of the next step; rank-local state_dicts are
-plain data). Only the latest committed step's copy is kept (``world_size`` x a few KB of host memory). In a
+(assumed: no RNG draws between the optimizer step and the start of the next step). Every managed state_dict
+must be plain data (worker.rank_state ``PLAIN_RULE``): a process's first exchange checks that and fails the job
+(``SCRIPT_ERROR``, naming the object and the offending type) otherwise, at once rather than at the first
+migration or recovery. Only the latest committed step's copy is kept (``world_size`` x a few KB of host memory). In a
 recovery every receiver (a replacement, or a survivor one step behind) gets, with the replicated state from its
 sender, *its own* rank state from the sender's copy (:meth:`StepExchange.own_state`) and loads it; survivors that
 committed keep their own. During a joiner's shadow iterations the exchange is replayed like any collective. A
@@ -90,6 +92,7 @@ class StepExchange:
         # (step, rank_state.capture) as this rank's exchange of ``step`` took it (live steps only)
         self._at_update: Optional[tuple[int, dict[str, Any]]] = None
         self._warned_after_update = False
+        self._plain_checked = False  # the managed state_dicts were checked for plain data (check_plain)
 
     def _live(self) -> bool:
         return self.control.stage != Stage.SHADOW and self.control.role == p.WorkerRole.ACTIVE
@@ -120,6 +123,8 @@ class StepExchange:
         meta = {"node": self.node, "nonce": os.urandom(8).hex(),
                 "held": snaps.held() if snaps else [], "want": bool(snaps and snaps.want)}
         state = rank_state.capture(ledger.local)
+        if not self._plain_checked and self._live():
+            self.check_plain(state["local"])
         if self._live():
             self._at_update = (step, state)
         gathered = rank_state.all_gather_bytes(pack(fp, meta, rank_state.encode(state)))
@@ -139,6 +144,17 @@ class StepExchange:
             snaps.prune([m["held"] for m in metas])
             if snaps.due(step, [m["want"] for m in metas]):
                 self.snapshot_round = (step, round_id([m["nonce"] for m in metas]))
+
+    def check_plain(self, local_states: dict[str, Any]) -> None:
+        """At this process's first live exchange: fail the job (SCRIPT_ERROR, naming the object, the offending type
+        and the rule) when a managed state_dict holds what a migration or recovery cannot move (worker.rank_state
+        check_plain), before any rank depends on moving it: a replacement would otherwise fail to load its rank
+        state after a failure, or a joiner to plan its receive buffers."""
+        self._plain_checked = True
+        error = rank_state.check_plain(local_states, rank_local=True) or rank_state.check_plain(
+            {name: obj.state_dict() for name, obj in self.ledger.replicated.items()}, rank_local=False)
+        if error is not None:
+            self.fail(p.FailureKind.SCRIPT_ERROR, error)
 
     def learn_classes(self, prints: dict[int, bytes], node_of: dict[int, str]) -> None:
         """Replica classes from every rank's fingerprint (a joiner learns them from its recording), and whether

@@ -29,8 +29,8 @@ issues a collective: the 2-rank transfer group is the only thing that talks, so 
 while the other ranks train (a pre-copy) or wait at their switch step.
 
 A value is encoded by :func:`encode` (a small tagged encoding that round-trips exactly what state_dicts and the
-callers' ``extra`` hold: None, bool, int, float with inf/nan, str, bytes, dict / OrderedDict with any such keys,
-list, tuple, tensors) and nothing else. A tensor of a managed object is a reference into a flat buffer; a tensor
+callers' ``extra`` hold: None, bool, int, float with inf/nan, str, bytes, dict / OrderedDict / Counter with any
+such keys, list, tuple, tensors) and nothing else. A tensor of a managed object is a reference into a flat buffer; a tensor
 of ``extra`` (the RNG state) travels inline in the header. Dtypes come from a fixed list of torch dtype names;
 devices are ``cpu`` or ``cuda[:i]``.
 
@@ -86,6 +86,7 @@ _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,4})?")
 _BUFFER_FIELDS = {"key", "dtype", "device", "numel", "shapes"}
 _HEADER_FIELDS = {"format", "skeleton", "extra", "buffers", "data"}
 _SHARD_FIELDS = {"r", "shape", "placements", "mesh"}
+_MAPPINGS = (dict, collections.OrderedDict, collections.Counter)  # the mapping types a state keeps as they are
 MAX_PLACEMENT_CHARS = 64  # bound of one placement's name in a shard entry (``_S(0, 2)`` is 8)
 
 
@@ -151,8 +152,9 @@ def encode(value: Any, tensor: Callable[[torch.Tensor], Any], depth: int = 0) ->
     """``value`` as JSON-ready data: None, bool, int, str and finite floats as themselves; every other value as a
     one-key tagged object: ``{"f": IEEE-754 bits as hex}`` (inf, nan), ``{"b": base64}`` (bytes), ``{"d":
     [[key, value], ...]}`` (dict), ``{"o": [[key, value], ...], "m": metadata}`` (OrderedDict, with its
-    ``_metadata`` as state_dicts carry it), ``{"l": [...]}`` (list), ``{"t": [...]}`` (tuple); a tensor is what
-    ``tensor(t)`` returns. Raises TypeError for any other type (subclasses included, but for tensors)."""
+    ``_metadata`` as state_dicts carry it), ``{"c": [[key, value], ...]}`` (collections.Counter: MultiStepLR's
+    ``milestones``), ``{"l": [...]}`` (list), ``{"t": [...]}`` (tuple); a tensor is what ``tensor(t)`` returns.
+    Raises TypeError for any other type (subclasses included, but for tensors)."""
     if depth > MAX_DEPTH:
         raise TypeError(f"state nested deeper than {MAX_DEPTH} levels cannot be sent")
     kind = type(value)
@@ -166,17 +168,17 @@ def encode(value: Any, tensor: Callable[[torch.Tensor], Any], depth: int = 0) ->
         return {"b": base64.b64encode(value).decode("ascii")}
     if kind in (list, tuple):
         return {"l" if kind is list else "t": [encode(v, tensor, depth + 1) for v in value]}
-    if kind in (dict, collections.OrderedDict):
+    if kind in (dict, collections.OrderedDict, collections.Counter):
         items = [[encode(k, tensor, depth + 1), encode(v, tensor, depth + 1)] for k, v in value.items()]
-        if kind is dict:
-            return {"d": items}
+        if kind is not collections.OrderedDict:
+            return {"d" if kind is dict else "c": items}
         out: dict[str, Any] = {"o": items}
         metadata = getattr(value, "_metadata", None)
         if metadata is not None:
             out["m"] = encode(metadata, tensor, depth + 1)
         return out
     raise TypeError(f"a value of type {kind.__module__}.{kind.__qualname__} cannot be sent in a state "
-                    "(only None, bool, int, float, str, bytes, dict, OrderedDict, list, tuple and tensors)")
+                    "(only None, bool, int, float, str, bytes, dict, OrderedDict, Counter, list, tuple and tensors)")
 
 
 def decode(node: Any, tensor: Callable[[str, Any], torch.Tensor], depth: int = 0) -> Any:
@@ -207,10 +209,10 @@ def decode(node: Any, tensor: Callable[[str, Any], torch.Tensor], depth: int = 0
             raise TransferRefused(f"bad sequence in header: {_short(payload)}")
         items = [decode(v, tensor, depth + 1) for v in payload]
         return items if tag == "l" else tuple(items)
-    if tag in ("d", "o"):
+    if tag in ("d", "o", "c"):
         if type(payload) is not list:
             raise TransferRefused(f"bad mapping in header: {_short(payload)}")
-        out: dict = {} if tag == "d" else collections.OrderedDict()
+        out: dict = {} if tag == "d" else collections.OrderedDict() if tag == "o" else collections.Counter()
         for item in payload:
             if type(item) is not list or len(item) != 2:
                 raise TransferRefused(f"bad mapping item in header: {_short(item)}")
@@ -650,7 +652,7 @@ def _place(node: Any, own: Any, path: tuple, name: str, params: list) -> Any:
                                   f"this rank holds a DTensor ({mine}); state refused")
         return node
     if isinstance(node, dict):
-        out = type(node)() if type(node) in (dict, collections.OrderedDict) else {}
+        out = type(node)() if type(node) in _MAPPINGS else {}
         for k, v in node.items():
             out[k] = _place(v, own.get(k) if isinstance(own, dict) else None, path + (k,), name, params)
         metadata = getattr(node, "_metadata", None)

@@ -157,6 +157,16 @@ def with_loader(monkeypatch):
     return rec, model, opt, loader
 
 
+def loader_steps(rec, model, opt, loader, steps):
+    """Train ``steps`` committed steps (0, 1, ...) of a :func:`with_loader` rank, each drawing its batch."""
+    for step in range(steps):
+        rec.control.set_step(step)
+        rec.begin_step()
+        model(loader.batch(step)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 class WithUnused(torch.nn.Module):
     """A 3 -> 8 -> 1 MLP (``net``) and a layer the forward never uses: DDP needs ``find_unused_parameters``."""
 

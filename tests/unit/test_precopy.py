@@ -1,5 +1,6 @@
 """Pre-copy with optimizer replay (worker.precopy) over a real 2-rank gloo group: the leaver trains on one
 thread while the joiner follows on another; at the switch step both hold bit-identical state."""
+import collections
 import concurrent.futures as cf
 import time
 
@@ -53,13 +54,44 @@ def train_step(objs, step, zero_in_place=False, clamp=False):
         for e, p in zip(objs["ema"].parameters(), model.parameters()):
             e.data.mul_(0.9).add_(p.data, alpha=0.1)  # through .data: no version bump, so always sent
     objs["data"].next_step = step + 1
+    if "history" in objs:
+        objs["history"].append(step)
 
 
-def migrate(opt_cls=torch.optim.AdamW, hook=None, pre_hook=False, late_hook=None, grad_buffers=None, **step_kw):
+class History:
+    """Plain state that changes shape every step: a list that grows, a Counter and a dict that gain keys, a string
+    that grows, and a tensor that grows (not an optimizer's: the tail always sends it)."""
+
+    def __init__(self):
+        self.steps, self.seen, self.notes, self.text = [], collections.Counter(), {}, ""
+        self.log = torch.zeros(0)
+
+    def append(self, step):
+        self.steps.append(step)
+        self.seen[step % 3] += 1
+        self.notes[f"s{step}"] = (step, [step] * (step % 2))
+        self.text += str(step)
+        self.log = torch.cat([self.log, torch.tensor([step * 0.5])])
+
+    def state_dict(self):
+        return {"steps": list(self.steps), "seen": collections.Counter(self.seen), "notes": dict(self.notes),
+                "text": self.text, "log": self.log}
+
+    def load_state_dict(self, state):
+        self.steps, self.seen, self.notes = list(state["steps"]), collections.Counter(state["seen"]), \
+            dict(state["notes"])
+        self.text, self.log = state["text"], state["log"].clone()
+
+
+def migrate(opt_cls=torch.optim.AdamW, hook=None, pre_hook=False, late_hook=None, grad_buffers=None, history=False,
+            **step_kw):
     """Train the leaver to the switch step with a pre-copy at START; return (leaver, joiner, precopy, extra,
     tail bytes). ``grad_buffers(joiner)`` makes the joiner's gradient receive buffers (default: the joiner's
     precopy.gradient_buffers, as worker.migration makes them)."""
     leaver, joiner = build(1, opt_cls), build(2, opt_cls)
+    if history:  # the joiner's own (from its shadow iterations) is shorter than the leaver's
+        leaver["history"], joiner["history"] = History(), History()
+        joiner["history"].append(0)
     if hook is not None:
         opt = leaver["optimizer"]
         (opt.register_step_pre_hook if pre_hook else opt.register_step_post_hook)(hook)
@@ -113,6 +145,34 @@ def test_followed_joiner_is_bit_identical_and_the_tail_is_small():
     # the replay leaves no gradient behind: the script zeroes after its step, and the switch step's backward must
     # not add to the last replayed step's gradients
     assert all(p.grad is None for p in joiner["model"].parameters())
+
+
+def test_plain_state_that_changes_shape_after_the_precopy_arrives_as_the_leavers():
+    """A list that grows every step (and a Counter, a dict and a string that do): at the switch step the leaver's
+    structure is not the joiner's (nor the pre-copy's). The tail carries the leaver's structure, and the joiner
+    makes the state from it, keeping the tensors its replay made identical; the pre-copy sends only those."""
+    leaver, joiner, pc, extra, tail = migrate(history=True)
+    h, j = leaver["history"], joiner["history"]
+    assert h.steps == list(range(SWITCH)) and j.steps == h.steps and j.seen == h.seen and type(j.seen) is \
+        collections.Counter and j.notes == h.notes and j.text == h.text and torch.equal(j.log, h.log)
+    assert same(flat_state(leaver), flat_state(joiner))
+    assert pc.off == {} and (pc.kept, pc.sent) == (6 + 3 * 6, 6 + 3 + 3 + 1)  # + the history's log tensor
+
+
+def test_a_joiner_whose_tensors_differ_after_loading_is_refused_before_transferred():
+    """A module's load_state_dict casts another dtype silently: the joiner checks every received tensor against its
+    own state after loading, and refuses the state before it reports ``transferred`` (the migration aborts)."""
+    leaver, joiner = stepped(1), stepped(2)
+    joiner["ema"] = joiner["ema"].double()
+    a, b = pair()
+    precopied = []
+    with cf.ThreadPoolExecutor(2) as ex:
+        sent = ex.submit(transfer.send_state, a, leaver, {"kind": precopy.Kind.PRECOPY.value, "step": 3})
+        with pytest.raises(transfer.TransferRefused, match="ema: the tensor at a.weight is torch.float32 "
+                                                           r"\[32, 8\] on the leaver, torch.float64"):
+            precopy.follow(b, joiner, on_precopy=lambda *x: precopied.append(x))
+        sent.result(timeout=20)
+    assert precopied == []
 
 
 def test_sgd_with_zero_grad_in_place_and_clamping():
@@ -267,8 +327,8 @@ def test_a_changed_learning_rate_alone_is_set_without_loading_the_optimizer(monk
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda t: t["model"].update(structure="0" * 64), "another structure"),
-    (lambda t: t["model"].update(leaves=t["model"]["leaves"] + 1), "another structure"),
+    (lambda t: t["model"].update(structure="0" * 64), "malformed structure"),
+    (lambda t: t["model"].update(leaves=t["model"]["leaves"] + 1), "do not agree"),
     (lambda t: t["model"].pop("sent"), "malformed tail"),
     (lambda t: t.update(model=[1, 2]), "malformed tail"),
     (lambda t: t["model"].update(sent=[10 ** 6]), "bad positions"),
@@ -279,7 +339,7 @@ def test_a_changed_learning_rate_alone_is_set_without_loading_the_optimizer(monk
     (lambda t: t["optimizer"]["values"].pop(), "fewer than"),
     (lambda t: t["optimizer"]["values"].__setitem__(0, torch.zeros(1)), "a tensor where"),
     (lambda t: t["optimizer"]["values"].__setitem__(-1, [0]), "a container"),
-    (lambda t: t["optimizer"].update(leaves=torch.zeros(2)), "another structure"),
+    (lambda t: t["optimizer"].update(leaves=torch.zeros(2)), "malformed structure"),
     (lambda t: t["model"]["values"].__setitem__(0, torch.zeros(8, 32)), "another dtype or shape"),
     (lambda t: t["model"]["values"].__setitem__(0, torch.zeros(32, 8, dtype=torch.float64)), "another dtype"),
 ])

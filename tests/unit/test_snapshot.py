@@ -321,3 +321,11 @@ def test_prune_bounds_what_a_rank_holds_while_rounds_keep_failing_elsewhere():
     assert len(s.own) == len(s.kept) == MAX_HELD and 4 in s.own and 24 in s.own, sorted(s.own)
     s.prune([[9, 14, 19, 24], []])  # nothing common: still bounded, the newest kept
     assert len(s.own) <= MAX_HELD and 24 in s.own
+
+
+def test_copy_state_keeps_a_counter():
+    """MultiStepLR's milestones are a collections.Counter: a snapshot keeps the type, so a recovery from a buddy
+    snapshot loads the same type as a recovery from a replica."""
+    sched = torch.optim.lr_scheduler.MultiStepLR(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0), [3, 3])
+    copied = copy_state(sched.state_dict())
+    assert type(copied["milestones"]) is collections.Counter and copied["milestones"] == {3: 2}

@@ -13,7 +13,7 @@ from worker.control import Stage
 from worker.snapshot import round_id
 from worker.step_exchange import NO_FINGERPRINT, pack, unpack
 from tests.unit.rank_rooms import (
-    NODE_OF, Failed, World, blob, fp, fsdp_rank, make, one_step, trained, with_loader,
+    NODE_OF, Failed, World, blob, fp, fsdp_rank, loader_steps, make, one_step, trained, with_loader,
 )
 
 pytestmark = pytest.mark.timeout(10)
@@ -188,3 +188,63 @@ def test_no_warning_for_a_step_that_did_not_commit_or_a_shadow_iteration(monkeyp
     rec.control.set_step(2)
     rec.begin_step()
     assert not [m for m in rec.sent if isinstance(m, p.RankWarning)]
+
+
+class Odd:
+    """A rank-local object whose state_dict holds ``value`` (at ``pos/seen``)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"pos": {"seen": self.value}}
+
+    def load_state_dict(self, state):
+        self.value = state["pos"]["seen"]
+
+
+@pytest.mark.parametrize("value, kind", [
+    (__import__("numpy").float64(0.5), "numpy.float64"),
+    (__import__("collections").deque([1]), "collections.deque"),
+    ({1, 2}, "builtins.set"),  # torch.load(weights_only=True) takes a set, a migration's transfer does not
+])
+def test_a_rank_local_state_that_cannot_move_fails_the_job_at_the_first_step(monkeypatch, value, kind):
+    """A rank-local state_dict holding what torch.load(weights_only=True) or worker.transfer refuses would make a
+    failure's replacement (or a migration's joiner) fail: the first exchange fails the job at once instead, naming
+    the object, the type and the rule."""
+    rec, model, opt, loader = with_loader(monkeypatch)
+    rec.manage({"sampler": Odd(value)}, rank_local=True)
+    rec.control.set_step(0)
+    rec.begin_step()
+    model(torch.ones(4, 3)).sum().backward()
+    with pytest.raises(Failed):
+        opt.step()
+    kind_, message = rec.failures[0]
+    assert kind_ == p.FailureKind.SCRIPT_ERROR and "\n" not in message
+    assert f"rank-local managed object 'sampler'" in message and f"holds a {kind} at pos/seen" in message
+    assert "plain data" in message
+
+
+def test_plain_rank_local_and_replicated_states_pass_and_are_checked_once(monkeypatch):
+    """A Counter (MultiStepLR's milestones) is plain data; the check runs at the first exchange only."""
+    import collections
+    rec, model, opt, loader = with_loader(monkeypatch)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, [2, 3])
+    rec.manage({"scheduler": sched}, rank_local=False)
+    rec.manage({"counts": Odd(collections.Counter({"a": 1}))}, rank_local=True)
+    calls = []
+    monkeypatch.setattr(rank_state, "check_plain", lambda *a, real=rank_state.check_plain, **k: calls.append(1)
+                        or real(*a, **k))
+    loader_steps(rec, model, opt, loader, 2)
+    assert rec.failures == [] and len(calls) == 2  # rank-local, then replicated: once
+
+
+def test_a_replicated_state_that_cannot_be_sent_fails_the_job_at_the_first_step(monkeypatch):
+    rec, model, opt, loader = with_loader(monkeypatch)
+    rec.manage({"ema": Odd(__import__("numpy").float32(1))}, rank_local=False)
+    rec.control.set_step(0)
+    rec.begin_step()
+    model(torch.ones(4, 3)).sum().backward()
+    with pytest.raises(Failed):
+        opt.step()
+    assert "replicated managed object 'ema'" in rec.failures[0][1] and "numpy.float32" in rec.failures[0][1]

@@ -124,3 +124,16 @@ def test_misuse_finds_sharded_parameters_by_their_local_shard(mesh, monkeypatch)
     assert misuse.check(objs) is None
     code, message = misuse.check({"optimizer": objs["optimizer"]})
     assert code == p.WarningCode.UNMANAGED_PARAMETERS and "weight" in message
+
+
+def test_check_plain_takes_plain_data_and_a_counter_and_names_the_rest():
+    import collections
+    import numpy as np
+    from worker import rank_state as rs
+    plain = {"a": [1, 2.5, None, True, "s", b"b", (torch.zeros(2),)], "c": collections.Counter({3: 2}),
+             "o": collections.OrderedDict(x=1), ("k", 1): {}}
+    assert rs.check_plain({"x": plain}, rank_local=True) is None
+    assert type(rs.deserialize(rs.encode({"c": plain["c"]}))["c"]) is collections.Counter
+    error = rs.check_plain({"ok": plain, "sampler": {"seen": [np.float64(1)]}}, rank_local=True)
+    assert error.startswith("rank-local managed object 'sampler'") and "numpy.float64 at seen/0" in error
+    assert "plain data" in error

@@ -10,7 +10,7 @@ import torch
 from tmd import protocol as p
 from worker import rank_state
 from worker.step_exchange import NO_FINGERPRINT
-from tests.unit.rank_rooms import Groups, World, blob, fsdp_rank, make, one_step, with_loader
+from tests.unit.rank_rooms import Groups, World, blob, fsdp_rank, loader_steps, make, one_step, with_loader
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -46,12 +46,7 @@ def test_a_survivor_draws_the_redone_step_from_where_the_interrupted_attempt_beg
     the loader's state as the attempt began before the plan is carried out, so the redone step serves the same
     position once. A survivor that committed the step anyway keeps the state it stands at."""
     rec, model, opt, loader = with_loader(monkeypatch)
-    for step in range(2):
-        rec.control.set_step(step)
-        rec.begin_step()
-        model(loader.batch(step)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    loader_steps(rec, model, opt, loader, 2)
     at_begin = (loader.served, loader.cursor.clone())
     rec.control.set_step(2)
     rec.begin_step()
