@@ -8,7 +8,9 @@ in ``torch.distributed.checkpoint`` (DCP) format, saved asynchronously and commi
         .metadata                 DCP's metadata (written by rank 0 once every rank's data is written)
         __<rank>_<k>.distcp       DCP's data files: the replicated objects, DTensor shards as shards
         rank00001.pt              rank 1's rank state (worker.rank_state.capture: CPU/CUDA RNG, rank-local
-                                  state_dicts), ``torch.save``; load with ``torch.load(weights_only=True)``
+                                  state_dicts) and, under ``objects``, the replicated objects that are neither
+                                  a module nor an optimizer (:func:`plain_objects`: an LR scheduler),
+                                  ``torch.save``; load with ``torch.load(weights_only=True)``
         rank00001.sums.json       the sizes and sha256 of the files rank 1 wrote (read only by rank 0)
         manifest.json             written LAST, by rank 0: format, job id, step, world size, layout, and every
                                   file's size and sha256; fsynced and renamed into place
@@ -19,8 +21,9 @@ A directory without a manifest is a torn save (a crash, a full disk) and is neve
 **The DCP state dict** (what plain torch or torchtitan loads): ``{name: state}`` for each replicated managed
 object: an ``nn.Module`` as ``get_model_state_dict`` gives it (fully qualified names, a DDP wrapper's ``module.``
 dropped, FSDP2/TP parameters as DTensors), an optimizer as ``get_optimizer_state_dict`` gives it (keyed by
-parameter names) when a managed module holds its parameters, any other object (an LR scheduler) as its
-``state_dict()``. See docs/checkpoints.md.
+parameter names) when a managed module holds its parameters. Any other object (an LR scheduler) is in each
+rank's ``rankNNNNN.pt`` instead (:func:`plain_objects`: DCP's flattening into string paths breaks plain data).
+See docs/checkpoints.md.
 
 **Saving** (:meth:`Checkpointer.save`, at a step boundary, on every rank): the training thread waits for the
 previous save (if any is still writing), copies the state into host-memory staging buffers kept between saves
@@ -63,6 +66,7 @@ from worker import rank_state
 FORMAT = "trainmover-checkpoint/1"
 MANIFEST = "manifest.json"
 JOB_FILE = "JOB"
+OBJECTS = "objects"  # the rank file's key for the replicated objects kept out of DCP (plain_objects)
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
 _FAILED, _WRITE, _SKIP = 0, 1, 2  # rank 0's decision on a save, agreed by an all-reduce (MIN)
 
@@ -146,6 +150,27 @@ def _owner(optimizer: torch.optim.Optimizer, modules: dict[str, torch.nn.Module]
         if wanted <= {id(p) for p in module.parameters()}:
             return module
     return None
+
+
+def _holds_dtensor(node: Any) -> bool:
+    if isinstance(node, DTensor):
+        return True
+    if isinstance(node, dict):
+        return any(_holds_dtensor(v) for v in node.values())
+    if isinstance(node, (list, tuple)):
+        return any(_holds_dtensor(v) for v in node)
+    return False
+
+
+def plain_objects(replicated: dict[str, Any]) -> dict[str, Any]:
+    """The replicated managed objects whose state goes into each rank's file rather than DCP's: those that are
+    neither a module nor an optimizer (an LR scheduler, a counter), unless their state holds a DTensor. DCP
+    flattens a state dict into string paths, which breaks plain data: MultiStepLR's ``milestones`` (a Counter
+    with int keys) came back with each key twice (``2`` and ``"2"``), and a list that grew since the fresh
+    object's could not be loaded at all ("Missing key"). The rank file keeps them as they are (``torch.save``,
+    loaded with ``weights_only=True``)."""
+    return {name: obj for name, obj in replicated.items()
+            if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) and not _holds_dtensor(obj.state_dict())}
 
 
 def app_state(replicated: dict[str, Any]) -> dict[str, Any]:
@@ -291,10 +316,12 @@ class Checkpointer:
         Never raises for storage errors: they end up in the result's ``error``."""
         start = time.perf_counter()
         self.wait()
-        state = self._staging.copy(app_state(replicated))
+        plain = plain_objects(replicated)
+        state = self._staging.copy(app_state({n: o for n, o in replicated.items() if n not in plain}))
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking copies into pinned memory are done
         rank = rank_state.capture(local)
+        rank[OBJECTS] = {name: copy.deepcopy(obj.state_dict()) for name, obj in plain.items()}
         result = SaveResult(step=step, path=step_dir(self.root, step))
         result.stall_s = time.perf_counter() - start
         self._pending = result
@@ -420,14 +447,21 @@ class Checkpointer:
             if why is not None:
                 self.refused.append(f"checkpoint {path} refused: {why}")
                 continue
-            target = app_state(replicated)
+            with open(os.path.join(path, f"rank{self.rank:05d}.pt"), "rb") as f:
+                mine = rank_state.deserialize(f.read())
+            plain = mine.get(OBJECTS, {})  # (a checkpoint written before they moved out of DCP has none)
+            in_dcp = {n: o for n, o in replicated.items() if n not in plain}
+            target = app_state(in_dcp)
             diff = layout_difference(manifest["layout"], layout(target, self.world_size))
+            if diff is None and set(plain) - set(replicated):
+                diff = f"objects {sorted(set(plain) - set(replicated))} that this job does not manage"
             if diff is not None:
                 raise LayoutMismatch(f"checkpoint {path} was written under {diff}")
             dcp.load(target, checkpoint_id=path, process_group=self.group)
-            _load_app_state(replicated, target)
-            with open(os.path.join(path, f"rank{self.rank:05d}.pt"), "rb") as f:
-                rank_state.restore(rank_state.deserialize(f.read()), local)
+            _load_app_state(in_dcp, target)
+            for name, state in plain.items():
+                replicated[name].load_state_dict(state)
+            rank_state.restore(mine, local)
             return int(manifest["step"])
         return None
 

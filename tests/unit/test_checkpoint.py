@@ -9,6 +9,7 @@ imports, 60 s of CPU for the module's 6 jobs of 2 ranks."""
 from __future__ import annotations
 
 import json
+import collections
 import os
 import subprocess
 import sys
@@ -214,3 +215,36 @@ def test_layout_difference_names_what_differs():
     assert checkpoint.layout_difference(saved, other) == (
         "tensor model.w is (8, 4) torch.float32 ('Shard(dim=0)',) mesh (4,), this job has (8, 4) torch.float32 "
         "('Replicate()',) mesh (4,)")
+
+
+def test_a_multisteplr_comes_back_with_its_milestones_a_counter(tmp_path, one_rank):
+    """MultiStepLR's state_dict holds a collections.Counter; a checkpoint must give it back as one, with the lr."""
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 2, 4], gamma=0.5)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    history = History([0, 1, 2])  # a replicated object whose list grew since the job began
+    ckpt = checkpoint.Checkpointer(str(tmp_path), "job-a")
+    saved = ckpt.save(3, {"model": model, "optimizer": opt, "scheduler": sched, "history": history}, {})
+    assert ckpt.wait() is saved and saved.error is None
+    model2 = small_model()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=1.0)
+    sched2 = torch.optim.lr_scheduler.MultiStepLR(opt2, milestones=[2, 2, 4], gamma=0.5)  # the same script
+    history2 = History([])
+    assert ckpt.load({"model": model2, "optimizer": opt2, "scheduler": sched2, "history": history2}, {}) == 3
+    assert type(sched2.milestones) is collections.Counter and sched2.milestones == collections.Counter([2, 2, 4])
+    assert sched2.state_dict() == sched.state_dict() and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert history2.steps == [0, 1, 2]
+
+
+class History:
+    def __init__(self, steps):
+        self.steps = list(steps)
+
+    def state_dict(self):
+        return {"steps": list(self.steps), "by_step": {s: s * s for s in self.steps}}
+
+    def load_state_dict(self, state):
+        self.steps = list(state["steps"])
