@@ -4,7 +4,9 @@ running average of the batch mean over all ranks, as SyncBatchNorm's statistics,
 step is the first to change it), DDP, per-rank seeds, two optimizers (SGD
 with momentum and a managed OneCycle schedule for the body, AdamW for the output layer), two micro-batches per step
 (the first under ``no_sync()``), autocast and a GradScaler, gradient clipping, the plain ``for step in
-session.steps(n)`` loop catching ``StepAborted``, and ``zero_grad()`` after ``optimizer.step()``.
+session.steps(n)`` loop catching ``StepAborted``, and ``zero_grad()`` after ``optimizer.step()``; a MultiStepLR
+(its state holds a ``collections.Counter``), a rank-local list that grows every step and a replicated count of
+samples changed before the update (each broke a migration or a kill before 2026-11-29: an outside tester's scripts).
 
 One job (2 nodes x 2 ranks, 2 standbys): ``n2 -> s1`` is migrated at step 4 or later, then n1's processes kill
 themselves in step KILL_AT's forward pass, after its buffers changed and before the backward; n1 is recovered on s2

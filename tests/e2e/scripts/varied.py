@@ -4,7 +4,10 @@ pass changes identically on every rank (a forward counter and a running average 
 whole batch: what SyncBatchNorm's statistics are), DDP, per-rank seeds, SGD with momentum and a OneCycle schedule
 (managed), gradient clipping, the plain ``for step in session.steps(n)`` loop that catches ``worker.StepAborted``,
 and ``zero_grad()`` after ``optimizer.step()``. Each step's batch is drawn by a managed rank-local loader (whose count of
-batches served enters the final hash) from a generator seeded by (seed, rank, step). Writes ``<run_dir>/final/rank<R>.json`` like examples/train_gpt.py.
+batches served, and the list of their steps, which grows every step, enter the final hash) from a generator seeded
+by (seed, rank, step); a replicated ``progress`` object counts the job's samples as they are drawn (before the
+update), and the output layer's ``MultiStepLR`` holds a ``collections.Counter``. Writes
+``<run_dir>/final/rank<R>.json`` like examples/train_gpt.py.
 
     python tests/e2e/scripts/varied.py --steps 30 [--norm layer|batch] [--fault NODE:STEP] [--step-time-s S]
                                        [--stats-from STEP] [--calibrate-once] [--calibrate-first]
@@ -103,8 +106,26 @@ def main() -> None:
     opt = torch.optim.SGD(body, lr=0.05, momentum=0.9, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=args.steps)
     head_opt = torch.optim.AdamW(head.parameters(), lr=0.01)
+    # MultiStepLR's state holds a collections.Counter (its milestones): it must move and come back as one
+    head_sched = torch.optim.lr_scheduler.MultiStepLR(head_opt, milestones=[5, 5, 25], gamma=0.5)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
-    session.manage(model=model, optimizer=opt, scheduler=sched, head_optimizer=head_opt, scaler=scaler)
+
+    class Progress:
+        """Samples seen by the whole job, counted as each micro-batch is drawn (before the optimizer's update):
+        replicated state that a redone step must not count twice."""
+
+        def __init__(self) -> None:
+            self.samples = 0
+
+        def state_dict(self) -> dict:
+            return {"samples": self.samples}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.samples = int(state["samples"])
+
+    progress = Progress()
+    session.manage(model=model, optimizer=opt, scheduler=sched, head_optimizer=head_opt, head_scheduler=head_sched,
+                   scaler=scaler, progress=progress)
 
     class Loader:
         """This rank's micro-batches, drawn from a generator seeded by (seed, rank, step), and the count of those
@@ -112,17 +133,20 @@ def main() -> None:
 
         def __init__(self) -> None:
             self.served = 0
+            self.steps: list[int] = []  # the step of every batch served: a state that grows every step
 
-        def draw(self, g: torch.Generator) -> tuple:
+        def draw(self, g: torch.Generator, step: int) -> tuple:
             self.served += 1
+            self.steps.append(step)
+            progress.samples += 32 * session.world_size
             x = torch.randn(32, 16, generator=g)
             return x, x @ target + 0.1 * torch.randn(32, 4, generator=g)
 
         def state_dict(self) -> dict:
-            return {"served": self.served}
+            return {"served": self.served, "steps": list(self.steps)}
 
         def load_state_dict(self, state: dict) -> None:
-            self.served = int(state["served"])
+            self.served, self.steps = int(state["served"]), list(state["steps"])
 
     loader = Loader()
     session.manage(rank_local=True, data=loader)
@@ -138,7 +162,7 @@ def main() -> None:
         try:
             g = torch.Generator().manual_seed(args.seed * 1_000_003 + session.rank * 10_007 + step)
             for micro in range(args.accumulate):  # gradients accumulate locally; only the last backward syncs
-                x, y = loader.draw(g)
+                x, y = loader.draw(g, step)
                 last = micro == args.accumulate - 1
                 with contextlib.nullcontext() if last else model.no_sync():
                     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -157,6 +181,7 @@ def main() -> None:
             scaler.step(head_opt)
             scaler.update()
             sched.step()
+            head_sched.step()
             opt.zero_grad()
             head_opt.zero_grad()
         except worker.StepAborted:
@@ -170,6 +195,9 @@ def main() -> None:
             digest.update(key.encode())
             digest.update(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
     digest.update(f"served={loader.served}".encode())  # the loader's position: as many draws as the reference's
+    digest.update(f"steps={loader.steps} samples={progress.samples}".encode())
+    digest.update(f"head_scheduler={sorted(head_sched.state_dict().items())!r}".encode())  # its Counter's type too
+    digest.update(type(head_sched.milestones).__name__.encode())
     os.makedirs(os.path.join(session.run_dir, "final"), exist_ok=True)
     with open(os.path.join(session.run_dir, "final", f"rank{session.rank}.json"), "w") as f:
         json.dump({"rank": session.rank, "steps": args.steps, "state_sha256": digest.hexdigest(),
