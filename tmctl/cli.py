@@ -154,8 +154,14 @@ def _expect(reply: Message, cls: type) -> Any:
     return reply
 
 
+PIPED_WIDTH = 200  # columns of tmctl's tables when its output is not a terminal (rich's default, 80, elides names)
+
+
 def _console() -> Console:
-    return Console(highlight=False)
+    """rich's console: a terminal's own width; piped or captured (a script, a log), wide enough that no column
+    of a table collapses to ``…`` (unless COLUMNS says otherwise)."""
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(highlight=False, width=PIPED_WIDTH if wide else None)
 
 
 @app.command()
@@ -193,7 +199,7 @@ def status(ctx: typer.Context, json_: JsonOpt = False, coordinator: CoordinatorO
     else:
         console.print("no migration")
     if reply.recovery:
-        console.print(render.recovery_line(reply.recovery))
+        console.print(render.recovery_line(reply.recovery, slurm=reply.slurm is not None))
     for line in render.slurm_lines(reply.slurm):
         console.print(line)
     for line in render.warning_lines(reply.warnings):

@@ -222,12 +222,13 @@ def events_table(events: list[dict]) -> Table:
     return table
 
 
-def recovery_line(r: dict) -> str:
+def recovery_line(r: dict, slurm: bool = False) -> str:
     """The failure recovery in progress (or the last one) in one line: id, state, lost ranks, standby use,
-    resume step, phases (seconds)."""
+    resume step, phases (seconds). ``slurm``: the job runs under SLURM (how to add a standby differs)."""
     state = r.get("state")
     if r.get("waiting_standby"):
-        state = "waiting for a standby (tmctl standby add NAME, or a standby job)"
+        state = ("waiting for a standby (sbatch --reservation=standby slurm/standby.sbatch JOBID)" if slurm
+                 else "waiting for a standby (tmctl standby add NAME)")
     parts = [f"recovery {_dash(r.get('id'))}: {state}", f"lost ranks {r.get('lost_ranks')}",
              f"failed {', '.join(r.get('failed_nodes') or []) or '-'}"]
     if r.get("standbys"):

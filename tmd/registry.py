@@ -11,6 +11,7 @@ Ranks are node-major at job start: node i of the layout holds ranks ``i*ranks_pe
     joining | guarding --back_to_standby--> standby    (a migration aborted, a guard released: fresh processes)
     active | joining | guarding | standby --fail_node--> failed
     active --hand_over--> left                  (the leaver of a committed migration)
+    left | failed --revive--> standby           (SLURM: a new standby job on a node handed back, fit again)
 
 :class:`Generations` is the job's one counter of process-group generations, shared by migrations and recoveries.
 """
@@ -228,6 +229,14 @@ class Registry:
         node.ranks, node.guards = [], []
         node.role, node.health, node.reason = NodeRole.FAILED, Health.UNHEALTHY, reason
         return lost
+
+    def revive(self, node: Node) -> None:
+        """A node that left the job or failed comes back as a fresh standby with no process (SLURM mode: a new
+        standby job landed on it once SLURM had it back, fit). Its old processes are gone: their slots are free.
+        Raises ValueError for a node in another role."""
+        self._expect(node, (NodeRole.LEFT, NodeRole.FAILED), "revive")
+        node.role, node.health, node.reason, node.ranks, node.guards = NodeRole.STANDBY, Health.UNKNOWN, "", [], []
+        node.workers.clear()
 
     def restore(self, node: Node, role: NodeRole, ranks: list[int], reason: str = "") -> None:
         """``tmd resume``: set a node to the role the journal shows it had when the old tmd died."""

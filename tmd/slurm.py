@@ -365,7 +365,8 @@ class SlurmCluster:
         self._lost_with_job: set[str] = set()  # nodes lost because their standby job ended: not drained
         self._draining: set[str] = set()  # failed nodes tmd asked SLURM to drain
         self._drained: set[str] = set()  # those SLURM drains: handed back like left nodes
-        self._cancelling: set[str] = set()  # drained standby jobs of the pool being cancelled
+        self._cancelling: set[str] = set()  # standby jobs being cancelled (drained ones of the pool; empty ones)
+        self._cancel_why: dict[str, str] = {}  # job -> why it is cancelled (default: its nodes are drained)
         self._prologs_due: dict[tuple[str, str], float] = {}  # (SLURM job, node) -> until when to look for its report
         self._notices: set[tuple[str, str, str]] = set()  # (hook, SLURM job, node) of the NodeNotices journalled
         self._rebuild: Optional[Rebuild] = None  # planned by rebuild_world, carried out by relaunch
@@ -561,20 +562,53 @@ class SlurmCluster:
         added = []
         for name in sj.nodes:
             if name in self.registry.nodes:
-                self.journal.record(Event.STANDBY_NODE_REFUSED, node=name, slurm_job=sj.job_id,
-                                    reason=f"node '{name}' is already part of this job "
-                                           f"({self.registry.nodes[name].role})")
-                continue
-            self.registry.add_node(name)
+                why = self._not_revivable(name)
+                if why is not None:
+                    self.journal.record(Event.STANDBY_NODE_REFUSED, node=name, slurm_job=sj.job_id, reason=why)
+                    continue
+                self._revive(name)
+            else:
+                self.registry.add_node(name)
             self.launcher.assign(name, sj.job_id)
             added.append(name)
         self.adopted[sj.job_id] = added
+        if not added and sj.nodes and sj.job_id not in self._cancelling:  # it would hold its nodes for nothing
+            self._cancelling.add(sj.job_id)
+            self._cancel_why[sj.job_id] = "none of its nodes can be a standby of this job"
+            timeout_s, jid = self.poller.timeout_s, sj.job_id
+            self.poller.submit(f"cancel {jid}", lambda: run_slurm(["scancel", jid], timeout_s).strip())
         self.poller.watch(added)
         self._write_link(sj.job_id, standby_for=self.job_id)
         self.journal.record(Event.STANDBY_JOB_RUNNING, slurm_job=sj.job_id, nodes=added)
         self._expect_prologs(sj.job_id, sj.nodes)
         for name in added:
             self.launcher.start_node(name, standby=True)
+
+    def _not_revivable(self, name: str) -> Optional[str]:
+        """Why node ``name``, known to this job, cannot be a standby of a new standby job (None: it can, as a
+        fresh standby). A node that left, or failed and is fit again (lost with its standby job's end; drained by
+        tmd and resumed by an admin, since SLURM scheduled it), comes back once SLURM holds it for the new job:
+        refusing it held a reservation node in an empty standby job and could starve the pool (the job then
+        waited for a standby forever)."""
+        node = self.registry.nodes[name]
+        what = f"node '{name}' is already part of this job ({node.role})"
+        if node.role not in (NodeRole.LEFT, NodeRole.FAILED):
+            return what
+        owner = self.launcher.node_job.get(name)
+        if self.launcher.running(name) or (owner is not None and (owner == self.job_id or owner in self.adopted)):
+            return f"{what}: its processes or its job are still there"
+        if node.role == NodeRole.FAILED and name in self._draining and name not in self._drained:
+            return f"{what}: tmd asked SLURM to drain it"
+        return None
+
+    def _revive(self, name: str) -> None:
+        """Node ``name`` (left, or failed and fit again) becomes a fresh standby of this job."""
+        self.registry.revive(self.registry.nodes[name])
+        for known in (self._released, self._drained, self._draining, self._lost_with_job):
+            known.discard(name)
+        for per_node in (self._drain_tries, self._drain_migration, self._releasing):
+            per_node.pop(name, None)
+        self.journal.record(Event.STANDBY_NODE_REVIVED, node=name)
 
     def _standby_job_gone(self, jid: str, why: str) -> None:
         self.ended[jid] = why
@@ -686,7 +720,8 @@ class SlurmCluster:
             else:  # not handed back either: SLURM gets it with the job's end, and its prolog checks it then
                 self.journal.record(Event.SLURM_ERROR, error=f"could not drain failed node {arg}: {r['error']}")
         elif kind == "cancel":
-            self.journal.record(Event.STANDBY_JOBS_CANCELLED, slurm_jobs=[arg], reason="its nodes are drained")
+            self.journal.record(Event.STANDBY_JOBS_CANCELLED, slurm_jobs=[arg],
+                                reason=self._cancel_why.pop(arg, "its nodes are drained"))
             if not r["ok"]:
                 self.journal.record(Event.SLURM_ERROR, error=f"could not cancel standby job {arg}: {r['error']}")
         else:

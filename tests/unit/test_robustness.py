@@ -443,3 +443,19 @@ def test_supervise_restarts_a_real_daemon_from_its_journal_on_the_same_address(t
     names = [e["event"] for e in read_events(p.layout.RunDir(str(tmp_path)).events)]
     assert names.count(Event.INTERNAL_ERROR) == 1 and Event.TMD_CRASHED in names
     assert names.index(Event.TMD_CRASHED) < names.index(Event.TMD_RESTARTED) and names[-1] == Event.TMD_STOPPED
+
+
+def test_add_standby_is_refused_under_slurm_saying_how_to_add_one():
+    """Under SLURM it was accepted and did nothing: the node stayed a cold standby, and a real standby job on it
+    was then refused ("already part of this job (standby)")."""
+    control = SimpleNamespace(registry=Registry(["n1"], 1, []), journal=Journal(None), launcher=FakeLauncher(),
+                              reply=lambda identity, msg: None)
+    r = Requests(control, lambda: "status", lambda: object())  # a SLURM cluster
+    with pytest.raises(MigrationError) as e:
+        r.add_standby(b"c", p.AddStandbyRequest(node="n5"))
+    assert e.value.code == ErrorCode.NOT_SUPPORTED and "sbatch --reservation=standby slurm/standby.sbatch" in str(e.value)
+    assert "n5" not in control.registry.nodes and control.launcher.started == []
+    from tmctl.render import recovery_line
+    assert "sbatch --reservation=standby" in recovery_line({"id": 1, "state": "waiting", "waiting_standby": True},
+                                                           slurm=True)
+    assert "tmctl standby add NAME" in recovery_line({"id": 1, "state": "waiting", "waiting_standby": True})

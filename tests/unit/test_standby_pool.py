@@ -457,3 +457,48 @@ def test_a_rebuilt_world_keeps_the_survivors_places_takes_usable_standbys_and_ca
     assert events(Event.SLURM_NODE_DRAINED)[0]["node"] == "n1"
     with pytest.raises(RuntimeError, match="without a rebuilt world"):
         cluster.relaunch(control, launcher)
+
+
+def test_a_node_that_left_or_was_lost_with_its_job_is_a_standby_again_when_a_new_standby_job_lands_on_it(pool_job):
+    """Outside test on the local SLURM cluster: after `scancel` of a warm pool standby (n4 lost with its job), the
+    pool's next job landed on n4 and was refused ("already part of this job (failed)"): it held n4 with no node in
+    use until the job ended, and once the other standby was used the job waited for a standby forever."""
+    cluster, fake, reg, step, events = pool_job
+    fake.reservation = ["n4"]  # one reservation node: the next standby job can land only where the last one was
+    step()
+    step()  # job 100 runs on n4, adopted
+    make_warm(reg, "n4")
+    fake.jobs.pop("100")  # scancel 100
+    reg.nodes["n4"].workers[0].exited = True  # (its process ended with the job)
+    for _ in range(4):
+        step(10)  # gone; the pool submits 101, which lands on n4
+    assert [e["node"] for e in events(Event.STANDBY_LOST)] == ["n4"]
+    assert events(Event.STANDBY_NODE_REFUSED) == [] and [e["node"] for e in events(Event.STANDBY_NODE_REVIVED)] == ["n4"]
+    assert reg.nodes["n4"].role == NodeRole.STANDBY and reg.nodes["n4"].workers == {}
+    assert cluster.launcher.node_job["n4"] == "101" and cluster.launcher.started.count("n4") == 2
+    make_warm(reg, "n4")  # its new process registers
+    assert [n.name for n in reg.warm_standbys()] == ["n4"]
+
+
+def test_a_failed_node_tmd_is_draining_is_refused_and_its_empty_standby_job_cancelled(pool_job):
+    cluster, fake, reg, step, events = pool_job
+    fake.reservation = ["n4"]
+    step()
+    step()
+    make_warm(reg, "n4")
+    reg.fail_node(reg.nodes["n4"], "n4/0 exited with code -9")  # a real failure: tmd drains n4
+    cluster._draining.add("n4")  # noqa: SLF001 - (the drain asked, SLURM has not drained it yet)
+    fake.jobs.pop("100")
+    fake.jobs["105"] = s.StandbyJob("105", "RUNNING", ["n4"], "")  # SLURM put a new standby job there meanwhile
+    for _ in range(3):
+        step(10)
+    refused = [e for e in events(Event.STANDBY_NODE_REFUSED) if e["slurm_job"] == "105"]
+    assert refused and refused[0]["reason"].startswith("node 'n4' is already part of this job (failed)")
+    assert ["scancel", "105"] in fake.calls and reg.nodes["n4"].role == NodeRole.FAILED
+    cancelled = [e for e in events(Event.STANDBY_JOBS_CANCELLED) if e["slurm_jobs"] == ["105"]]
+    assert cancelled[0]["reason"] == "none of its nodes can be a standby of this job"
+    cluster.adopted.pop("100", None)  # its old job is gone for good: only the pending drain keeps n4 out
+    cluster._drained.discard("n4")  # noqa: SLF001
+    assert cluster._not_revivable("n4").endswith("tmd asked SLURM to drain it")  # noqa: SLF001
+    cluster._drained.add("n4")  # noqa: SLF001 - drained, then resumed by an admin (SLURM scheduled it again)
+    assert cluster._not_revivable("n4") is None  # noqa: SLF001

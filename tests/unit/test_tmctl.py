@@ -4,6 +4,7 @@ The fake is a thread with a ZeroMQ ROUTER on a free 127.0.0.1 port that answers 
 :mod:`tmd.protocol` message; end-to-end tests against the real tmd live elsewhere.
 """
 import json
+import sys
 import socket
 import threading
 import time
@@ -823,3 +824,15 @@ def test_text_from_ranks_cannot_act_on_the_terminal():
     failure = render.failure_text({"rank": 0, "node": "n1", "kind": "script_error", "error": "E\x1b[2J",
                                    "traceback": "Traceback\n  line\x1b]0;title\x07\nE"})
     assert "\x1b" not in failure and "\x07" not in failure and failure.count("\n") == 3
+
+
+def test_a_piped_status_table_keeps_its_node_names(monkeypatch):
+    """Outside test: in a script (not a terminal: rich's 80 columns) the node, ranks and step columns of a SLURM
+    job's status collapsed to '…'."""
+    from tmctl import cli
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    assert cli._console().width == cli.PIPED_WIDTH  # noqa: SLF001
+    monkeypatch.setenv("COLUMNS", "90")
+    assert cli._console().width == 90  # noqa: SLF001 - the user's say

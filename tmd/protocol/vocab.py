@@ -362,6 +362,7 @@ class Event(StrEnum):
     STANDBY_JOB_RUNNING = "standby_job_running"
     STANDBY_JOB_GONE = "standby_job_gone"
     STANDBY_NODE_REFUSED = "standby_node_refused"
+    STANDBY_NODE_REVIVED = "standby_node_revived"  # a node that left or failed is a fresh standby again (SLURM)
     DRAIN_MIGRATION = "drain_migration"
     DRAIN_MIGRATION_WAITING = "drain_migration_waiting"
     DRAIN_MIGRATION_GAVE_UP = "drain_migration_gave_up"
