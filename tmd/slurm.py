@@ -53,6 +53,7 @@ from tmd.standby_pool import PoolPolicy, StandbyPoolConfig, parse_job_id, sbatch
 DEFAULT_TIMEOUT_S = 5.0  # every SLURM client call
 DEFAULT_POLL_S = 1.0  # node states and standby jobs
 RESTART_BACKOFF_S = 2.0  # a standby node's workers are started at most this often
+DRAIN_AFTER_POLLS = 2  # polls after a standby job's node failed before it is drained (its job may be ending)
 DRAIN_ATTEMPTS = 3  # automatic migrations tried per draining node (an aborted one is retried)
 PROLOG_REPORT_WAIT_S = 120.0  # how long tmd looks for a node's prolog report once its job runs (no hooks: none)
 ANY_STANDBY = "any"  # a migrate target meaning: any warm standby node
@@ -364,6 +365,7 @@ class SlurmCluster:
         self._pool_live: set[str] = set()  # standby jobs tmd submitted that squeue still lists
         self._lost_with_job: set[str] = set()  # nodes lost because their standby job ended: not drained
         self._draining: set[str] = set()  # failed nodes tmd asked SLURM to drain
+        self._failed_seen: dict[str, int] = {}  # failed node of a standby job -> the poll at which tmd saw it
         self._drained: set[str] = set()  # those SLURM drains: handed back like left nodes
         self._cancelling: set[str] = set()  # standby jobs being cancelled (drained ones of the pool; empty ones)
         self._cancel_why: dict[str, str] = {}  # job -> why it is cancelled (default: its nodes are drained)
@@ -606,7 +608,7 @@ class SlurmCluster:
         self.registry.revive(self.registry.nodes[name])
         for known in (self._released, self._drained, self._draining, self._lost_with_job):
             known.discard(name)
-        for per_node in (self._drain_tries, self._drain_migration, self._releasing):
+        for per_node in (self._drain_tries, self._drain_migration, self._releasing, self._failed_seen):
             per_node.pop(name, None)
         self.journal.record(Event.STANDBY_NODE_REVIVED, node=name)
 
@@ -618,6 +620,10 @@ class SlurmCluster:
 
     def _node_lost(self, name: str, why: str) -> None:
         node = self.registry.nodes.get(name)
+        if node is not None and node.role == NodeRole.FAILED and name not in self._draining:
+            # its processes died with its job (``scancel``: SLURM stops the steps first, so tmd saw them die before
+            # it saw the job end): nothing says the node is unfit, and it is not drained (_drain_failed_nodes)
+            self._lost_with_job.add(name)
         if node is None or node.role in (NodeRole.FAILED, NodeRole.LEFT):
             return
         self._lost_with_job.add(name)  # its job ended: nothing says the node is unfit
@@ -735,11 +741,17 @@ class SlurmCluster:
     def _drain_failed_nodes(self) -> None:
         """Ask SLURM to drain each node of the job that failed (its processes died, hung or were cut off; not one
         lost with its standby job's end), with the reason, then hand it back (:meth:`_release_left_nodes`), so
-        that it becomes DRAINED and the scheduler gives it to nobody until an admin resumes it."""
+        that it becomes DRAINED and the scheduler gives it to nobody until an admin resumes it. A standby job's
+        node is drained only once DRAIN_AFTER_POLLS polls after the failure still list its job: a ``scancel`` of
+        the job kills its processes before squeue stops listing it, and that node is fit."""
         for name, node in self.registry.nodes.items():
             if node.role != NodeRole.FAILED or name in self._draining or name in self._lost_with_job or \
                     name not in self.launcher.node_job:
                 continue
+            if self.launcher.node_job[name] != self.job_id:  # a standby job's node: did its job end first?
+                seen = self._failed_seen.setdefault(name, self._seq)
+                if self._seq < seen + DRAIN_AFTER_POLLS:
+                    continue  # a poll taken after the failure shows whether the job still runs (_node_lost)
             self._draining.add(name)
             argv = ["scontrol", "update", f"NodeName={name}", "State=DRAIN", f"Reason={self._drain_reason(name)}"]
             timeout_s = self.poller.timeout_s

@@ -257,7 +257,7 @@ def test_the_pool_replaces_consumed_and_failed_standbys_drains_failed_nodes_and_
     step()
     # failed: n5 is drained with tmd's reason and handed back (its standby job cancelled); the replacement pends
     reg.fail_node(reg.nodes["n5"], "rank 1 exited with code -9")
-    for _ in range(3):
+    for _ in range(5):  # (two polls after the failure still list n5's job: the node is drained)
         step(5)
     drain = [a for a in fake.calls if a[:2] == ["scontrol", "update"]]
     assert drain == [["scontrol", "update", "NodeName=n5", "State=DRAIN",
@@ -384,8 +384,8 @@ def test_a_restarted_tmd_still_knows_the_failed_and_left_nodes_of_the_world_befo
     hand_over(crashed, resumed)
     got = {n: (resumed.registry.nodes[n].role, resumed.registry.nodes[n].reason) for n in ("n4", "n9")}
     assert got == {"n4": (NodeRole.FAILED, "n4/0 exited with code -9"), "n9": (NodeRole.LEFT, "migrated")}
-    step()
-    step()  # the drain runs on the poller's thread
+    for _ in range(4):  # two polls after the failure still list n4's job; the drain runs on the poller's thread
+        step()
     assert ["scontrol", "update", "NodeName=n4", "State=DRAIN",
             "Reason=trainmover: job 1: n4/0 exited with code -9"] in fake.calls
 
@@ -502,3 +502,20 @@ def test_a_failed_node_tmd_is_draining_is_refused_and_its_empty_standby_job_canc
     assert cluster._not_revivable("n4").endswith("tmd asked SLURM to drain it")  # noqa: SLF001
     cluster._drained.add("n4")  # noqa: SLF001 - drained, then resumed by an admin (SLURM scheduled it again)
     assert cluster._not_revivable("n4") is None  # noqa: SLF001
+
+
+def test_a_standby_job_cancelled_under_ranks_does_not_get_its_healthy_node_drained(pool_job):
+    """Outside test on the local SLURM cluster: `scancel` of the standby job whose node held ranks killed them;
+    tmd saw them die before it saw the job end, counted a failure, and drained the healthy node."""
+    cluster, fake, reg, step, events = pool_job
+    step()
+    step()  # job 100 on n4
+    n4 = reg.nodes["n4"]
+    n4.role, n4.ranks = NodeRole.ACTIVE, [1]  # ranks migrated onto n4
+    reg.fail_node(n4, "n4/0 (pid 14881) died")  # scancel 100: its ranks die first
+    step()  # a poll from before the scancel still lists job 100
+    fake.jobs.pop("100")
+    for _ in range(4):
+        step(5)
+    assert not [a for a in fake.calls if a[:2] == ["scontrol", "update"]] and events(Event.SLURM_NODE_DRAINED) == []
+    assert cluster.status()["drained"] == []
