@@ -75,6 +75,22 @@ def _what_it_is(role: NodeRole) -> str:
     return {NodeRole.LEFT: "it left the job", NodeRole.FAILED: "it failed"}.get(role, f"it is {role}")
 
 
+def check_sources(reg: Registry, sources: list[str]) -> None:
+    """Raise MigrationError for nodes to move that are named twice (``bad_request``) or are not active nodes of
+    the job (``unknown_node``, naming the active ones). Under SLURM this runs before the targets are resolved
+    (tmd.requests), so that a wrong source is named as such, not as a lack of warm standbys for ``any``."""
+    twice = next((n for i, n in enumerate(sources) if n in sources[:i]), None)
+    if twice is not None:
+        raise MigrationError(ErrorCode.BAD_REQUEST, f"node '{twice}' is named twice among the nodes to move")
+    actives = sorted(n.name for n in reg.nodes_in(NodeRole.ACTIVE))
+    for source in sources:
+        src = reg.nodes.get(source)
+        if src is None or src.role != NodeRole.ACTIVE:
+            what = f"{source} is not an active node ({_what_it_is(src.role)})" if src else \
+                f"unknown node '{source}': it is not part of this job"
+            raise MigrationError(ErrorCode.UNKNOWN_NODE, f"{what} (active nodes: {', '.join(actives) or 'none'})")
+
+
 class MigrationError(Exception):
     """A request tmd refuses; ``code`` (an :class:`~tmd.protocol.vocab.ErrorCode`) is the ErrorReply code.
     Raises ValueError for a code that is not an ErrorCode."""
@@ -244,15 +260,8 @@ class Migrations(Episodes[Migration]):
         sources = [sources] if isinstance(sources, str) else list(sources)
         targets = [targets] if isinstance(targets, str) else list(targets)
         self._check_lists(sources, targets)
-        actives = sorted(n.name for n in reg.nodes_in(NodeRole.ACTIVE))
+        check_sources(reg, sources)
         standbys = sorted(n.name for n in reg.nodes_in(NodeRole.STANDBY))
-        for source in sources:
-            src = reg.nodes.get(source)
-            if src is None or src.role != NodeRole.ACTIVE:
-                what = f"{source} is not an active node ({_what_it_is(src.role)})" if src else \
-                    f"unknown node '{source}': it is not part of this job"
-                raise MigrationError(ErrorCode.UNKNOWN_NODE,
-                                     f"{what} (active nodes: {', '.join(actives) or 'none'})")
         for target in targets:
             dst = reg.nodes.get(target)
             if dst is None or dst.role not in (NodeRole.STANDBY, NodeRole.JOINING, NodeRole.GUARDING):
@@ -327,7 +336,8 @@ class Migrations(Episodes[Migration]):
 
     @staticmethod
     def _check_lists(sources: list[str], targets: list[str]) -> None:
-        """The request's shape: 1 to MAX_MIGRATE_NODES nodes, as many standbys, none named twice."""
+        """The request's shape: 1 to MAX_MIGRATE_NODES nodes, as many standbys, no standby named twice (a node
+        named twice: :func:`check_sources`)."""
         if not sources or not targets:
             raise MigrationError(ErrorCode.BAD_REQUEST, "name at least one node to move and one standby to take it")
         if len(sources) > p.MAX_MIGRATE_NODES:
@@ -337,11 +347,10 @@ class Migrations(Episodes[Migration]):
             raise MigrationError(ErrorCode.BAD_REQUEST,
                                  f"{len(sources)} node(s) to move ({','.join(sources)}) but {len(targets)} "
                                  f"standby(s) to take them ({','.join(targets)}): name one standby per node")
-        for names, what in ((sources, "node '{}' is named twice among the nodes to move"),
-                            (targets, "standby '{}' is named twice: one standby takes one node's ranks")):
-            twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
-            if twice is not None:
-                raise MigrationError(ErrorCode.BAD_REQUEST, what.format(twice))
+        twice = next((n for i, n in enumerate(targets) if n in targets[:i]), None)
+        if twice is not None:
+            raise MigrationError(ErrorCode.BAD_REQUEST, f"standby '{twice}' is named twice: one standby takes one "
+                                                        "node's ranks")
 
     # ---------------------------------------------------------------------------------------------------------
     def on_phase(self, w: Worker, msg: p.PhaseDone) -> None:

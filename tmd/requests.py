@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from tmd import protocol as p
 from tmd.control import JobControl
-from tmd.migration import MigrationError
+from tmd.migration import MigrationError, check_sources
 from tmd.protocol.vocab import ErrorCode, Event, NodeRole
 
 if TYPE_CHECKING:
@@ -55,6 +55,8 @@ class Requests:
         may be a standby job id or ``any`` (tmd.slurm.SlurmCluster.resolve_target)."""
         c, cluster = self.control, self.cluster()
         try:
+            if cluster is not None:  # before "any" or a job id is resolved: a wrong source is named as such
+                check_sources(c.registry, list(msg.sources))
             targets = cluster.resolve_targets(list(msg.targets)) if cluster is not None else list(msg.targets)
             inc = c.current_incident
             if inc is not None:

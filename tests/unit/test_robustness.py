@@ -459,3 +459,21 @@ def test_add_standby_is_refused_under_slurm_saying_how_to_add_one():
     assert "sbatch --reservation=standby" in recovery_line({"id": 1, "state": "waiting", "waiting_standby": True},
                                                            slurm=True)
     assert "tmctl standby add NAME" in recovery_line({"id": 1, "state": "waiting", "waiting_standby": True})
+
+
+def test_under_slurm_a_wrong_node_to_move_is_named_before_the_standbys_are_resolved():
+    """Outside test: `migrate --from n7 --to any` (n7 not in the job) said "needs 1 warm standbys" when none was
+    warm; `--from n1,n1 --to any,any` reported the standby count too."""
+    class Cluster:
+        def resolve_targets(self, targets):
+            raise MigrationError(ErrorCode.BUSY_STANDBY, "needs 1 warm standbys ('any'); 0 are warm")
+
+    control = SimpleNamespace(registry=Registry(["n1", "n2"], 1, []), journal=Journal(None), launcher=FakeLauncher(),
+                              reply=lambda identity, msg: None, current_incident=None)
+    r = Requests(control, lambda: "status", lambda: Cluster())
+    for sources, code, words in ((["n7"], ErrorCode.UNKNOWN_NODE, "unknown node 'n7'"),
+                                 (["n1", "n1"], ErrorCode.BAD_REQUEST, "node 'n1' is named twice"),
+                                 (["n2"], ErrorCode.BUSY_STANDBY, "needs 1 warm standbys")):
+        with pytest.raises(MigrationError) as e:
+            r.migrate(b"c", p.MigrateRequest(sources=sources, targets=["any"] * len(sources)))
+        assert e.value.code == code and words in str(e.value), (sources, str(e.value))
