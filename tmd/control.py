@@ -55,6 +55,10 @@ class JobControl(Protocol):
         A node already failed is left alone. Raises tmd.recovery.RecoveryError when the job cannot recover, and
         tmd.faults.JobFailed when it must not (the crash-loop guard, misuse): the loop then ends the job."""
 
+    def recover_ranks(self, lost: dict[int, str], reason: str) -> None:
+        """Start a recovery of ranks that no process holds (``lost``: rank -> the failed node that held it), as a
+        node failure would: a restarted tmd whose predecessor died during a recovery. Raises as fail_node does."""
+
     # --- planned migrations ---------------------------------------------------------------------------------
     def request_migration(self, sources: Union[str, Sequence[str]], targets: Union[str, Sequence[str]], *,
                           require_healthy: bool = True) -> "Migration":

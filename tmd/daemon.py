@@ -725,6 +725,10 @@ class Daemon:
             self.incidents.lose(name, why)
         self.incidents.on_node_failed(node.name, reason, adopt)
 
+    def recover_ranks(self, lost: dict[int, str], reason: str) -> None:
+        self.incidents.lost.update(lost)
+        self.incidents.start(reason)
+
     def _stonith(self, n: Node) -> None:
         """Fence a failed node's processes: whatever they send from now on is answered with a Release, and those
         that run on this host are killed (SIGKILL works on a stopped process too). A hung or cut-off process that came back could otherwise finish a collective it was in:

@@ -84,7 +84,7 @@ class JobState:
     last_migration_id: int
     last_incident_id: int  # the journal's highest incident id: a restarted tmd's incidents go on after it
     cut_migration: Optional[dict]  # a migration the crash interrupted: id, sources, targets (lists), commit
-    open_incident: Optional[int]  # a recovery the crash interrupted (not resumed)
+    open_incident: Optional[int]  # a recovery the crash interrupted (not resumed: a new one starts, Resumed.tick)
     last_seq: int
     last_ts: float
     previous_pid: Optional[int]
@@ -93,6 +93,7 @@ class JobState:
     unprotected: list = dataclasses.field(default_factory=list)  # the no_replica warnings
     web_port: Optional[int] = None  # the port of the status page and metrics (tmd.json's ``web``; None: off)
     restarts: list = dataclasses.field(default_factory=list)  # the job's job_restarting events (checkpoint tier)
+    lost_ranks: dict = dataclasses.field(default_factory=dict)  # rank -> the failed node that held it (node_failed)
 
 
 def load(run_dir: str) -> JobState:
@@ -269,6 +270,7 @@ def _replay(path: str, info: dict, events: list[dict], started: dict, pid, resta
         generation=max(generation, consumed),  # each migration and each recovery plan took one
         last_migration_id=last_mid, last_incident_id=last_incident, cut_migration=migration,
         open_incident=incident,
+        lost_ranks={r: node for node, ranks in lost.items() for r in ranks},
         last_seq=max(seqs, default=0), last_ts=stamps[-1] if stamps else time.time(),
         previous_pid=pid if isinstance(pid, int) else None,
         replicas=replicas, keepers=keepers, unprotected=unprotected, web_port=web_port, restarts=restarts)
@@ -487,7 +489,8 @@ class Resumed:
                                  targets=m["targets"], reason=self.decision.reason)
         if st.open_incident is not None:
             c.journal.record(Event.RECOVERY_NOT_RESUMED, incident_id=st.open_incident,
-                             reason="tmd restarted during this recovery; it is not resumed")
+                             reason="tmd restarted during this recovery; a new one starts once the processes "
+                                    "re-registered")
 
     # ---------------------------------------------------------------------------------------------------------
     def ask(self, identity: bytes) -> None:
@@ -584,3 +587,16 @@ class Resumed:
                     and not launcher.running(n.name):
                 c.journal.record(Event.STANDBY_RESTARTED, node=n.name, reason="no process of it re-registered")
                 launcher.start_node(n.name, standby=True)
+        self._recover_lost_ranks()
+
+    def _recover_lost_ranks(self) -> None:
+        """Ranks that no process holds after the restart (a recovery the crash cut, whose survivors wait halted
+        for a plan that will never come) are recovered by a new incident: the survivors halt again under its id
+        and follow its plan. Without it the job hung (found by an outside test: tmd killed during a recovery)."""
+        c = self.control
+        reg = c.registry
+        lost = [r for r in range(reg.world_size) if r not in reg.rank_owner]
+        if not lost or c.current_incident is not None:
+            return
+        c.recover_ranks({r: self.state.lost_ranks.get(r, "a node lost before tmd restarted") for r in lost},
+                        f"ranks {lost} lost before tmd restarted (recovery {self.state.open_incident} was cut)")

@@ -305,6 +305,8 @@ class Control:
         self.store_host, self.store_port, self.launcher = "127.0.0.1", 7, None
         self.sent: list[tuple[bytes, p.Message]] = []
         self.failed: list[tuple[str, FailureSignal]] = []
+        self.recovered: list[tuple[dict, str]] = []
+        self.current_incident = None
 
     def reply(self, identity, msg):
         self.sent.append((identity, msg))
@@ -314,6 +316,11 @@ class Control:
 
     def fail_node(self, node, reason, signal):
         self.failed.append((node.name, signal))
+        self.current_incident = "an incident"  # as the daemon starts one
+
+    def recover_ranks(self, lost, reason):
+        self.recovered.append((lost, reason))
+        self.current_incident = "an incident"
 
 
 def rejoin(node: str, local_rank: int, rank: int, role: WorkerRole, generation: int = 0) -> p.Rejoin:
@@ -346,6 +353,26 @@ def test_resumed_relearns_the_job_and_fails_what_did_not_come_back(tmp_path):
     assert names[:2] == [Event.TMD_RESTARTED, Event.MIGRATION_ABORTED]
     assert names.count(Event.WORKER_REJOINED) == 3 and Event.REJOIN_REFUSED in names
     assert Event.JOB_RELEARNED not in names  # n2/1 is missing
+
+
+def test_a_recovery_the_crash_cut_is_started_again_once_the_survivors_re_registered(tmp_path):
+    """Outside test: tmd killed during a recovery, then `tmd resume`: the survivors waited halted for a plan of the
+    cut incident forever (the job hung with no error). Now a new incident recovers the ranks no process holds."""
+    st = load(write_job(tmp_path, {"event": Event.NODE_FAILED, "node": "n2", "ranks": [2, 3], "reason": "died"},
+                        {"event": Event.RECOVERY_STARTED, "incident_id": 1, "adopted": {}}))
+    assert st.open_incident == 1 and st.lost_ranks == {2: "n2", 3: "n2"}
+    c = Control(st)
+    r = Resumed(c, st, rejoin_grace_s=10.0)
+    r.start()
+    for lr in (0, 1):
+        r.on_rejoin(f"n1/{lr}".encode(), rejoin("n1", lr, lr, WorkerRole.ACTIVE))
+    r.tick(r.started + 5.0)
+    assert c.recovered == []  # within the grace: processes may still re-register
+    r.tick(r.started + 10.5)
+    assert c.failed == [] and c.recovered == [({2: "n2", 3: "n2"}, "ranks [2, 3] lost before tmd restarted "
+                                                                  "(recovery 1 was cut)")]
+    r.tick(r.started + 20.0)
+    assert len(c.recovered) == 1  # once
 
 
 # --- the checkpoint tier of a resumed tmd ----------------------------------------------------------------------
