@@ -149,8 +149,12 @@ class Faults:
     # --- recovery -----------------------------------------------------------------------------------------------
     def refuse_recovery(self, node: Node, reason: str) -> Optional[JobFailed]:
         """Node ``node`` was lost (``reason``): the job's failure if it must not be recovered from (the crash-loop
-        guard, or misuse), else None."""
-        again = self._failed_again(None)
+        guard, or misuse), else None. The guard counts a node's loss in the redone step only when the node holds
+        a rank that incident recovered (a step whose data kills its ranks kills their replacements again); another
+        node lost meanwhile is a failure of its own, recovered like any (an outside test's second kill -9, of the
+        other node, failed the job although a standby and checkpoints were there)."""
+        inc = self.incidents.latest
+        again = self._failed_again(None) if inc is not None and set(node.ranks) & set(inc.lost) else None
         if again:
             why = f"{again}: {node.name} lost ({reason})"
         elif self.unmanaged():

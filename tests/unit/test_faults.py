@@ -35,9 +35,10 @@ def events(journal, name):
     return [e for e in journal.since(0, 1000) if e["event"] == name]
 
 
-def recovered(world, incident_id, resume_step):
+def recovered(world, incident_id, resume_step, lost=(2, 3)):
+    """Incident ``incident_id`` recovered ranks ``lost`` (n2's) and resumed at ``resume_step``."""
     world.incidents.add(SimpleNamespace(id=incident_id, state=IncidentState.RECOVERED, resume_step=resume_step,
-                                        finished=True))
+                                        finished=True, lost={r: "n2" for r in lost}))
 
 
 def test_a_script_error_fails_the_job_with_its_traceback(world):
@@ -106,6 +107,19 @@ def test_crash_loop_guard_until_the_redone_step_committed(world):
     assert f.refuse_recovery(n2, "killed") is None and f.redo_step is None
     recovered(world, 1, 10)  # the same incident does not arm it again
     assert f.refuse_recovery(n2, "killed") is None
+
+
+def test_another_node_lost_during_the_redone_step_is_recovered_not_a_crash_loop(world):
+    """Outside test: kill -9 of n1, recovered; kill -9 of n2 while step 17 was redone failed the job ("step 17
+    failed again after recovery") although a standby and checkpoints were there. Only the ranks the incident
+    recovered, failing again, are a crash loop."""
+    f, reg = world.faults, world.reg
+    recovered(world, 1, 10, lost=(0, 1))  # n1's ranks were recovered
+    for w in reg.rank_owner.values():
+        w.step = 10
+    assert f.refuse_recovery(reg.nodes["n2"], "n2/0 exited with code -9") is None  # n2 holds ranks 2, 3
+    failed = f.refuse_recovery(reg.nodes["n1"], "n1/0 exited with code -9")  # (the node now holding ranks 0, 1)
+    assert failed is not None and failed.reason.startswith("step 10 failed again after recovery")
 
 
 def test_state_changed_after_an_update_is_kept_and_journalled_but_refuses_nothing(world):
