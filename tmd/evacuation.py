@@ -29,6 +29,7 @@ class Evacuation:
         self.stragglers = stragglers or StragglerDetector()
         self._gpu_verdicts: dict[int, Optional[tuple[GpuLevel, str]]] = {}  # rank -> last verdict
         self._in_incident = False
+        self._waiting: dict[str, str] = {}  # straggler's node -> why, its evacuation skipped: tried again each tick
 
     def observe(self, w: Worker, counters: dict, now: float) -> Optional[str]:
         """One heartbeat's ``counters`` from ``w`` at ``now`` (time.monotonic()); only a rank's owner counts.
@@ -79,26 +80,39 @@ class Evacuation:
             journal.record(event, rank=rank, node=w.node if w else None,
                            lateness=round(self.stragglers.lateness.get(rank, 0.0), 3))
             if event == Event.STRAGGLER_DETECTED and self.migrate_stragglers and w is not None:
-                self.evacuate(reg.nodes[w.node], f"rank {rank} is a straggler")
+                if not self.evacuate(reg.nodes[w.node], f"rank {rank} is a straggler"):
+                    self._waiting[w.node] = f"rank {rank} is a straggler"
+        for name, reason in list(self._waiting.items()):  # a standby or a guard may be warm now
+            node = reg.nodes.get(name)
+            if node is None or node.role != NodeRole.ACTIVE or not self.flagged(node) or \
+                    self.evacuate(node, reason, quiet=True):
+                del self._waiting[name]
 
-    def evacuate(self, node: Node, reason: str) -> None:
+    def evacuate(self, node: Node, reason: str, quiet: bool = False) -> bool:
         """Move a live but failing node to its warm guard, else to a warm standby, if one is free and nothing else
-        runs (journals ``evacuation_started`` or ``evacuation_skipped`` with why)."""
+        runs (journals ``evacuation_started``, or ``evacuation_skipped`` with why unless ``quiet``: a retry).
+        Returns whether the migration started. A straggler's node whose evacuation was skipped is tried again
+        at every tick while its rank is still flagged (before 2026-11-29 it was not: with ``--guards 1`` the
+        only standby was another node's guard when the straggler was flagged, the guard then moved to the
+        straggler's node and warmed, and the node stayed slow to the job's end)."""
         c = self.control
         guard = guard_of(c.registry, node)  # warm for this node already (tmd.guards)
         standby = guard if guard is not None and warm_guard(guard) else \
             next(iter(c.registry.warm_standbys()), None)
         if standby is None or c.current_migration is not None or c.current_incident is not None:
-            c.journal.record(Event.EVACUATION_SKIPPED, node=node.name, reason=reason,
-                             why="no warm standby" if standby is None else "a migration or recovery is running")
-            return
+            if not quiet:
+                c.journal.record(Event.EVACUATION_SKIPPED, node=node.name, reason=reason,
+                                 why="no warm standby" if standby is None else "a migration or recovery is running")
+            return False
         try:
             m = c.request_migration([node.name], [standby.name], require_healthy=False)
         except MigrationError as e:
-            c.journal.record(Event.EVACUATION_SKIPPED, node=node.name, reason=reason, why=str(e))
-            return
+            if not quiet:
+                c.journal.record(Event.EVACUATION_SKIPPED, node=node.name, reason=reason, why=str(e))
+            return False
         c.journal.record(Event.EVACUATION_STARTED, node=node.name, standby=standby.name, migration_id=m.id,
                          reason=reason)
+        return True
 
     def _check_gpu(self, w: Worker, sample: dict) -> None:
         """GPU health from the rank's pynvml probe: journal changes; an unhealthy GPU (critical XID, new

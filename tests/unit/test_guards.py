@@ -237,3 +237,33 @@ def test_an_evacuation_goes_to_the_nodes_warm_guard_first(tmp_path):
     world.warm("s1")
     evacuation.evacuate(world.reg.nodes["n1"], "an unhealthy GPU")
     assert world.events(Event.EVACUATION_STARTED)[-1]["standby"] == "s1"  # warm for n1 already
+
+
+def test_a_stragglers_evacuation_skipped_for_want_of_a_standby_is_tried_again_once_one_is_warm(tmp_path):
+    """Outside test with --migrate-stragglers --guards 1: when rank 3 was flagged the only standby guarded n1
+    (evacuation_skipped); the guard then moved to n2 and warmed, but nothing tried again: n2 stayed slow."""
+    from types import SimpleNamespace
+
+    from tmd.evacuation import Evacuation
+    from tmd.registry import Worker
+
+    world = Guarded(tmp_path, standbys=("s1",))
+    world.guards.tick(busy=False, now_s=100.0)  # s1 guards n1: no general standby
+    migs = Migrations(world.reg, world.journal, world.channel, record_steps=3)
+    control = SimpleNamespace(registry=world.reg, journal=world.journal, current_migration=None,
+                              current_incident=None, request_migration=lambda s, t, require_healthy: migs.request(
+                                  s, t, require_healthy=require_healthy))
+    flagged = SimpleNamespace(flagged={3}, lateness={3: 0.9}, reset=lambda now: None, new=[3])
+    flagged.evaluate = lambda now: (flagged.new, [])
+    evacuation = Evacuation(control, migrate_stragglers=True, stragglers=flagged)
+    evacuation.tick(200.0)
+    assert [e["why"] for e in world.events(Event.EVACUATION_SKIPPED)] == ["no warm standby"]
+    flagged.new = []
+    evacuation.tick(200.1)
+    assert world.events(Event.EVACUATION_STARTED) == [] and len(world.events(Event.EVACUATION_SKIPPED)) == 1
+    world.reg.add_node("s9")  # a standby comes and warms
+    for lr in range(2):
+        world.reg.add_worker(Worker(f"s9/{lr}".encode(), "s9", lr, 900 + lr, "h"))
+    evacuation.tick(200.2)
+    (started,) = world.events(Event.EVACUATION_STARTED)
+    assert started["node"] == "n2" and started["standby"] == "s9" and started["reason"] == "rank 3 is a straggler"
