@@ -56,13 +56,15 @@ class Reconnect:
         self.after_s = after_s
         self.connected = False  # a handshake succeeded and no disconnect came since
         self.at: float | None = None  # when to connect again, or None
+        self.lost_at: float | None = time.monotonic()  # since when tmd has not been connected (None: it is)
 
     def on_event(self, event: int, now: float) -> bool:
         """One monitor event; returns True when it scheduled a reconnect (the caller says why)."""
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.connected, self.at = True, None
+            self.connected, self.at, self.lost_at = True, None, None
         elif event == zmq.EVENT_DISCONNECTED:
             self.connected = False
+            self.lost_at = now if self.lost_at is None else self.lost_at
         elif event & _GIVEN_UP and not self.connected and self.at is None:
             self.at = now + self.after_s
             return True
@@ -146,7 +148,7 @@ class Agent:
         poller.register(self._wake_rx, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         next_beat = time.monotonic()
-        reconnect = Reconnect()
+        reconnect = self._reconnect = Reconnect()
         try:
             while True:
                 self._drain_outbox(sock)
@@ -193,6 +195,12 @@ class Agent:
             monitor.close(linger=0)
             sock.close()
             self._stopped.set()
+
+    def unreachable_s(self) -> float:
+        """Seconds since this process was last connected to tmd (its start, if never; 0 while connected)."""
+        reconnect = getattr(self, "_reconnect", None)
+        lost_at = reconnect.lost_at if reconnect is not None else None
+        return 0.0 if lost_at is None else time.monotonic() - lost_at
 
     @staticmethod
     def _send(sock: zmq.Socket, msg: p.Message) -> None:

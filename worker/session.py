@@ -46,6 +46,8 @@ from worker.checkpointing import SessionCheckpoints, Settings as CheckpointSetti
 from worker.commands import Commands
 from worker.control import Control, Stage
 from worker.exit import exit_process
+
+STANDBY_ORPHAN_S = 600.0  # a standby that has not reached tmd this long (seconds) exits: tmd died, no one resumed it
 from worker.gpu_health import probe_from_env
 from worker.groups import GroupManager
 from worker.migration import DECISION_TIMEOUT_S, LeaverExit, Migration
@@ -135,6 +137,9 @@ class Session:
         got = None
         while got is None:  # a standby waits here (warm: torch imported, registered, heartbeating) until needed
             got = self._control.wait_assigned(1.0)
+            if got is None and self.agent.standby and self.agent.unreachable_s() > STANDBY_ORPHAN_S:
+                exit_process(p.ExitCode.FAILED, f"a standby with no rank: tmd has been unreachable for "
+                                                f"{STANDBY_ORPHAN_S:.0f} s (it died and was not resumed)")
         if isinstance(got, p.Release):  # (the agent thread normally exits first: a process without a rank)
             exit_process(got.exit_code, f"released by tmd before a rank was assigned: {got.reason}")
         a = self._assign = got

@@ -39,6 +39,21 @@ def test_a_handshake_that_succeeds_first_cancels_the_reconnect_and_late_failures
     assert r.on_event(GONE, 11.0) is False and r.on_event(FAILED, 12.0) is True  # a real loss counts again
 
 
+def test_how_long_tmd_has_been_unreachable_is_kept_for_a_standby_to_give_up_on():
+    """A standby waits for a rank only while tmd can give it one: after STANDBY_ORPHAN_S of no tmd it exits (an
+    outside test found standbys alive with parent 1 for 13 minutes after tmd was killed and never resumed)."""
+    r = Reconnect(after_s=1.0)
+    assert r.lost_at is not None  # not connected yet: it counts from the start
+    r.on_event(OK, 1.0)
+    assert r.lost_at is None
+    r.on_event(GONE, 5.0)
+    r.on_event(FAILED, 6.0)  # (retries failing do not move it)
+    r.on_event(GONE, 7.0)
+    assert r.lost_at == 5.0
+    r.on_event(OK, 8.0)
+    assert r.lost_at is None
+
+
 # --- real sockets: tmd killed, strangers at its address, tmd back -------------------------------------------------
 # A NULL-mechanism ZMTP 3.0 greeting (64 bytes), sent at once by a peer that is not this job's tmd: the agent's CURVE
 # client reads it first and fails the handshake itself, after which libzmq never retries the endpoint.
