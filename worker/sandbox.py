@@ -53,16 +53,32 @@ def signature(op: str, outputs: list[torch.Tensor]) -> Signature:
 
 def save_recordings_async(movers: dict, record_dir: str, rank: int,
                           ranks: Optional[dict[str, list[int]]] = None,
-                          step_starts: Optional[dict[str, list[int]]] = None) -> threading.Thread:
+                          step_starts: Optional[dict[str, list[int]]] = None,
+                          inserted: Optional[dict[str, list]] = None) -> threading.Thread:
     """Stop recording on every group's mover (``{name: mover}``; mode becomes ``live``) and write what each
     recorded, on a background thread, with each group's global ``ranks`` (``{name: ranks}``) so that a joiner
     that creates its groups in another order is told so, and where each recorded step began (``{name: [op index
     at each step's boundary]}``, the mover's ``recorded_ops`` there). The recorded tensors are freed once
-    written: stayers keep no extra memory."""
+    written: stayers keep no extra memory.
+
+    ``inserted`` (``{name: [(op, [tensors]), ...]}``): ops written at the start of the group's recorded step 1 as
+    if recorded there (the later step starts move by their count): the regrouping broadcasts of a DDP model that a
+    job resumed from a checkpoint made before its first step (worker.checkpointing ``regroup_to``, answered
+    without the network, so not recorded). A joiner's DDP regroups in its second iteration, as in a job started
+    afresh, and must find them there: without them it kept DDP's first bucket layout and made the regrouping's
+    broadcasts live while the stayers all-reduced gradients (a wrong model, or a hang until gloo's timeout)."""
     taken = {}
+    step_starts = {name: list(starts) for name, starts in (step_starts or {}).items()}
     for name, mover in movers.items():
         mover.set_mode(p.MoverMode.LIVE.value)
         taken[name] = mover.take_recording()
+    for name, ops in (inserted or {}).items():
+        starts = step_starts.get(name, [])
+        if name not in taken or len(starts) < 2 or not ops:
+            continue
+        at = starts[1]
+        taken[name][at:at] = [(op, list(tensors)) for op, tensors in ops]
+        step_starts[name] = starts[:2] + [k + len(ops) for k in starts[2:]]
 
     def write() -> None:
         for name, entries in taken.items():
@@ -70,7 +86,7 @@ def save_recordings_async(movers: dict, record_dir: str, rank: int,
             tmp = f"{path}.tmp{os.getpid()}"
             torch.save({"version": FORMAT_VERSION, "rank": rank, "group": name, "entries": entries,
                         "ranks": list((ranks or {}).get(name, [])),
-                        "step_starts": list((step_starts or {}).get(name, []))}, tmp)
+                        "step_starts": list(step_starts.get(name, []))}, tmp)
             os.replace(tmp, path)
         taken.clear()
 

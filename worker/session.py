@@ -436,9 +436,14 @@ class Session:
                 starts.extend([0] * (step - len(starts)))  # a group created during an earlier step
                 starts.append(g.mover.recorded_ops)
             return
+        inserted = {}
+        regrouped = self._checkpoints.regrouped if self._checkpoints is not None else None
+        if regrouped is not None:  # resumed from a checkpoint: DDP's regrouping goes where a joiner's DDP makes it
+            mover = backend.mover_of(regrouped[0])
+            inserted = {g.name: regrouped[1] for g in groups if g.mover is mover}
         self._record_writer = sandbox.save_recordings_async(
             {g.name: g.mover for g in groups}, record_dir, self.rank, {g.name: g.ranks for g in groups},
-            self._step_starts)
+            self._step_starts, inserted)
 
     def _recorded_groups(self) -> Optional[set[str]]:
         """Every group this rank's recordings cover (tmd.protocol.layout ``recorded_groups``), or None (logged)
