@@ -25,7 +25,9 @@ order in which its values are summed. A process started from a checkpoint would 
 initial layout, unlike the job it continues, and its state would differ in the last bits. So the checkpoint keeps
 the (one) managed DDP model's regrouped layout in each rank's rank state (``_ddp_buckets``), and after a load DDP is
 regrouped to it before the first step: its two regrouping broadcasts are answered from that layout by the mover
-(replayed, as in a joiner's sandbox) instead of over the network.
+(replayed, as in a joiner's sandbox) instead of over the network. Those two are written into the job's recording
+at the start of its recorded step 1 (:attr:`SessionCheckpoints.regrouped`, worker.sandbox.save_recordings_async),
+where a joiner's DDP, built afresh, makes them: its replay regroups it to the same layout.
 
 The background saves run on a gloo process group of their own over the job's store (never the mover: its
 collectives would be recorded and its failure latch would stop them), one per generation of the world group:
