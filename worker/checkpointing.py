@@ -26,8 +26,8 @@ initial layout, unlike the job it continues, and its state would differ in the l
 the (one) managed DDP model's regrouped layout in each rank's rank state (``_ddp_buckets``), and after a load DDP is
 regrouped to it before the first step: its two regrouping broadcasts are answered from that layout by the mover
 (replayed, as in a joiner's sandbox) instead of over the network. Those two are written into the job's recording
-at the start of its recorded step 1 (:attr:`SessionCheckpoints.regrouped`, worker.sandbox.save_recordings_async),
-where a joiner's DDP, built afresh, makes them: its replay regroups it to the same layout.
+at the start of its recorded step 0 (:attr:`SessionCheckpoints.regrouped`, worker.sandbox.save_recordings_async):
+a joiner, whose DDP is built afresh, replays them before its first iteration and has the job's layout.
 
 The background saves run on a gloo process group of their own over the job's store (never the mover: its
 collectives would be recorded and its failure latch would stop them), one per generation of the world group:
