@@ -183,7 +183,7 @@ class SessionCheckpoints:
         self._unbuilt: Optional[int] = None  # a generation whose saver group could not be built (no saves in it)
         self.loaded_step: Optional[int] = None
         # after a load that regrouped DDP: (its process group, the regrouping's broadcasts as recorded ops), which
-        # the session writes into the recording's step 1 (worker.sandbox.save_recordings_async ``inserted``)
+        # the session writes at the start of the recording's step 0 (worker.sandbox.save_recordings_async ``inserted``)
         self.regrouped: Optional[tuple[Any, list]] = None
 
     def _checkpointer(self, rank: int, world_size: int, generation: int) -> checkpoint.Checkpointer:
