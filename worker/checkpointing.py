@@ -25,7 +25,9 @@ order in which its values are summed. A process started from a checkpoint would 
 initial layout, unlike the job it continues, and its state would differ in the last bits. So the checkpoint keeps
 the (one) managed DDP model's regrouped layout in each rank's rank state (``_ddp_buckets``), and after a load DDP is
 regrouped to it before the first step: its two regrouping broadcasts are answered from that layout by the mover
-(replayed, as in a joiner's sandbox) instead of over the network.
+(replayed, as in a joiner's sandbox) instead of over the network. Those two are written into the job's recording
+at the start of its recorded step 0 (:attr:`SessionCheckpoints.regrouped`, worker.sandbox.save_recordings_async):
+a joiner, whose DDP is built afresh, replays them before its first iteration and has the job's layout.
 
 The background saves run on a gloo process group of their own over the job's store (never the mover: its
 collectives would be recorded and its failure latch would stop them), one per generation of the world group:
@@ -132,6 +134,14 @@ class BucketLayout:
         self.loaded = state.get("buckets")
 
 
+def regrouping_ops(buckets: list[list[int]], device: Any = "cpu") -> list[tuple[str, list[torch.Tensor]]]:
+    """The two broadcasts of DDP's regrouping to ``buckets`` (worker.ddp_regroup), as recorded ops: the parameter
+    indices with the bucket count, then the bucket sizes (int32)."""
+    indices = torch.tensor([i for b in buckets for i in b] + [len(buckets)], dtype=torch.int32, device=device)
+    sizes = torch.tensor([len(b) for b in buckets], dtype=torch.int32, device=device)
+    return [("broadcast", [indices]), ("broadcast", [sizes])]
+
+
 def regroup_to(ddp: torch.nn.parallel.DistributedDataParallel, buckets: list[list[int]]) -> bool:
     """Regroup ``ddp``'s gradient buckets to ``buckets`` (every rank, before its first iteration): torch's
     ``Reducer::rebuild_buckets`` with its two broadcasts (the indices with the bucket count, then the bucket sizes:
@@ -140,12 +150,9 @@ def regroup_to(ddp: torch.nn.parallel.DistributedDataParallel, buckets: list[lis
     ok, pending = ddp_to_regroup()
     if not ok or pending is not ddp:
         return False
-    device = next(ddp.module.parameters()).device
-    indices = torch.tensor([i for b in buckets for i in b] + [len(buckets)], dtype=torch.int32, device=device)
-    sizes = torch.tensor([len(b) for b in buckets], dtype=torch.int32, device=device)
     mover = mb.mover_of(ddp.process_group)
     mode = mover.mode
-    mover.load_recording([("broadcast", [indices]), ("broadcast", [sizes])])
+    mover.load_recording(regrouping_ops(buckets, next(ddp.module.parameters()).device))
     mover.set_mode(p.MoverMode.REPLAY.value)
     try:
         ddp.reducer._push_all_rebuilt_params()
@@ -175,6 +182,9 @@ class SessionCheckpoints:
         self._generation: Optional[int] = None
         self._unbuilt: Optional[int] = None  # a generation whose saver group could not be built (no saves in it)
         self.loaded_step: Optional[int] = None
+        # after a load that regrouped DDP: (its process group, the regrouping's broadcasts as recorded ops), which
+        # the session writes at the start of the recording's step 0 (worker.sandbox.save_recordings_async ``inserted``)
+        self.regrouped: Optional[tuple[Any, list]] = None
 
     def _checkpointer(self, rank: int, world_size: int, generation: int) -> checkpoint.Checkpointer:
         """The saver of world generation ``generation`` (built by every rank at the same boundary)."""
@@ -211,6 +221,9 @@ class SessionCheckpoints:
         self.loaded_step = step
         ddp = _ddp_of(replicated)
         regrouped = bool(layout.loaded) and ddp is not None and regroup_to(ddp, layout.loaded)
+        if regrouped:
+            device = next(ddp.module.parameters()).device
+            self.regrouped = (ddp.process_group, regrouping_ops(layout.loaded, device))
         log.info("rank %d: resumed from %s at step %d%s", rank, source, step,
                  ", DDP's buckets regrouped as the job had them" if regrouped else "")
         return step

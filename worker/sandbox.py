@@ -43,6 +43,9 @@ class Recording:
     ops: int
     step_starts: list[int]
     signatures: list[Signature]
+    # ops at the start of recorded step 0 that regroup the group's DDP model (a job resumed from a checkpoint
+    # regrouped it before its first step, worker.checkpointing): a joiner replays them before its first iteration
+    regrouped_first: int = 0
 
 
 def signature(op: str, outputs: list[torch.Tensor]) -> Signature:
@@ -53,16 +56,35 @@ def signature(op: str, outputs: list[torch.Tensor]) -> Signature:
 
 def save_recordings_async(movers: dict, record_dir: str, rank: int,
                           ranks: Optional[dict[str, list[int]]] = None,
-                          step_starts: Optional[dict[str, list[int]]] = None) -> threading.Thread:
+                          step_starts: Optional[dict[str, list[int]]] = None,
+                          inserted: Optional[dict[str, list]] = None) -> threading.Thread:
     """Stop recording on every group's mover (``{name: mover}``; mode becomes ``live``) and write what each
     recorded, on a background thread, with each group's global ``ranks`` (``{name: ranks}``) so that a joiner
     that creates its groups in another order is told so, and where each recorded step began (``{name: [op index
     at each step's boundary]}``, the mover's ``recorded_ops`` there). The recorded tensors are freed once
-    written: stayers keep no extra memory."""
+    written: stayers keep no extra memory.
+
+    ``inserted`` (``{name: [(op, [tensors]), ...]}``): ops written at the start of the group's recorded step 0 as
+    if recorded there (the later step starts move by their count; the file's ``regrouped_first`` counts them): the
+    regrouping broadcasts of a DDP model that a job resumed from a checkpoint made before its first step
+    (worker.checkpointing ``regroup_to``, answered without the network, so not recorded). Its recorded steps ran
+    on the regrouped buckets, so a joiner replays them before its first iteration (worker.session): without them
+    a replacement kept DDP's first bucket layout and made the regrouping's broadcasts live while the stayers
+    all-reduced gradients (a wrong model, or a hang until gloo's timeout)."""
     taken = {}
+    step_starts = {name: list(starts) for name, starts in (step_starts or {}).items()}
     for name, mover in movers.items():
         mover.set_mode(p.MoverMode.LIVE.value)
         taken[name] = mover.take_recording()
+    regrouped_first = {}
+    for name, ops in (inserted or {}).items():
+        starts = step_starts.get(name, [])
+        if name not in taken or not starts or not ops:
+            continue
+        at = starts[0]
+        taken[name][at:at] = [(op, list(tensors)) for op, tensors in ops]
+        step_starts[name] = starts[:1] + [k + len(ops) for k in starts[1:]]
+        regrouped_first[name] = len(ops)
 
     def write() -> None:
         for name, entries in taken.items():
@@ -70,7 +92,8 @@ def save_recordings_async(movers: dict, record_dir: str, rank: int,
             tmp = f"{path}.tmp{os.getpid()}"
             torch.save({"version": FORMAT_VERSION, "rank": rank, "group": name, "entries": entries,
                         "ranks": list((ranks or {}).get(name, [])),
-                        "step_starts": list((step_starts or {}).get(name, []))}, tmp)
+                        "step_starts": list(step_starts.get(name, [])),
+                        "regrouped_first": regrouped_first.get(name, 0)}, tmp)
             os.replace(tmp, path)
         taken.clear()
 
@@ -104,7 +127,11 @@ def start_replay(mover, record_dir: str, rank: int, group: str = p.layout.WORLD_
     starts = [int(n) for n in data.get("step_starts") or []]
     if starts != sorted(starts) or (starts and not 0 <= starts[0] <= starts[-1] <= len(entries)):
         raise ValueError(f"{path}: step starts {starts} do not fit its {len(entries)} ops")
-    loaded = Recording(len(entries), starts, [signature(op, outputs) for op, outputs in entries])
+    regrouped_first = int(data.get("regrouped_first") or 0)
+    step_0_end = starts[1] if len(starts) > 1 else len(entries)
+    if regrouped_first and (not starts or starts[0] + regrouped_first > step_0_end):
+        raise ValueError(f"{path}: {regrouped_first} regrouping ops do not fit its first recorded step")
+    loaded = Recording(len(entries), starts, [signature(op, outputs) for op, outputs in entries], regrouped_first)
     mover.load_recording(entries)
     mover.set_mode(p.MoverMode.REPLAY.value)
     return loaded
@@ -156,7 +183,8 @@ def unsteady_from_start(recordings: dict[str, Optional[Recording]], positions: d
         return f"the DDP model's group {regroup} is not one of this rank's groups"
     for name, rec in sorted(recordings.items()):
         starts = rec.step_starts
-        first, second, third = starts[0], starts[1], starts[2]
+        # (a recording whose step 0 begins with DDP's regrouping: the joiner replayed it before this check)
+        first, second, third = starts[0] + rec.regrouped_first, starts[1], starts[2]
         end = starts[3] if len(starts) > 3 else rec.ops
         steady = rec.signatures[third:end]
         if positions[name] != first:

@@ -344,6 +344,7 @@ class Session:
             # either way), warm-up 2.4 against 4.1 s, the stayers' lost time per migration 1.3-1.4 against 1.9 s.
             planned = a.incident_id == 0 and not a.guard
             shadow_steps = a.record_steps if planned else min(a.record_steps, REPLACEMENT_SHADOW_STEPS)
+            self._regroup_as_resumed()
             if a.incident_id != 0:
                 recovery.prefetch()
                 if self._no_shadow_iteration_needed():
@@ -441,9 +442,14 @@ class Session:
                 starts.extend([0] * (step - len(starts)))  # a group created during an earlier step
                 starts.append(g.mover.recorded_ops)
             return
+        inserted = {}
+        regrouped = self._checkpoints.regrouped if self._checkpoints is not None else None
+        if regrouped is not None:  # resumed from a checkpoint: a joiner replays DDP's regrouping before step 0
+            mover = backend.mover_of(regrouped[0])
+            inserted = {g.name: regrouped[1] for g in groups if g.mover is mover}
         self._record_writer = sandbox.save_recordings_async(
             {g.name: g.mover for g in groups}, record_dir, self.rank, {g.name: g.ranks for g in groups},
-            self._step_starts)
+            self._step_starts, inserted)
 
     def _recorded_groups(self) -> Optional[set[str]]:
         """Every group this rank's recordings cover (tmd.protocol.layout ``recorded_groups``), or None (logged)
@@ -460,6 +466,30 @@ class Session:
         two arguments of ``sandbox.unsteady_from_start`` and ``unsteady_after_first``."""
         groups = self._groups.groups.values()
         return {g.name: g.recording for g in groups}, {g.name: g.mover.replay_position for g in groups}
+
+    def _regroup_as_resumed(self) -> None:
+        """A joiner of a job resumed from a checkpoint, before any iteration: the job regrouped its DDP to the
+        checkpoint's bucket layout before its first step (worker.checkpointing) and recorded every step on those
+        buckets, the regrouping written at the start of its recorded step 0 (``Recording.regrouped_first``).
+        Replay it now (``regroup_ddp_buckets(before_first=True)``), so that the joiner's buckets are the job's
+        from its first iteration on. Nothing when the recording has none or the replay is not where it stands."""
+        for g in self._groups.groups.values():
+            rec = g.recording
+            if rec is None or not rec.regrouped_first or g.mover.replay_position != rec.step_starts[0]:
+                continue
+            ok, ddp = ddp_to_regroup()
+            if ddp is None or backend.mover_of(ddp.process_group) is not g.mover:
+                log.info("rank %d: group %s's recording begins with a DDP regrouping this joiner cannot replay",
+                         self.rank, g.name)
+                return
+            try:
+                if not regroup_ddp_buckets(before_first=True):
+                    raise RuntimeError("DDP did not regroup its buckets")
+            except RuntimeError as e:  # the pushed order cannot be taken back: no iteration may follow
+                exit_process(p.ExitCode.FAILED, f"joiner for rank {self.rank}: DDP's regrouping as the resumed job "
+                                                f"did it: {e}")
+            log.info("rank %d: DDP's buckets regrouped as the resumed job had them", self.rank)
+            return
 
     def _no_shadow_iteration_needed(self) -> bool:
         """A failure's replacement, before any shadow iteration: whether it may run none, its first live step
