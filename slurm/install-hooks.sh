@@ -16,6 +16,9 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 PY="" DEST="" STATE="" LOG=""
 while [ $# -gt 0 ]; do
+    case $1 in --python|--dest|--state-dir|--log)
+        [ $# -ge 2 ] || { echo "install-hooks: error: $1 needs a value" >&2; exit 2; } ;;
+    esac
     case $1 in
         --python) PY=$2; shift 2 ;;
         --dest) DEST=$2; shift 2 ;;
@@ -47,11 +50,17 @@ for hook in prolog epilog; do
 exec $(q "$PY") -I $(q "$HERE/hooks.py") $hook$opts
 EOF
     chmod 755 "$DEST/$hook.tmp"
-    mv "$DEST/$hook.tmp" "$DEST/$hook"
 done
-# Check both once, as slurmd would run them (bare environment, no job): each must exit 0.
+# Check both once, as slurmd would run them (bare environment, no job): each must exit 0. Only then do they replace
+# the installed ones: a hook that fails would fail every job's prolog on the node (and SLURM drains it).
 for hook in prolog epilog; do
     start=$(date +%s%N)
-    env -i SLURMD_NODENAME=install-check "$DEST/$hook" || { echo "install-hooks: error: $DEST/$hook failed its check" >&2; exit 1; }
+    env -i SLURMD_NODENAME=install-check "$DEST/$hook.tmp" 2>"$DEST/$hook.err" || {
+        echo "install-hooks: error: the new $hook failed its check ($(tail -n 1 "$DEST/$hook.err")): nothing was installed" >&2
+        rm -f "$DEST/prolog.tmp" "$DEST/epilog.tmp" "$DEST/$hook.err"; exit 1; }
+    rm -f "$DEST/$hook.err"
     echo "$DEST/$hook: ok in $(( ($(date +%s%N) - start) / 1000000 )) ms"
+done
+for hook in prolog epilog; do
+    mv "$DEST/$hook.tmp" "$DEST/$hook"
 done

@@ -185,6 +185,25 @@ def hooks(tmp_path):
     return run
 
 
+@pytest.mark.timeout(60)
+def test_hooks_that_fail_their_check_replace_nothing_and_an_option_without_a_value_is_refused(tmp_path):
+    """Outside test: `install-hooks.sh -- --budget-s abc` said "failed its check" but left the failing hooks
+    installed (every job's prolog on the node would fail, and SLURM drain it); `--python` alone said "unbound
+    variable"."""
+    script, dest = os.path.join(REPO, "slurm", "install-hooks.sh"), tmp_path / "hooks"
+
+    def install(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([script, *args], capture_output=True, text=True, timeout=30)
+
+    assert install("--python", sys.executable, "--dest", str(dest)).returncode == 0
+    good = (dest / "prolog").read_text()
+    bad = install("--python", sys.executable, "--dest", str(dest), "--", "--budget-s", "abc")
+    assert bad.returncode == 1 and "nothing was installed" in bad.stderr and "invalid float value" in bad.stderr
+    assert (dest / "prolog").read_text() == good and sorted(p.name for p in dest.iterdir()) == ["epilog", "prolog"]
+    alone = install("--python")
+    assert alone.returncode == 2 and alone.stderr.strip() == "install-hooks: error: --python needs a value"
+
+
 @pytest.mark.timeout(30)
 def test_prolog_passes_on_a_healthy_node_without_gpus_in_under_a_second(hooks):
     r, report = hooks("prolog")
