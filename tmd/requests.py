@@ -80,14 +80,12 @@ class Requests:
         processes; failed and left nodes count for nothing); a request sooner than ``add_standby_interval_s`` seconds after the last
         one that was served."""
         c = self.control
-        if c.launcher is None or self.cluster() is not None:  # SLURM: a node is a standby once a standby job holds it
-            error = MigrationError(ErrorCode.NOT_SUPPORTED, "tmctl standby add is for local mode: under SLURM, submit "
-                                   "a standby job (sbatch --reservation=standby slurm/standby.sbatch JOBID) and its "
-                                   "node registers by itself")
-            c.journal.record(Event.STANDBY_REFUSED, node=msg.node[:64], code=error.code, reason=str(error))
-            raise error
         name = msg.node.strip()
         try:
+            if c.launcher is None or self.cluster() is not None:  # SLURM: a standby is a node a standby job holds
+                raise MigrationError(ErrorCode.NOT_SUPPORTED, "tmctl standby add is for local mode: under SLURM, "
+                                     "submit a standby job (sbatch --reservation=standby slurm/standby.sbatch JOBID) "
+                                     "and its node registers by itself")
             if not NODE_NAME.fullmatch(name):
                 raise MigrationError(ErrorCode.BAD_REQUEST, f"bad node name {name[:80]!r}: 1 to 64 letters, digits, "
                                                             f"'.', '_' and '-', starting with a letter or digit")

@@ -9,7 +9,7 @@ in ``torch.distributed.checkpoint`` (DCP) format, saved asynchronously and commi
         __<rank>_<k>.distcp       DCP's data files: the replicated objects, DTensor shards as shards
         rank00001.pt              rank 1's rank state (worker.rank_state.capture: CPU/CUDA RNG, rank-local
                                   state_dicts) and, under ``objects``, the replicated objects that are neither
-                                  a module nor an optimizer (:func:`plain_objects`: an LR scheduler),
+                                  a module nor an optimizer (`plain_states`: an LR scheduler),
                                   ``torch.save``; load with ``torch.load(weights_only=True)``
         rank00001.sums.json       the sizes and sha256 of the files rank 1 wrote (read only by rank 0)
         manifest.json             written LAST, by rank 0: format, job id, step, world size, layout, and every
@@ -22,7 +22,7 @@ A directory without a manifest is a torn save (a crash, a full disk) and is neve
 object: an ``nn.Module`` as ``get_model_state_dict`` gives it (fully qualified names, a DDP wrapper's ``module.``
 dropped, FSDP2/TP parameters as DTensors), an optimizer as ``get_optimizer_state_dict`` gives it (keyed by
 parameter names) when a managed module holds its parameters. Any other object (an LR scheduler) is in each
-rank's ``rankNNNNN.pt`` instead (:func:`plain_objects`: DCP's flattening into string paths breaks plain data).
+rank's ``rankNNNNN.pt`` instead (`plain_states`: DCP's flattening into string paths breaks plain data).
 See docs/checkpoints.md.
 
 **Saving** (:meth:`Checkpointer.save`, at a step boundary, on every rank): the training thread waits for the
@@ -66,7 +66,7 @@ from worker import rank_state
 FORMAT = "trainmover-checkpoint/1"
 MANIFEST = "manifest.json"
 JOB_FILE = "JOB"
-OBJECTS = "objects"  # the rank file's key for the replicated objects kept out of DCP (plain_objects)
+OBJECTS = "objects"  # the rank file's key for the replicated objects kept out of DCP (plain_states)
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
 _FAILED, _WRITE, _SKIP = 0, 1, 2  # rank 0's decision on a save, agreed by an all-reduce (MIN)
 
@@ -162,15 +162,17 @@ def _holds_dtensor(node: Any) -> bool:
     return False
 
 
-def plain_objects(replicated: dict[str, Any]) -> dict[str, Any]:
-    """The replicated managed objects whose state goes into each rank's file rather than DCP's: those that are
-    neither a module nor an optimizer (an LR scheduler, a counter), unless their state holds a DTensor. DCP
+def plain_states(replicated: dict[str, Any]) -> dict[str, Any]:
+    """The state_dicts, by name, of the replicated managed objects whose state goes into each rank's file rather
+    than DCP's: those that are neither a module nor an optimizer (an LR scheduler, a counter), unless their state
+    holds a DTensor. DCP
     flattens a state dict into string paths, which breaks plain data: MultiStepLR's ``milestones`` (a Counter
     with int keys) came back with each key twice (``2`` and ``"2"``), and a list that grew since the fresh
     object's could not be loaded at all ("Missing key"). The rank file keeps them as they are (``torch.save``,
     loaded with ``weights_only=True``)."""
-    return {name: obj for name, obj in replicated.items()
-            if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) and not _holds_dtensor(obj.state_dict())}
+    states = {name: obj.state_dict() for name, obj in replicated.items()
+              if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))}
+    return {name: state for name, state in states.items() if not _holds_dtensor(state)}
 
 
 def app_state(replicated: dict[str, Any]) -> dict[str, Any]:
@@ -316,12 +318,12 @@ class Checkpointer:
         Never raises for storage errors: they end up in the result's ``error``."""
         start = time.perf_counter()
         self.wait()
-        plain = plain_objects(replicated)
+        plain = plain_states(replicated)
         state = self._staging.copy(app_state({n: o for n, o in replicated.items() if n not in plain}))
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking copies into pinned memory are done
         rank = rank_state.capture(local)
-        rank[OBJECTS] = {name: copy.deepcopy(obj.state_dict()) for name, obj in plain.items()}
+        rank[OBJECTS] = copy.deepcopy(plain)
         result = SaveResult(step=step, path=step_dir(self.root, step))
         result.stall_s = time.perf_counter() - start
         self._pending = result

@@ -161,7 +161,7 @@ def unflatten(state: Any, leaves: list) -> Any:
         if isinstance(value, torch.Tensor):
             return next(it)
         if isinstance(value, dict):
-            out = type(value)() if type(value) in transfer._MAPPINGS else {}
+            out = type(value)() if type(value) in transfer.MAPPINGS else {}
             for k, v in value.items():
                 out[k] = walk(v)
             metadata = getattr(value, "_metadata", None)

@@ -21,7 +21,6 @@ a failure latches like any other collective. Each rank keeps every rank's payloa
 """
 from __future__ import annotations
 
-import collections
 import copy
 import hashlib
 import io
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from worker.backend import inner_kind
+from worker import transfer
 from worker.dtensor import dtensor_layout, is_dtensor, local_shard
 
 SAMPLE = 64  # at most this many elements of each tensor enter the fingerprint
@@ -88,16 +88,15 @@ def deserialize(data: bytes) -> dict[str, Any]:
 PLAIN_RULE = ("plain data: tensors, None, bool, int, float, str, bytes, and list / tuple / dict / OrderedDict / "
               "Counter of them")
 _SCALARS = (type(None), bool, int, float, str, bytes)
-_MAPPINGS = (dict, collections.OrderedDict, collections.Counter)
 
 
 def _unplain(value: Any, path: str, depth: int = 0) -> Optional[tuple[str, type]]:
     """(path, type) of the first value in ``value`` that is not plain data (:data:`PLAIN_RULE`), or None."""
     if isinstance(value, torch.Tensor) or type(value) in _SCALARS:
         return None
-    if depth > 64:
+    if depth > transfer.MAX_DEPTH:
         return path, type(value)
-    if type(value) in _MAPPINGS:
+    if type(value) in transfer.MAPPINGS:
         for k, v in value.items():
             bad = _unplain(k, f"{path} key {k!r}", depth + 1) if not isinstance(k, torch.Tensor) else \
                 (f"{path} key", type(k))

@@ -86,7 +86,7 @@ _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,4})?")
 _BUFFER_FIELDS = {"key", "dtype", "device", "numel", "shapes"}
 _HEADER_FIELDS = {"format", "skeleton", "extra", "buffers", "data"}
 _SHARD_FIELDS = {"r", "shape", "placements", "mesh"}
-_MAPPINGS = (dict, collections.OrderedDict, collections.Counter)  # the mapping types a state keeps as they are
+MAPPINGS = (dict, collections.OrderedDict, collections.Counter)  # the mapping types a state keeps as they are
 MAX_PLACEMENT_CHARS = 64  # bound of one placement's name in a shard entry (``_S(0, 2)`` is 8)
 
 
@@ -652,7 +652,7 @@ def _place(node: Any, own: Any, path: tuple, name: str, params: list) -> Any:
                                   f"this rank holds a DTensor ({mine}); state refused")
         return node
     if isinstance(node, dict):
-        out = type(node)() if type(node) in _MAPPINGS else {}
+        out = type(node)() if type(node) in MAPPINGS else {}
         for k, v in node.items():
             out[k] = _place(v, own.get(k) if isinstance(own, dict) else None, path + (k,), name, params)
         metadata = getattr(node, "_metadata", None)
