@@ -119,6 +119,8 @@ class Daemon:
                                seq=resume.last_seq if resume else tier.last_seq if restarted else 0)
         if tier is not None:
             tier.attach(self.journal)
+            if not restarted:
+                tier.skip_existing()
             if not restarted and resume is None:
                 tier.started()
         self.registry = Registry(nodes, ranks_per_node, standbys)

@@ -113,7 +113,6 @@ class Tier:
         self.resume_from: Optional[str] = None  # the step directory the next launch loads
         self.restarts: list[Restart] = []
         self.latest: Optional[int] = None  # the newest committed step tmd saw
-        self.latest_time: Optional[float] = None
         self.failed: Optional[str] = None  # the last failed save's message (shown for the job's life)
         self.last_seq = 0  # the journal's last sequence number when a restart ended the daemon before
         self.last_ids = (0, 0)  # that daemon's last migration and incident ids: the relaunched one goes on after
@@ -204,20 +203,29 @@ class Tier:
             else:
                 os.environ[name] = value
 
+    def skip_existing(self) -> None:
+        """A daemon starts (a new job or ``tmd resume``): the checkpoints already committed under
+        ``--checkpoint-dir`` count as seen (:attr:`latest`) but are not journalled again by :meth:`tick`."""
+        if self.config.checkpoint_dir is None:
+            return
+        for step, path in ck.checkpoints(self.config.checkpoint_dir):
+            if os.path.exists(os.path.join(path, ck.MANIFEST)):
+                self.latest = step if self.latest is None else max(self.latest, step)
+                return
+
     # --- while training -----------------------------------------------------------------------------------------
     def tick(self, now_mono: float) -> None:
-        """Every :data:`WATCH_EVERY_S`: journal ``checkpoint_committed`` for a newly committed checkpoint (its
-        manifest exists; the sha256s are checked when one is loaded)."""
+        """Every :data:`WATCH_EVERY_S`: journal ``checkpoint_committed`` for each checkpoint committed since the
+        last look (its manifest exists; the sha256s are checked when one is loaded), oldest first: saves more
+        frequent than the look are each counted."""
         if self.config.checkpoint_dir is None or now_mono - self._watched_at < WATCH_EVERY_S:
             return
         self._watched_at = now_mono
-        for step, path in ck.checkpoints(self.config.checkpoint_dir):
-            if self.latest is not None and step <= self.latest:
-                return
-            if os.path.exists(os.path.join(path, ck.MANIFEST)):
-                self.latest, self.latest_time = step, time.time()
-                self._record(Event.CHECKPOINT_COMMITTED, step=step, path=path)
-                return
+        new = [(step, path) for step, path in ck.checkpoints(self.config.checkpoint_dir)
+               if (self.latest is None or step > self.latest) and os.path.exists(os.path.join(path, ck.MANIFEST))]
+        for step, path in reversed(new):
+            self.latest = step
+            self._record(Event.CHECKPOINT_COMMITTED, step=step, path=path)
 
     def save_failed(self, rank: int, node: str, message: str) -> None:
         """A rank reported a failed save: journalled; the warning shows in ``tmctl status`` (beside the newest

@@ -19,7 +19,7 @@ from worker import checkpoint as ck
 def write_checkpoint(root: str, step: int, job_id: str, world_size: int = 2, when: float | None = None) -> str:
     """A valid checkpoint of ``step`` (one data file per rank and a manifest over them)."""
     path = ck.step_dir(root, step)
-    os.makedirs(path)
+    os.makedirs(path, exist_ok=True)
     files = {}
     for name in [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)]:
         data = f"{name} of step {step}".encode()
@@ -119,6 +119,27 @@ def test_a_failed_save_warns_beside_the_newest_committed_step(tmp_path):
     t.tick(100.0)
     assert "No space left" in t.status()["failed"] and t.status()["latest"] == 10
     assert events(t, Event.CHECKPOINT_COMMITTED)[0]["step"] == 10
+
+
+def test_every_save_between_two_looks_is_journalled_once_oldest_first(tmp_path):
+    t = tier(tmp_path, dir=str(tmp_path / "ck"), every=5)
+    for step in (5, 10, 15):
+        write_checkpoint(t.config.checkpoint_dir, step, t.job_id)
+    os.makedirs(os.path.join(t.config.checkpoint_dir, "step-000000020"))  # being saved: no manifest yet
+    t.tick(100.0)
+    t.tick(200.0)
+    write_checkpoint(t.config.checkpoint_dir, 20, t.job_id)
+    t.tick(300.0)
+    assert [e["step"] for e in events(t, Event.CHECKPOINT_COMMITTED)] == [5, 10, 15, 20]
+    assert t.status()["latest"] == 20
+    # a daemon started over them (tmd resume): seen already, not journalled again; a new save is
+    again = tier(tmp_path, dir=t.config.checkpoint_dir, every=5)
+    again.skip_existing()
+    again.tick(100.0)
+    assert again.status()["latest"] == 20 and not events(again, Event.CHECKPOINT_COMMITTED)
+    write_checkpoint(t.config.checkpoint_dir, 25, t.job_id)
+    again.tick(200.0)
+    assert [e["step"] for e in events(again, Event.CHECKPOINT_COMMITTED)] == [25]
 
 
 def test_choose_takes_one_step_directory_too(tmp_path):
