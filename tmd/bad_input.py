@@ -1,7 +1,9 @@
 """Refused input, aggregated: what tmd journals about messages it drops, bounded whatever a sender does.
 
 tmd calls :meth:`BadInput.refuse` for every message it refuses (a frame that does not decode, a message from a
-sender that may not send it, a worker message from an unknown process). A flood of bad frames must neither fill
+sender that may not send it, a worker message from an unknown process), and :meth:`BadInput.ignore` for a
+well-formed report that counts for nothing (of another migration or incident, or from a process with no part in
+it; journalled under its own event name). A flood of bad frames must neither fill
 the journal nor push the job's real events out of ``tmctl events``, so per sender (its ZeroMQ identity) and per
 second (WINDOW_S) only the first refusal is journalled as ``bad_message``; the others are counted, and the
 window's count is journalled once as ``bad_messages_dropped`` (sender, count, first error) by :meth:`tick` when
@@ -44,6 +46,13 @@ class BadInput:
         """Count one refused message from ``sender`` (its identity, decoded with errors replaced) because of
         ``error``, at ``now`` (time.monotonic(), seconds); journal it if it is the sender's first this window.
         Never raises."""
+        self.ignore(sender, now, Event.BAD_MESSAGE, error=cut_text(str(error), ERROR_CHARS))
+
+    def ignore(self, sender: str, now: float, event: Event, **fields) -> None:
+        """Count one well-formed message from ``sender`` that counts for nothing (a report of another migration
+        or incident, or from a process with no part in it), under the same bound as :meth:`refuse`: journalled
+        as ``event`` with ``fields`` (and ``sender``) if it is the sender's first this window, else counted.
+        Never raises."""
         self.total += 1
         sender = cut_text(str(sender), SENDER_CHARS)
         w = self._windows.get(sender)
@@ -53,12 +62,12 @@ class BadInput:
         if w is not None and now - w.start < self.window_s:
             w.dropped += 1
             if w.first_error is None:
-                w.first_error = cut_text(str(error), ERROR_CHARS)
+                w.first_error = cut_text(str(fields.get("error") or f"{event}: {fields}"), ERROR_CHARS)
             return
         if w is not None:
             self._flush(sender, w)
         self._windows[sender] = _Window(start=now)
-        self.journal.record(Event.BAD_MESSAGE, sender=sender, error=cut_text(str(error), ERROR_CHARS))
+        self.journal.record(event, sender=sender, **fields)
 
     def tick(self, now: float) -> None:
         """Journal the count of each window that is over (``now``: time.monotonic()) and forget its sender."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from tmd import protocol as p
+from tmd.protocol.vocab import Event
 from tmd.registry import Worker
 
 
@@ -21,3 +22,8 @@ class WorkerChannel(Protocol):
         """Give a standby process ``rank`` as a joiner: for migration ``migration_id`` (a planned move), for
         incident ``incident_id`` (replacing a failed rank), or as a guard (``guard``: warm now, tmd.guards). The Assign carries the current generation, the
         job's store and where the rank's recording lives."""
+
+    def ignore(self, worker: Worker, event: Event, **fields) -> None:
+        """Journal a report from ``worker`` that counts for nothing (stale, or from a process with no part in
+        the migration or incident) as ``event`` with ``fields``, bounded per sender as refused input is
+        (tmd.bad_input: one a second, the rest counted)."""

@@ -234,7 +234,10 @@ class Daemon:
             while self.exit_code is None:
                 try:
                     if poller.poll(int(TICK_S * 1000)):
-                        while True:
+                        # read what is queued, but tick at least every TICK_S: a flood of messages (from a party
+                        # holding a key) must not hold back failure detection, deadlines or the job's end
+                        drain_until = time.monotonic() + TICK_S
+                        while time.monotonic() < drain_until:
                             try:
                                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                             except zmq.Again:
@@ -404,20 +407,22 @@ class Daemon:
         authenticated as ``role`` (tmd.protocol.keys; None: no authentication, any role). Never raises for bad
         input, and a bug of tmd's own in a handler is journalled (``internal_error``) and survived; only the
         job's own end (JobFailed, RecoveryError) propagates."""
+        def refuse(identity: bytes, why: str) -> None:
+            self._refuse(identity, why)
+            if role == Sender.CLIENT and identity:  # tmctl waits for an answer: say why, not let it time out
+                self.reply(identity, p.ErrorReply(code=ErrorCode.BAD_REQUEST, message=cut_text(why, 500)))
+
         if len(frames) != 2:
-            self._refuse(frames[0] if frames else b"", f"expected 2 frames, got {len(frames)}")
+            refuse(frames[0] if frames else b"", f"expected 2 frames, got {len(frames)}")
             return
         identity, frame = frames
         try:
             msg = p.decode(frame)
         except p.ProtocolError as e:
-            self._refuse(identity, str(e))
-            if role == Sender.CLIENT:  # tmctl waits for an answer: say why instead of letting it time out
-                self.reply(identity, p.ErrorReply(code=ErrorCode.BAD_REQUEST, message=cut_text(str(e), 500)))
+            refuse(identity, str(e))
             return
         if role is not None and msg.SENDER != role:
-            self._refuse(identity, f"{msg.TYPE} is a {msg.SENDER} message; this connection is authenticated as "
-                                   f"a {role}")
+            refuse(identity, f"{msg.TYPE} is a {msg.SENDER} message; this connection is authenticated as a {role}")
             return
         try:
             self._dispatch(identity, msg)
@@ -454,7 +459,8 @@ class Daemon:
 
     def _worker(self, identity: bytes, msg: p.Message) -> Optional[Worker]:
         """The registered, live worker that sent ``msg``, or None: an unknown process is refused (or, after
-        ``tmd resume``, asked to re-register) and a fenced one told to exit."""
+        ``tmd resume``, asked to re-register), and a fenced one, or one whose slot another process holds now, told
+        to exit."""
         w = self.registry.by_identity.get(identity)
         if w is None and self.resumed is not None:  # a worker this restarted tmd has not re-learned yet
             self.resumed.ask(identity)
@@ -462,14 +468,23 @@ class Daemon:
         if w is None:
             self._refuse(identity, f"{msg.TYPE} from a process that never registered")
             return None
-        if w.fenced and isinstance(msg, p.RankFailed):
-            return w  # its exit was taken for a node failure before its report arrived: the report still counts
+        if w.fenced and w.fenced_on_exit and isinstance(msg, p.RankFailed):
+            # its exit was taken for a node failure before its report arrived: the report still counts (not for a
+            # node failed as silent or stopped: what it raises once it runs again follows from the fencing)
+            return w
         if w.fenced:  # declared failed and replaced (e.g. SIGSTOPped, then continued): it must go away
             if not w.fence_sent:
                 w.fence_sent = True
                 self.journal.record(Event.FENCED, node=w.node, local_rank=w.local_rank, pid=w.pid, message=msg.TYPE)
             self.send(w, p.Release(reason=f"{w.node} was declared failed; its ranks are held by others now",
                                    exit_code=ExitCode.FENCED))
+            return None
+        holder = self.registry.nodes[w.node].workers.get(w.local_rank)
+        if holder is not None and holder is not w:
+            # its slot went to another process (a standby restarted): this identity speaks for nothing any more
+            self._refuse(identity, f"{msg.TYPE} from {w.node}/{w.local_rank} (pid {w.pid}), whose slot another "
+                                   f"process holds now")
+            self.send(w, p.Release(reason="another process holds this slot", exit_code=ExitCode.REFUSED))
             return None
         w.last_heartbeat = time.monotonic()
         return w
@@ -482,6 +497,10 @@ class Daemon:
     def send(self, worker: Worker, msg: p.Message) -> None:
         """Queue ``msg`` for one worker process."""
         self.reply(worker.identity, msg)
+
+    def ignore(self, worker: Worker, event: Event, **fields) -> None:
+        """Journal a report that counts for nothing, bounded (see :class:`tmd.channel.WorkerChannel`)."""
+        self.bad_input.ignore(worker.identity.decode(errors="replace"), time.monotonic(), event, **fields)
 
     def assign(self, worker: Worker, rank: int, *, migration_id: int = 0, incident_id: int = 0,
                guard: bool = False) -> None:
@@ -572,6 +591,8 @@ class Daemon:
                 if self.evacuation.flagged(n) or self.evacuation.gpu_unhealthy(n)}
 
     def _done(self, w: Worker, msg: p.Done) -> None:
+        if not self._own_rank(w, msg):
+            return
         w.done = True
         if not w.done_journalled:  # a resent copy (its first ack was late) is acknowledged again, not journalled
             w.done_journalled = True
@@ -579,10 +600,10 @@ class Daemon:
                                 local_rank=w.local_rank, rank=msg.rank, final_step=msg.final_step)
         self.send(w, p.DoneAck(rank=msg.rank))
 
-    def _own_rank(self, w: Worker, msg: Union[p.RankFailed, p.RankWarning]) -> bool:
+    def _own_rank(self, w: Worker, msg: Union[p.RankFailed, p.RankWarning, p.Done, p.SnapshotReport]) -> bool:
         """Whether ``msg`` speaks for the rank tmd gave ``w``: the one it owns, or takes over as a joiner of the
         running migration. The worker key is shared by every process of the job: another rank's failure or
-        warning, or one from a process given no rank, is refused."""
+        warning, end or snapshot, or one from a process given no rank, is refused."""
         rank = w.rank
         if rank is None and self.migrations.current is not None:  # a joiner owns its rank from the commit on
             rank = next((r for r, j in self.migrations.current.joiners.items() if j is w), None)
@@ -615,6 +636,8 @@ class Daemon:
             self._refuse(w.identity, str(e))
 
     def _snapshot_report(self, w: Worker, msg: p.SnapshotReport) -> None:
+        if not self._own_rank(w, msg):
+            return
         if (w.node, msg.rank) in self._snapshots_journalled:  # one line per process of a rank, however often sent
             return
         self._snapshots_journalled.add((w.node, msg.rank))
@@ -708,7 +731,7 @@ class Daemon:
         refused = self.faults.refuse_recovery(node, reason) if self.detector.in_job(node) else None
         if refused is not None:
             raise refused
-        self._stonith(node)
+        self._stonith(node, signal)
         if node.role == NodeRole.JOINING and self._replacing(node.name):
             self.incidents.on_replacement_lost(node, reason)
             return
@@ -717,13 +740,13 @@ class Daemon:
         stranded, leavers = self.migrations.stranded_by(node.name)
         adopt = self.migrations.on_node_failed(node.name, reason) or self.guards.adopt(node)
         for name in leavers:  # they hold no rank any more and their last step failed with this node
-            self._stonith(self.registry.nodes[name])
+            self._stonith(self.registry.nodes[name], signal)
         for name in stranded:  # decided joiners whose state cannot be completed: lost with this node
             other = self.registry.nodes[name]
             why = f"its joiners had not finished their state when {node.name} was lost"
             self.journal.record(Event.NODE_FAILED, node=name, reason=why, signal=signal, ranks=other.ranks,
                                 silent_s=None)
-            self._stonith(other)
+            self._stonith(other, signal)
             self.incidents.lose(name, why)
         self.incidents.on_node_failed(node.name, reason, adopt)
 
@@ -731,13 +754,14 @@ class Daemon:
         self.incidents.lost.update(lost)
         self.incidents.start(reason)
 
-    def _stonith(self, n: Node) -> None:
+    def _stonith(self, n: Node, signal: FailureSignal) -> None:
         """Fence a failed node's processes: whatever they send from now on is answered with a Release, and those
         that run on this host are killed (SIGKILL works on a stopped process too). A hung or cut-off process that came back could otherwise finish a collective it was in:
         gloo cannot cancel an op in flight, and the survivors' abandoned op would write into buffers they reuse.
         Remote processes cannot be reached: they are fenced by the Release they get when they call in."""
         for w in n.workers.values():
             w.fenced = True
+            w.fenced_on_exit = signal == FailureSignal.PROCESS_EXIT
         killed = [w.pid for w in n.workers.values() if not w.exited and self.processes.kill(w)]
         if killed:
             self.journal.record(Event.NODE_FENCED, node=n.name, killed_pids=killed)

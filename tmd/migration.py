@@ -374,20 +374,20 @@ class Migrations(Episodes[Migration]):
                 return
         m = self.current
         if m is None or msg.migration_id != m.id:
-            self.journal.record(Event.STALE_PHASE_REPORT, worker=w.identity.decode(), migration_id=msg.migration_id,
-                                phase=msg.phase)
+            self.channel.ignore(w, Event.STALE_PHASE_REPORT, migration_id=msg.migration_id, phase=msg.phase)
             return
         role = m.role_of(w)
         if role is None or (msg.phase == MigrationPhase.WARMED and role != MigrationRole.JOINER):
             # a process with no such part (it holds the worker key, but tmd never asked it): counts for nothing
-            self.journal.record(Event.UNEXPECTED_PHASE_REPORT, migration_id=m.id, state=m.state, phase=msg.phase,
-                                rank=msg.rank, worker=w.identity.decode(), reason=f"it is no {role or 'party'} "
-                                f"that reports {msg.phase} in migration {m.id}")
+            self.channel.ignore(w, Event.UNEXPECTED_PHASE_REPORT, migration_id=m.id, state=m.state, phase=msg.phase,
+                                rank=msg.rank, reason=f"it is no {role or 'party'} that reports {msg.phase} in "
+                                f"migration {m.id}")
             return
         if not msg.ok:
             self.abort(m, f"{w.node}/{w.local_rank} (rank {msg.rank}) failed in {msg.phase}: {msg.error}")
             return
         acks = m.acks.setdefault(msg.phase, set())
+        first = w.identity not in acks  # a resent report counts once (its bytes too)
         acks.add(w.identity)
         if msg.phase == MigrationPhase.WARMED and m.state == MigrationState.WARMING:
             m.shadow_steps.update({r: msg.shadow_steps for r, j in m.joiners.items() if j is w})  # its rank, not msg's
@@ -412,16 +412,16 @@ class Migrations(Episodes[Migration]):
             self._journal_sent(m, msg)
         elif msg.phase == MigrationPhase.TRANSFERRED and m.state in (MigrationState.PREPARED,
                                                                     MigrationState.SWITCHING):
-            m.bytes_moved += msg.bytes_moved
+            m.bytes_moved += msg.bytes_moved if first else 0
             m.transfer_s = max(m.transfer_s, msg.seconds)
             self._mark_transfer_start(m, msg.seconds)
             self._decide_if_transferred(m)
         elif msg.phase == MigrationPhase.COMMITTED and m.state == MigrationState.TRANSFERRED:
-            m.bytes_moved += msg.bytes_moved  # a joiner's replayed gradients and tail, after its pre-copy
+            m.bytes_moved += msg.bytes_moved if first else 0  # a joiner's replayed gradients and tail
             if all(j.identity in acks for j in m.joiners.values()):
                 self._commit(m)
         else:
-            self.journal.record(Event.UNEXPECTED_PHASE_REPORT, migration_id=m.id, state=m.state, phase=msg.phase,
+            self.channel.ignore(w, Event.UNEXPECTED_PHASE_REPORT, migration_id=m.id, state=m.state, phase=msg.phase,
                                 rank=msg.rank)
 
     def on_node_failed(self, node: str, reason: str) -> Optional[Adoption]:

@@ -270,15 +270,20 @@ class Incidents(Episodes[Incident]):
         that way (the same error each time would otherwise loop forever)."""
         inc = self.current
         if msg.phase == RecoveryPhase.COLLECTIVE_FAILED:
+            if self.registry.rank_owner.get(msg.rank) is not w:  # only a rank's holder runs its collectives
+                self.channel.ignore(w, Event.STALE_RECOVERY_REPORT, incident_id=msg.incident_id, phase=msg.phase,
+                                    rank=msg.rank, reason=f"{w.node}/{w.local_rank} does not hold rank {msg.rank}")
+                return
             self.journal.record(Event.COLLECTIVE_FAILED, node=w.node, local_rank=w.local_rank, rank=msg.rank,
                                 error=msg.error)
             if inc is None and self._unexplained is None:
                 self._unexplained = (time.monotonic(), f"rank {msg.rank} saw a collective fail: {msg.error}")
             return
         if inc is None:
-            self.journal.record(Event.STALE_RECOVERY_REPORT, worker=w.identity.decode(), incident_id=msg.incident_id,
-                                phase=msg.phase)
+            self.channel.ignore(w, Event.STALE_RECOVERY_REPORT, incident_id=msg.incident_id, phase=msg.phase,
+                                rank=msg.rank, reason="no incident is running")
             return
+        party = inc.survivors.get(msg.rank) is w or inc.replacements.get(msg.rank) is w
         if msg.phase == RecoveryPhase.WARMED and any(w is x for x in inc.replacements.values()):
             w.warm_for = w.rank  # valid across incidents: it warmed for this rank
             inc.shadow_steps[w.rank] = msg.shadow_steps
@@ -292,7 +297,7 @@ class Incidents(Episodes[Incident]):
                 self.journal.record(Event.RECOVERY_HALTED, incident_id=inc.id,
                                     committed=dict(sorted(inc.halted.items())))
             self._maybe_plan(inc)
-        elif msg.phase == RecoveryPhase.RECOVERED and msg.incident_id == inc.id and \
+        elif msg.phase == RecoveryPhase.RECOVERED and msg.incident_id == inc.id and party and \
                 inc.state == IncidentState.RECOVERING:
             if not msg.ok:
                 # a party that fails the same way every time would start incidents forever: give up after a few
@@ -302,13 +307,15 @@ class Incidents(Episodes[Incident]):
                     self._fail(inc, f"{why} ({self.failed_recoveries} incidents in a row failed to recover)")
                 self.start(why)
                 return
-            inc.recovered.add(msg.rank)
-            inc.bytes_moved += msg.bytes_moved
+            if msg.rank not in inc.recovered:  # a resent report counts once
+                inc.recovered.add(msg.rank)
+                inc.bytes_moved += msg.bytes_moved
             if len(inc.recovered) == len(inc.parties()):
                 self._finish(inc)
         else:
-            self.journal.record(Event.STALE_RECOVERY_REPORT, worker=w.identity.decode(), incident_id=msg.incident_id,
-                                phase=msg.phase)
+            self.channel.ignore(w, Event.STALE_RECOVERY_REPORT, incident_id=msg.incident_id, phase=msg.phase,
+                                rank=msg.rank, reason=f"incident {inc.id} is {inc.state}" if party else
+                                f"{w.node}/{w.local_rank} has no part in incident {inc.id} as rank {msg.rank}")
 
     def tick(self, now_mono: float) -> None:
         """Regroup after an unexplained collective failure, look for a standby while one is awaited, and fail

@@ -42,6 +42,7 @@ class Worker:
     done_journalled: bool = False  # its Done is in the journal (a resent copy is acknowledged, not journalled)
     exited: bool = False
     fenced: bool = False  # its node was declared failed: it must not take part again
+    fenced_on_exit: bool = False  # fenced because its node's processes exited (not silent or stopped)
     fence_sent: bool = False
     warm_for: Optional[int] = None  # a replacement's rank once its shadow iterations are done
     iface: str = ""  # the network interface its data plane uses (tmd.netif; "": unknown)

@@ -80,7 +80,7 @@ class Requests:
         processes; failed and left nodes count for nothing); a request sooner than ``add_standby_interval_s`` seconds after the last
         one that was served."""
         c = self.control
-        name = msg.node.strip()
+        name = msg.node  # as given: a name with blanks is refused, not trimmed into another
         try:
             if c.launcher is None or self.cluster() is not None:  # SLURM: a standby is a node a standby job holds
                 raise MigrationError(ErrorCode.NOT_SUPPORTED, "tmctl standby add is for local mode: under SLURM, "

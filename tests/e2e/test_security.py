@@ -224,7 +224,14 @@ def test_attacks_have_no_effect_on_the_job(job):
     for msg in FORGED[3:]:
         sock.send(p.encode(msg))
     sock.send(p.encode(p.StatusRequest()))  # answered once the forged ones were handled (one connection: FIFO)
-    assert sock.poll(20_000) and isinstance(p.decode(sock.recv()), p.StatusReply)
+    replies = []
+    while not replies or not isinstance(replies[-1], p.StatusReply):
+        assert sock.poll(20_000), replies
+        replies.append(p.decode(sock.recv()))
+    # each worker message refused in one line, to the client that waits for an answer; acted on: none
+    assert [(r.code, r.message) for r in replies[:-1]] == [
+        (p.ErrorCode.BAD_REQUEST, f"{m.TYPE} is a worker message; this connection is authenticated as a client")
+        for m in FORGED[3:]]
     sock.close()
     # 3. the job's worker key claiming a registered worker's place
     sock = dealer(address, b"n2/0/forged", keys, p.Sender.WORKER)

@@ -38,10 +38,15 @@ class RecordingChannel:
     """A :class:`tmd.channel.WorkerChannel` for unit tests: keeps what would be sent as (identity, message) in
     ``sent``; an Assign carries ``world_size`` and ``generation`` as given."""
 
-    def __init__(self, sent: list, world_size: int = 4, generation: int = 1) -> None:
+    def __init__(self, sent: list, world_size: int = 4, generation: int = 1, journal=None) -> None:
         self.sent = sent
         self.world_size = world_size
         self.generation = generation
+        self.journal = journal  # where ignore() journals (unbounded here); None: nowhere
+
+    def ignore(self, w, event, **fields) -> None:
+        if self.journal is not None:
+            self.journal.record(event, sender=w.identity.decode(), **fields)
 
     def send(self, w, msg) -> None:
         self.sent.append((w.identity.decode(), msg))

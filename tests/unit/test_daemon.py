@@ -308,3 +308,45 @@ def test_a_daemon_relaunched_from_a_checkpoint_goes_on_with_the_journals_sequenc
         assert d.journal.seq >= 40
     finally:
         d.close()
+
+
+def test_a_flood_of_frames_does_not_hold_back_the_ticks(tmp_path, monkeypatch):
+    """Failure detection, deadlines and the job's end run in the ticks: a sender flooding tmd's socket (a party
+    holding a key) must not keep the loop reading. Each frame here costs 1 ms to handle, 3,000 are queued: the
+    loop ticks at least every TICK_S while it works through them."""
+    import zmq
+
+    from tmd import daemon as daemon_module
+
+    d = Daemon("t", str(tmp_path), ["n1"], 1, [], RECORD_2.with_options(auth=False), echo=False)
+    handled, ticks_mid_flood = [0], []
+    total = 3000
+
+    def slow(frames, role=None):
+        time.sleep(0.001)
+        handled[0] += 1
+
+    def tick():
+        if 0 < handled[0] < total:
+            ticks_mid_flood.append(handled[0])
+        if handled[0] >= total:
+            d.exit_code = 0
+
+    monkeypatch.setattr(d, "on_frames", slow)
+    monkeypatch.setattr(d, "_contained_tick", tick)
+    ctx = zmq.Context()
+    sender = ctx.socket(zmq.DEALER)
+    sender.setsockopt(zmq.SNDHWM, 0)
+    sender.connect(d.address)
+    for _ in range(total):
+        sender.send(b"x")
+    try:
+        d.run()  # closes the daemon as it ends
+    finally:
+        sender.close(linger=0)
+        ctx.term()
+    assert handled[0] == total
+    # about 3 s of handling at one tick per TICK_S (0.05 s): dozens of ticks; reading until the socket was empty
+    # gave none before the last frame
+    assert len(ticks_mid_flood) >= 10, ticks_mid_flood
+    assert daemon_module.TICK_S == 0.05

@@ -96,15 +96,31 @@ def test_bad_frames_are_journalled(daemon):
     assert [e["error"][:8] for e in refusals(daemon)] == ["not JSON", "expected"]
 
 
-def test_a_rank_failed_ends_the_job_even_from_a_fenced_worker(daemon):
+def test_a_rank_failed_ends_the_job_even_from_a_worker_fenced_for_its_exit(daemon):
     from tmd.faults import JobFailed
 
     n2 = register(daemon, "n2")
-    daemon.registry.nodes["n2"].workers[0].fenced = True  # its exit was taken for a node failure first
+    w = daemon.registry.nodes["n2"].workers[0]
+    w.fenced = w.fenced_on_exit = True  # its exit was taken for a node failure first
     with pytest.raises(JobFailed, match="rank 1 on n2 raised at step 5: ValueError: x"):
         daemon.on_frames([n2, p.encode(p.RankFailed(rank=1, step=5, kind=p.FailureKind.SCRIPT_ERROR,
                                                      error="ValueError: x", traceback="tb"))])
     assert daemon.status().failure["rank"] == 1
+
+
+def test_a_rank_failed_from_a_node_failed_as_silent_is_fenced_not_the_jobs_end(daemon):
+    """n2 went silent (a partition, SIGSTOP), was failed and its rank recovered elsewhere; its process comes back
+    and raises (a stale file handle, a broken collective): that follows from the fencing, the job trains on."""
+    n2 = register(daemon, "n2")
+    register(daemon, "n1")
+    register(daemon, "s1")
+    for rank in (0, 1):  # the job recorded its first steps: the incident can warm a replacement
+        open(daemon.layout.recording(rank), "w").close()
+    daemon.fail_node(daemon.registry.nodes["n2"], "no heartbeat for 5.0 s", p.FailureSignal.SILENT)
+    daemon.on_frames([n2, p.encode(p.RankFailed(rank=1, step=7, kind=p.FailureKind.SCRIPT_ERROR,
+                                                 error="OSError: stale file handle", traceback=""))])
+    assert isinstance(daemon.sent[-1][1], p.Release) and daemon.sent[-1][1].exit_code == ExitCode.FENCED
+    assert daemon.status().failure is None and daemon.journal.since(0, 1000)[-1]["event"] == Event.FENCED
 
 
 def test_a_warning_is_shown_and_refuses_migrations(daemon):
@@ -159,10 +175,14 @@ def test_each_authenticated_role_may_send_only_its_own_messages(daemon):
              (b"n9/1/x", S.WORKER, p.NodeNotice(node="n2", job_id="7", hook=p.HookKind.EPILOG, detail=""))]
     for identity, role, msg in cases:
         daemon.on_frames([identity, p.encode(msg)], role)
-    assert daemon.sent == [] and daemon.registry.by_identity == {} and daemon.migrations.all == []
-    assert [e["error"] for e in refusals(daemon)] == [
-        f"{msg.TYPE} is a {msg.SENDER} message; this connection is authenticated as a {role}"
-        for _, role, msg in cases]
+    assert daemon.registry.by_identity == {} and daemon.migrations.all == []
+    whys = [f"{msg.TYPE} is a {msg.SENDER} message; this connection is authenticated as a {role}"
+            for _, role, msg in cases]
+    assert [e["error"] for e in refusals(daemon)] == whys
+    # tmctl waits for an answer: its refusals are answered (a hook's and a worker's are not: they do not wait)
+    assert daemon.sent == [(identity, p.ErrorReply(code=p.ErrorCode.BAD_REQUEST, message=why))
+                           for (identity, role, _), why in zip(cases, whys) if role == S.CLIENT]
+    daemon.sent.clear()
     daemon.on_frames([b"tmctl-3", p.encode(p.StatusRequest())], S.CLIENT)
     assert isinstance(daemon.sent[-1][1], p.StatusReply)
 
@@ -185,6 +205,59 @@ def test_an_authenticated_client_gets_told_why_its_frame_was_refused(daemon):
     assert identity == b"tmctl-1" and reply.code == p.ErrorCode.BAD_REQUEST and "surrogate" in reply.message
     daemon.on_frames([b"n1/0/x", b"garbage"], p.Sender.WORKER)  # a worker gets no answer: it does not wait
     assert len(daemon.sent) == 1 and daemon.migrations.all == []
+
+
+def test_reports_for_another_rank_or_from_a_process_with_no_part_count_for_nothing(daemon):
+    """The worker key is every process's: a standby (no rank) cannot end a rank, start a regroup, or journal a
+    snapshot for one; a rank cannot speak for another."""
+    n1, n2, s1 = register(daemon, "n1"), register(daemon, "n2"), register(daemon, "s1")  # ranks 0, 1; a standby
+    failed = dict(incident_id=0, phase=p.RecoveryPhase.COLLECTIVE_FAILED, ok=False, error="forged", committed_step=-1,
+                  bytes_moved=0, seconds=0.0)
+    for identity, msg in [(s1, p.Done(rank=0, final_step=9, left=False)),
+                          (n1, p.Done(rank=1, final_step=9, left=False)),
+                          (s1, p.SnapshotReport(rank=1, step=4, bytes_per_copy=2 ** 40, copy_s=1e9)),
+                          (s1, p.RecoveryReport(rank=0, **failed)), (n2, p.RecoveryReport(rank=0, **failed))]:
+        daemon.on_frames([identity, p.encode(msg)], p.Sender.WORKER)
+    kinds = [e["event"] for e in daemon.journal.since(0, 1000)]
+    assert Event.RANK_DONE not in kinds and Event.SNAPSHOT_TAKEN not in kinds and Event.COLLECTIVE_FAILED not in kinds
+    assert not any(w.done for w in daemon.registry.by_identity.values())
+    daemon.incidents.tick(10 ** 9)  # past regroup_after_s: no regroup was armed
+    assert daemon.incidents.current is None
+    assert [e["error"] for e in refusals(daemon)] == [
+        "Done for rank 0 from s1/0, which holds no rank", "Done for rank 1 from n1/0, which holds rank 0",
+        "SnapshotReport for rank 1 from s1/0, which holds no rank"]
+    stale = [e for e in daemon.journal.since(0, 1000) if e["event"] == Event.STALE_RECOVERY_REPORT]
+    assert [e["reason"] for e in stale] == ["s1/0 does not hold rank 0", "n2/0 does not hold rank 0"]
+    daemon.on_frames([n2, p.encode(p.RecoveryReport(rank=1, **failed))], p.Sender.WORKER)  # its own: counts
+    assert [e["rank"] for e in daemon.journal.since(0, 1000) if e["event"] == Event.COLLECTIVE_FAILED] == [1]
+
+
+def test_a_process_whose_slot_another_holds_now_is_told_to_exit(daemon):
+    """A standby's process exited and a fresh one registered in its slot: the old identity speaks for nothing."""
+    old = register(daemon, "s1")
+    daemon.registry.nodes["s1"].workers[0].exited = True
+    new = b"s1/0/fedcba9876543210"
+    daemon.on_frames([new, p.encode(p.Register(node="s1", local_rank=0, pid=2, host="h", standby=True))])
+    daemon.sent.clear()
+    daemon.on_frames([old, p.encode(p.Heartbeat(step=0, counters={}))], p.Sender.WORKER)
+    assert daemon.sent == [(old, p.Release(reason="another process holds this slot", exit_code=ExitCode.REFUSED))]
+    assert refusals(daemon)[-1]["error"] == "Heartbeat from s1/0 (pid 1), whose slot another process holds now"
+    daemon.on_frames([new, p.encode(p.Heartbeat(step=0, counters={"busy_s": 1.0}))], p.Sender.WORKER)
+    assert daemon.registry.by_identity[new].counters == {"busy_s": 1.0}
+
+
+def test_reports_that_count_for_nothing_are_journalled_once_a_second_per_sender(daemon):
+    daemon.bad_input.window_s = 1.0
+    n1 = register(daemon, "n1")
+    stale = p.RecoveryReport(incident_id=7, rank=0, phase=p.RecoveryPhase.HALTED, ok=True, error="",
+                             committed_step=3, bytes_moved=0, seconds=0.0)
+    for _ in range(1000):
+        daemon.on_frames([n1, p.encode(stale)], p.Sender.WORKER)
+    kinds = [e["event"] for e in daemon.journal.since(0, 10000)]
+    assert kinds.count(Event.STALE_RECOVERY_REPORT) == 1
+    daemon.bad_input.tick(10 ** 9)
+    (dropped,) = [e for e in daemon.journal.since(0, 10000) if e["event"] == Event.BAD_MESSAGES_DROPPED]
+    assert dropped["count"] == 999
 
 
 def test_a_replica_report_that_does_not_fit_the_job_is_refused_not_an_internal_error(daemon):

@@ -34,7 +34,7 @@ def make_world(standbys: list[str]):
             reg.record_step(rank, s, 0.1)
     sent: list[tuple[str, p.Message]] = []
     journal = Journal(None)
-    migs = Migrations(reg, journal, RecordingChannel(sent, world_size=4, generation=1), record_steps=3)
+    migs = Migrations(reg, journal, RecordingChannel(sent, world_size=4, generation=1, journal=journal), record_steps=3)
     return reg, migs, sent, journal
 
 
@@ -204,7 +204,7 @@ def test_a_leaver_s_sent_report_after_the_commit_is_journalled(world):
     ack(migs, reg, ["n1/0"], MigrationPhase.SENT)  # not a leaver: stale
     entries = journal.since(0, 100)
     assert sorted(e["rank"] for e in entries if e["event"] == Event.MIGRATION_SENT) == [2, 3]
-    assert entries[-1]["event"] == Event.STALE_PHASE_REPORT and entries[-1]["worker"] == "n1/0"
+    assert entries[-1]["event"] == Event.STALE_PHASE_REPORT and entries[-1]["sender"].startswith("n1/0")
 
 
 def commit_migration(migs, reg):
@@ -374,7 +374,7 @@ def world4():
             reg.record_step(rank, s, 0.1)
     sent: list[tuple[str, p.Message]] = []
     journal = Journal(None)
-    migs = Migrations(reg, journal, RecordingChannel(sent, world_size=8, generation=1), record_steps=3)
+    migs = Migrations(reg, journal, RecordingChannel(sent, world_size=8, generation=1, journal=journal), record_steps=3)
     return reg, migs, sent, journal
 
 

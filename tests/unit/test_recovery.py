@@ -44,7 +44,7 @@ class World:
                 f.write(b"fake recording")
         self.sent: list[tuple[str, p.Message]] = []
         self.journal = Journal(None)
-        self.channel = RecordingChannel(self.sent, world_size=6, generation=0)
+        self.channel = RecordingChannel(self.sent, world_size=6, generation=0, journal=self.journal)
         self.incidents = Incidents(self.reg, self.journal, self.channel, self.run_dir, snapshot_every=snapshot_every)
 
     def w(self, ident):
@@ -109,7 +109,13 @@ def test_halting_recovering_recovered_with_sends_spread_over_replicas(world):
     # receivers (the replacements, then the survivor behind) are spread over the replicas that committed step 9
     assert plan.sends == [[0, 2], [1, 3], [4, 5]] and plan.resume_step == 10 and plan.generation == 1
 
-    for ident in SURVIVORS:
+    # a process with no part in it (the standby s2: it holds the worker key too) neither fails nor finishes it
+    for rank, ok in ((0, False), (2, True), (3, True)):
+        world.incidents.on_report(world.w("s2/0"), p.RecoveryReport(
+            incident_id=1, rank=rank, phase=RecoveryPhase.RECOVERED, ok=ok, error="forged", committed_step=-1,
+            bytes_moved=10 ** 12, seconds=0.0))
+    assert world.incidents.current is inc and not inc.recovered and world.incidents.failed_recoveries == 0
+    for ident in SURVIVORS + ["n1/0"]:  # n1/0's report comes twice: it counts once, its bytes too
         world.report(ident, RecoveryPhase.RECOVERED, bytes_moved=100)
     world.report("s1/0", RecoveryPhase.WARMED)
     assert IncidentMark.WARMED not in inc.phases and len(world.sent_of(p.Recover)) == 6  # no second plan

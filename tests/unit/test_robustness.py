@@ -45,6 +45,10 @@ BAD_FRAMES = {
     "Infinity as 1e999": b'{"v":1,"type":"StepReport","rank":0,"step":1,"step_time_s":1e999,"shadow":false}',
     "int over 64 bits": frame(type="StepReport", rank=0, step=10 ** 30, step_time_s=1.0, shadow=False),
     "negative time": frame(type="StepReport", rank=0, step=1, step_time_s=-5.0, shadow=False),
+    # a step whose successor tmd could not encode again (every tmctl status would fail), a byte count it sums
+    "step near 2**63": frame(type="StepReport", rank=0, step=2 ** 63 - 1, step_time_s=1.0, shadow=True),
+    "step below -1": frame(type="Done", rank=0, final_step=-2, left=False),
+    "bytes over 2**50": frame(type="SnapshotReport", rank=0, step=1, bytes_per_copy=2 ** 50 + 1, copy_s=0.1),
     "nested 20 deep in counters": frame(type="Heartbeat", step=1, counters=json.loads('{"a":' * 20 + "1" + "}" * 20)),
     "counter as text": frame(type="Heartbeat", step=1, counters={"pending": "many"}),
     "negative op start": frame(type="Heartbeat", step=1, counters={"pending": 1, "last_op_start_s": -1e9}),
@@ -177,11 +181,12 @@ def test_weird_names_in_requests_get_clean_error_replies(daemon):
     on_frames(d, b"tmctl-1", p.encode(p.MigrateRequest(sources=["\u202e"], targets=["s1"])))
     on_frames(d, b"tmctl-1", p.encode(p.AddStandbyRequest(node="../etc")))
     on_frames(d, b"tmctl-1", p.encode(p.AddStandbyRequest(node="-dash")))  # NODE_NAME starts with a letter or digit
+    on_frames(d, b"tmctl-1", p.encode(p.AddStandbyRequest(node="x\n")))  # refused, not trimmed into another name
     codes = [m.code for _, m in d.sent]
-    assert codes == [ErrorCode.UNKNOWN_NODE, ErrorCode.UNKNOWN_NODE, ErrorCode.BAD_REQUEST, ErrorCode.BAD_REQUEST]
-    assert d.launcher.started == []
+    assert codes == [ErrorCode.UNKNOWN_NODE, ErrorCode.UNKNOWN_NODE] + [ErrorCode.BAD_REQUEST] * 3
+    assert d.launcher.started == [] and "x" not in d.registry.nodes
     refused = [e for e in d.journal.since(0, 100) if e["event"] == Event.STANDBY_REFUSED]
-    assert len(refused) == 2
+    assert len(refused) == 3
 
 
 def test_a_heartbeat_with_wrong_types_never_raises_where_counters_are_read(daemon):

@@ -491,6 +491,12 @@ NAME_FIELDS = frozenset({"node", "job_id", "iface"})
 HOST_FIELDS = frozenset({"host", "data_host"})
 NON_NEGATIVE_FIELDS = frozenset({"step_time_s", "seconds", "bytes_moved", "bytes_per_copy", "copy_s", "kept_tensors",
                                  "shadow_steps"})
+# A step and a byte count tmd adds to or journals: far beyond any job, far within the 64-bit range whatever tmd sums
+# (a step 2**62 would make the next one, and a status reply, unencodable)
+STEP_FIELDS = frozenset({"step", "committed_step", "final_step", "precopy_step", "shadow_steps"})
+STEP_RANGE = (-1, 2 ** 48)  # -1: none yet
+BYTE_FIELDS = frozenset({"bytes_moved", "bytes_per_copy"})
+MAX_BYTES = 2 ** 50  # one message's byte count (1 PiB)
 MAX_COUNTER_KEYS = 64  # keys of Heartbeat.counters and of its ``gpu`` sample
 MAX_GROUPS = 4096  # PhaseDone.groups entries
 MAX_LABEL_CHARS = 256  # a counter's text value (mode), a GPU uuid or throttle reason, a group name
@@ -677,6 +683,10 @@ def _check_field(name: str, field: str, value: Any) -> None:
         raise ProtocolError(f"{name}.{field}: longer than {MAX_HOST_CHARS} characters")
     if field in NON_NEGATIVE_FIELDS and _number(value) and value < 0:
         raise ProtocolError(f"{name}.{field}: negative")
+    if field in STEP_FIELDS and _number(value) and not STEP_RANGE[0] <= value <= STEP_RANGE[1]:
+        raise ProtocolError(f"{name}.{field}: not a step from {STEP_RANGE[0]} to 2**48")
+    if field in BYTE_FIELDS and _number(value) and value > MAX_BYTES:
+        raise ProtocolError(f"{name}.{field}: more than 2**50 bytes")
     check = _CONTENT_CHECKS.get((name, field))
     if check is not None:
         check(value)
@@ -697,7 +707,7 @@ def decode(frame: bytes) -> Message:
     json's digit limit); a lone surrogate; an unknown version or type; a missing or extra field; a field of the
     wrong type (an enum field with a value outside the enum included); a name field (NAME_FIELDS) longer than
     MAX_NAME_CHARS or a host longer than MAX_HOST_CHARS; a negative time, byte count or count (NON_NEGATIVE_FIELDS);
-    Heartbeat counters or PhaseDone groups of the wrong shape (see _check_counters); MigrateRequest node lists
+    a step outside STEP_RANGE (STEP_FIELDS) or a byte count over MAX_BYTES (BYTE_FIELDS); Heartbeat counters or PhaseDone groups of the wrong shape (see _check_counters); MigrateRequest node lists
     that are empty, longer than MAX_MIGRATE_NODES or hold a name of 0 or over MAX_NAME_CHARS characters. Free
     text (errors, tracebacks, reasons) is not cut here: the frame limit bounds it and the journal cuts what it
     writes."""
