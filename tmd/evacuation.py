@@ -30,6 +30,7 @@ class Evacuation:
         self._gpu_verdicts: dict[int, Optional[tuple[GpuLevel, str]]] = {}  # rank -> last verdict
         self._in_incident = False
         self._waiting: dict[str, str] = {}  # straggler's node -> why, its evacuation skipped: tried again each tick
+        self._owners: dict[int, Worker] = {}  # rank -> the process whose heartbeats its verdicts come from
 
     def observe(self, w: Worker, counters: dict, now: float) -> Optional[str]:
         """One heartbeat's ``counters`` from ``w`` at ``now`` (time.monotonic()); only a rank's owner counts.
@@ -40,6 +41,8 @@ class Evacuation:
         owner = w.rank is not None and self.control.registry.rank_owner.get(w.rank) is w
         if not owner:
             return None
+        if self._owners.get(w.rank) is not w:
+            self._moved(w, now)
         problem = None
         if "busy_s" in counters:
             busy = finite(counters["busy_s"])
@@ -53,6 +56,23 @@ class Evacuation:
         elif gpu is not None:
             problem = "gpu is not an object"
         return problem
+
+    def _moved(self, w: Worker, now: float) -> None:
+        """Rank ``w.rank`` is held by a new process (a migration's joiner, a recovery's replacement): the
+        verdicts on its old process and GPU do not follow it. A straggler flag is cleared (journalled, with
+        why) and its GPU verdict and windows start over; otherwise the node it moved to would inherit them, be
+        taken for a suspect and take a healthy node's guard, or be evacuated again."""
+        rank = w.rank
+        first = rank not in self._owners
+        self._owners[rank] = w
+        if first:
+            return
+        if rank in self.stragglers.flagged:
+            self.control.journal.record(Event.STRAGGLER_CLEARED, rank=rank, node=w.node, lateness=None,
+                                        reason="its rank moved to another process")
+        self.stragglers.forget(rank)
+        self.gpu_policy.forget(rank)
+        self._gpu_verdicts.pop(rank, None)
 
     def gpu_unhealthy(self, n: Node) -> bool:
         """Whether a rank of ``n`` has an unhealthy GPU verdict (heartbeats coming back do not clear it)."""

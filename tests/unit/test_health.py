@@ -84,3 +84,43 @@ def test_evacuation_judges_nobody_during_an_incident_and_starts_over_after_it():
                 det.observe(r, t, feed.busy[r])
             ev.tick(t)
     assert not det.flagged  # 6 s halted + 5 s after: without the resets rank 3 would be flagged
+
+
+@pytest.mark.timeout(10)
+def test_a_rank_moved_to_another_process_leaves_its_straggler_flag_and_gpu_verdict_behind():
+    """Rank 3 is a straggler on n2 and its GPU reports a critical XID; a migration moves n2's ranks to s1. The
+    flag and the verdict were about n2's process and GPU: s1 must not be taken for a suspect (it would take a
+    healthy node's guard) or for a bad GPU (it would be evacuated again)."""
+    from types import SimpleNamespace
+
+    from tmd.evacuation import Evacuation
+    from tmd.journal import Journal
+    from tmd.protocol.vocab import Event
+    from tmd.registry import Registry, Worker
+
+    reg = Registry(["n1", "n2"], 2, ["s1"])
+    control = SimpleNamespace(registry=reg, journal=Journal(None), current_incident=None)
+    ev = Evacuation(control, stragglers=StragglerDetector(window_s=2, lateness_threshold=0.2, patience=3))
+    ev.evacuate = lambda node, reason, quiet=False: True  # no migration machinery here
+    for node in ("n1", "n2", "s1"):
+        for local in (0, 1):
+            reg.add_worker(Worker(f"{node}/{local}".encode(), node, local, 1, "h"))
+    t, busy = 0.0, {}
+    while t < 10:
+        t += 0.5
+        for rank, share in {0: 0.9, 1: 0.9, 2: 0.9, 3: 0.0}.items():
+            busy[rank] = busy.get(rank, 0.0) + share * 0.5
+            gpu = {"uuid": "GPU-n2-1", "index": 1, "xids": [79]} if rank == 3 else {}
+            ev.observe(reg.rank_owner[rank], {"busy_s": busy[rank], "gpu": gpu}, t)
+        ev.tick(t)
+    n2 = reg.nodes["n2"]
+    assert ev.flagged(n2) == [3] and ev.gpu_unhealthy(n2)
+    s1 = reg.nodes["s1"]  # the commit: s1's processes hold ranks 2, 3 (tmd.registry.hand_over's effect)
+    for local, rank in ((0, 2), (1, 3)):
+        w = s1.workers[local]
+        w.rank, reg.rank_owner[rank] = rank, w
+    s1.ranks, n2.ranks = [2, 3], []
+    ev.observe(s1.workers[1], {"busy_s": 0.0, "gpu": {"uuid": "GPU-s1-1", "index": 1, "xids": []}}, t + 0.5)
+    assert ev.flagged(s1) == [] and not ev.gpu_unhealthy(s1)
+    (cleared,) = [e for e in control.journal.since(0, 100) if e["event"] == Event.STRAGGLER_CLEARED]
+    assert cleared["rank"] == 3 and cleared["node"] == "s1" and "moved" in cleared["reason"]
