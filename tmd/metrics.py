@@ -248,6 +248,9 @@ class Metrics:
             self.recoveries.labels(job, state.value)
         for kind in (MOVED_MIGRATION, MOVED_RECOVERY):
             self.moved.labels(job, kind)
+        for state in ("committed", "failed"):
+            self.checkpoints.labels(job, state)
+        self.restarts.labels(job, "checkpoint")
         self.live = LiveCollector(job)
         self.registry.register(self.live)
 
@@ -294,6 +297,12 @@ class Metrics:
             if ev == Event.RECOVERY_DONE:
                 self._phases(self.recovery_phase, RECOVERY_PHASES, e.get("phases_s"))
                 self._moved(MOVED_RECOVERY, e.get("bytes_moved"))
+        elif ev == Event.WORKER_REGISTERED:  # a node's label sets start at 0 once it runs a process
+            node = self._node(e.get("node"))
+            if node is not None:
+                self.stragglers.labels(job, node)
+                for signal in FailureSignal:
+                    self.failures.labels(job, node, signal.value)
         elif ev == Event.NODE_FAILED:
             node, signal = self._node(e.get("node")), e.get("signal")
             if node is not None and signal in tuple(FailureSignal):

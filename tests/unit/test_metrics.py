@@ -102,7 +102,14 @@ def test_known_label_sets_start_at_zero_and_every_sample_has_the_job_label():
     assert value(m, "trainmover_migrations_total", state="committed") == 0
     assert value(m, "trainmover_recoveries_total", state="superseded") == 0
     assert value(m, "trainmover_moved_bytes_total", kind="recovery") == 0
+    assert value(m, "trainmover_checkpoints_total", state="failed") == 0
+    assert value(m, "trainmover_restarts_total", tier="checkpoint") == 0
     assert all(dict(labels).get("job") == "j" for _, labels in s)
+    # a node's sets once it runs a process: the alert increase(trainmover_stragglers_total[30m]) > 0 then sees
+    # the first straggler (a series born at 1 shows no increase)
+    m.observe(entry(1, Event.WORKER_REGISTERED, node="n2", local_rank=0, pid=9, rank=1, role="active"))
+    assert value(m, "trainmover_stragglers_total", node="n2") == 0
+    assert value(m, "trainmover_node_failures_total", node="n2", signal="silent") == 0
 
 
 def test_replay_equals_observing_each_entry():
