@@ -69,7 +69,7 @@ def last_known(run_dir: str, events: Optional[list[dict]] = None) -> dict:
             out["failure"] = {k: v for k, v in ev.items() if k not in ("seq", "ts")}
         elif name == Event.JOB_CONFIG:
             out["config"] = ev.get("config")
-        elif name == Event.JOB_WARNING:
+        elif name in (Event.JOB_WARNING, Event.NO_REPLICA):  # as the live status lists them (tmd.daemon.status)
             out["warnings"].append({k: ev.get(k) for k in ("rank", "node", "code", "message")})
         steps = [ev["step"]] if isinstance(ev.get("step"), int) else []
         if name == Event.STEP_TIMES and isinstance(ev.get("steps"), list):  # [[step, ts, seconds], ...]

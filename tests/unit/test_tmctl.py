@@ -471,6 +471,8 @@ ENDED = [
     {"seq": 2, "ts": 1.0, "event": "job_config", "config": CONFIG},
     {"seq": 3, "ts": 2.0, "event": "job_warning", "rank": 0, "node": "n1", "code": "nothing_managed",
      "message": "manage it"},
+    {"seq": 3, "ts": 2.5, "event": "no_replica", "rank": 2, "node": "n2", "code": "no_replica",
+     "message": "losing node n2 loses every copy of rank 2's state"},
     {"seq": 4, "ts": 3.0, "event": "rank_failed", "rank": 3, "node": "n2", "step": 5, "kind": "script_error",
      "error": "ValueError: bad", "traceback": "Traceback (most recent call last):\nValueError: bad"},
     {"seq": 5, "ts": 4.0, "event": "job_failed", "reason": "rank 3 on n2 raised at step 5: ValueError: bad"},
@@ -487,7 +489,8 @@ def test_status_and_events_of_an_ended_job_read_its_journal(tmp_path):
     assert r.exit_code == 0, r.output
     state = json.loads(r.stdout)
     assert state["ended"] is True and state["exit_code"] == 1 and state["job"] == "j7" and state["step"] == 5
-    assert state["failure"]["rank"] == 3 and state["warnings"][0]["code"] == "nothing_managed"
+    assert state["failure"]["rank"] == 3  # its warnings as the live status showed them, no_replica's too
+    assert [w["code"] for w in state["warnings"]] == ["nothing_managed", "no_replica"]
     assert state["config"] == CONFIG
     r = run("status", "--run-dir", str(run_dir), "--timeout", "0.2")
     assert r.exit_code == 0 and "has ended" in r.stdout and "ValueError: bad" in r.stdout and "warning" in r.stdout
