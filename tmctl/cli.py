@@ -39,7 +39,7 @@ from tmd.protocol import (
     StatusRequest,
 )
 from tmd.protocol import layout
-from tmd.protocol.vocab import ErrorCode, Event, ExitCode, MigrationState, NodeRole
+from tmd.protocol.vocab import MIGRATION_EVENTS, ErrorCode, Event, ExitCode, MigrationState, NodeRole
 
 DEFAULT_TIMEOUT_S = 2.0
 POLL_INTERVAL_S = 0.2  # migrate: seconds between MigrationRequests
@@ -340,7 +340,8 @@ def migrate(
 
     While it waits, a terminal shows each phase as it happens (a spinner on the current one, the seconds spent
     in each); when stdout is not a terminal, one ``[  1.23 s] state`` line per phase instead. With --json, prints
-    the final migration as one JSON object instead (with --no-wait: the accepted one).
+    the final migration as one JSON object instead (with --no-wait: the accepted one). If tmd stops answering
+    meanwhile (the job ended, or tmd died), the run directory's journal says how the migration ended.
 
     Exit codes: 0 committed (or accepted, with --no-wait); 1 aborted (tmd's reason on stderr), or a standby
     was not ready within --wait-standby-s; 2 tmd refused it (a node named twice, counts that differ, an unknown
@@ -363,6 +364,10 @@ def migrate(
             m = follow(client, m, t_start, time.monotonic() + timeout_s, quiet=json_)
         except KeyboardInterrupt:
             raise _Fail(f"interrupted; migration {mid} goes on in tmd (watch it with tmctl status)", code=ExitCode.INTERRUPTED)
+        except CoordinatorUnreachable as e:  # tmd stopped answering (the job ended, or tmd died): its journal
+            m = _journalled_migration(_journal_instead(ctx, coordinator, run_dir, job, e), m)
+            if m.get("state") not in render.FINAL_STATES:
+                raise e
     if m.get("state") not in render.FINAL_STATES:
         raise _Fail(f"migration {mid} still {m.get('state')} after {timeout_s:g} s "
                     f"(it goes on in tmd; watch it with tmctl status)", code=EXIT_STILL_RUNNING)
@@ -373,6 +378,17 @@ def migrate(
     if not json_:
         typer.echo(render.migration_line(m))
     return 0
+
+
+def _journalled_migration(run_dir: str, m: dict) -> dict:
+    """Migration ``m`` as the journal of ``run_dir`` last has it: the state and fields of the last event
+    journalled for its id (MIGRATION_EVENTS)."""
+    states = {event: state for state, event in MIGRATION_EVENTS.items()}
+    for ev in ended.read_journal(run_dir):
+        if ev.get("migration_id") == m.get("id") and ev.get("event") in states:
+            m = {**m, **{k: v for k, v in ev.items() if k not in ("seq", "ts", "event", "migration_id")},
+                 "state": states[ev["event"]]}
+    return m
 
 
 def stdout_is_terminal() -> bool:

@@ -271,6 +271,31 @@ def test_migrate_aborted_exits_1_with_reason(fake):
 
 
 @pytest.mark.timeout(10)
+def test_migrate_reads_the_end_of_a_migration_from_the_journal_once_tmd_stopped(fake, tmp_path):
+    """The job finished before the switch step: tmd aborted the migration and stopped. tmctl's next poll gets no
+    answer; the journal says how it ended (exit 1 with tmd's reason, not 2 with a timeout)."""
+    def handler(req):
+        if isinstance(req, MigrateRequest):
+            return MigrationReply(migration=migration("requested"))
+        return None  # tmd has stopped
+
+    f = fake(handler)
+    run_dir = tmp_path / "r"
+    write_tmd_json(run_dir, f.address)
+    reason = "the job finished before the migration committed"
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
+        {"seq": 1, "ts": 1.0, "event": "tmd_started", "job": "j"},
+        {"seq": 2, "ts": 2.0, "event": "migration_requested", "migration_id": 7, "sources": ["node1"],
+         "targets": ["spare0"]},
+        {"seq": 3, "ts": 3.0, "event": "migration_aborted", "migration_id": 7, "sources": ["node1"],
+         "targets": ["spare0"], "reason": reason},
+        {"seq": 4, "ts": 4.0, "event": "tmd_stopped", "exit_code": 0}]))
+    r = run("migrate", "--from", "node1", "--to", "spare0", "--run-dir", str(run_dir), "--timeout", "0.3")
+    assert r.exit_code == 1, r.output
+    assert lines(r.stderr) == [f"error: migration 7 aborted: {reason}"]
+
+
+@pytest.mark.timeout(10)
 def test_migrate_gives_up_after_timeout_s(fake):
     f = fake(scripted_migration(["warming"]))
     r = run("migrate", "--from", "node1", "--to", "spare0", "--timeout-s", "0.2", "--coordinator", f.address)
