@@ -10,7 +10,6 @@ started by srun on the job's nodes and standbys taken from standby jobs in a res
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import inspect
 import logging
 import os
@@ -147,10 +146,9 @@ def local(
 
     def build(state):  # None: the job's first tmd; a tmd.resume.JobState: a crashed tmd resumed (tmd.supervise)
         prev = state or (daemons[-1] if daemons else None)  # a resumed tmd, or a relaunch: the same port
-        serve = config.serve if prev is None else dataclasses.replace(
-            config.serve, port=int(prev.address.rpartition(":")[2]))
-        d = Daemon(name, run_dir, active, ranks_per_node, spares, dataclasses.replace(config, serve=serve),
-                   host=host or "127.0.0.1", echo=not quiet, netns=specs, command=command, resume=state, tier=tier)
+        d = Daemon(name, run_dir, active, ranks_per_node, spares, config, host=host or "127.0.0.1", echo=not quiet,
+                   netns=specs, command=command, resume=state, tier=tier,
+                   port=None if prev is None else int(prev.address.rpartition(":")[2]))
         previous = daemons[-1].launcher if daemons else None
         daemons.append(d)
         if state is None:
@@ -308,11 +306,9 @@ def slurm(
     def build(state):  # None: the job's first tmd, or a relaunch inside the allocation; a tmd.resume.JobState: a
         # crashed tmd resumed (tmd.supervise)
         prev = daemons[-1] if daemons and state is None else None  # a relaunch: the same port, the same cluster
-        serve = config.serve if prev is None else dataclasses.replace(
-            config.serve, port=int(prev.address.rpartition(":")[2]))
         d = Daemon(job_id, run_dir, prev.rebuild.world if prev else nodes, rpn, prev.rebuild.standbys if prev else [],
-                   dataclasses.replace(config, serve=serve), host=host, echo=not quiet, resume=state,
-                   keys_dir=os.path.join(layout.job_dir(job_id), "keys"), tier=tier)
+                   config, host=host, echo=not quiet, resume=state, keys_dir=os.path.join(layout.job_dir(job_id), "keys"),
+                   tier=tier, port=None if prev is None else int(prev.address.rpartition(":")[2]))
         daemons.append(d)
         if state is None:
             launcher = SrunLauncher(command, d.run_dir, d.address, rpn, echo=not quiet)
@@ -387,10 +383,8 @@ def resume(
 
     def build(st):  # None first: the job tmd died in; None after a restart from a checkpoint: the relaunched job
         if daemons and st is None:  # relaunch every rank and standby process on the same address
-            serve = dataclasses.replace(config.serve, port=port)
-            d = Daemon(state.job, state.run_dir, state.nodes, state.ranks_per_node, state.standbys,
-                       dataclasses.replace(config, serve=serve), host=host, echo=not quiet, command=command,
-                       tier=tier)
+            d = Daemon(state.job, state.run_dir, state.nodes, state.ranks_per_node, state.standbys, config,
+                       host=host, echo=not quiet, command=command, tier=tier, port=port)
             d.launcher = LocalLauncher(command, d.run_dir, d.address, state.ranks_per_node, echo=not quiet,
                                        inherited=daemons[-1].launcher.fork_server if daemons[-1].launcher else None)
             _start_nodes(d, state.nodes, state.standbys)

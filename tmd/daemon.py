@@ -76,6 +76,18 @@ class TmdCrashed(Exception):
     left training: tmd.supervise restarts tmd (as ``tmd resume`` would), or the user runs ``tmd resume``."""
 
 
+def _web_port_of(tmd_json: str) -> Optional[int]:
+    """The status page's port in the tmd.json at ``tmd_json`` (None: none there, or unreadable)."""
+    from tmd.resume import web_port
+
+    try:
+        with open(tmd_json, "rb") as f:
+            info = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return web_port(info) if isinstance(info, dict) else None
+
+
 class Daemon:
     """The coordinator of one job; implements :class:`tmd.control.JobControl` and
     :class:`tmd.channel.WorkerChannel`."""
@@ -84,7 +96,7 @@ class Daemon:
                  config: JobConfig = DEFAULTS, *, host: str = "127.0.0.1", echo: bool = True,
                  resume: Optional[JobState] = None, command: Optional[list[str]] = None,
                  netns: Optional[dict] = None, keys_dir: Optional[str] = None,
-                 tier: Optional["Tier"] = None) -> None:
+                 tier: Optional["Tier"] = None, port: Optional[int] = None) -> None:
         """Coordinate job ``job`` (its journal, logs and recordings in ``run_dir``): ``nodes`` active nodes of
         ``ranks_per_node`` ranks each, in rank order, and ``standbys``, with the settings of ``config``
         (tmd.config.JobConfig: detection, recording, snapshots, guards, ports...), journalled whole as
@@ -98,9 +110,10 @@ class Daemon:
         pinned its public key). ``tier``: the job's checkpoint tier (tmd.tiers; None: no checkpoints): when in-memory
         recovery is impossible, a local job is restarted from its newest checkpoint (:attr:`restart` set, the loop
         ends, and tmd.cli relaunches the job with a new daemon and the same tier, whose keys and journal it goes on
-        with). Raises zmq.ZMQError when the address is taken, KeysUnavailable when a resumed job's keys cannot be
-        read."""
-        port = config.serve.port
+        with). ``port``: the port to bind instead of ``config.serve.port`` (a relaunch binds the address its
+        processes know; the setting stays the user's). Raises zmq.ZMQError when the address is taken,
+        KeysUnavailable when a resumed job's keys cannot be read."""
+        port = config.serve.port if port is None else port
         if resume is not None:
             host, port = split_address(resume.address)
         os.umask(0o077)  # the run dir's files (journal, recordings, logs; the workers inherit it) are the user's only
@@ -282,7 +295,8 @@ class Daemon:
     def _serve_web(self, host: str, port: int, keys_dir: str, resume: Optional[JobState], replay: bool) -> None:
         """Start the metrics endpoint and status page (tmd.metrics, tmd.web) on ``host``:``port``, fed by the
         journal. A resumed tmd (and one relaunched from a checkpoint: ``replay``) replays the journal first
-        (counters go on); a resumed one takes its old port back when free."""
+        (counters go on) and takes the page's old port back when free (tmd.json's, so that a scrape config and a
+        bookmark stay right)."""
         from tmd.journal import read_events
         from tmd.metrics import Metrics
         from tmd.web import WebServer, WebState, load_or_create_token
@@ -292,15 +306,18 @@ class Daemon:
             for entry in read_events(self.layout.events):
                 self.metrics.observe(entry)
                 self.web_state.add_event(entry)
+        wanted = port
         if resume is not None:
             port = resume.web_port or port
+        elif replay:  # relaunched from a checkpoint: the previous tmd's tmd.json is still in place
+            port = _web_port_of(self.layout.tmd_json) or port
         self.web_token_file = p.layout.web_token(keys_dir)
         token = load_or_create_token(self.web_token_file)
         try:
             self.web = WebServer(host, port, token, self.metrics, self.web_state)
             self.web.start()
         except OSError:
-            if resume is None or port == 0:
+            if port == wanted or port == 0:
                 raise
             self.web = WebServer(host, 0, token, self.metrics, self.web_state)  # the old port is taken
             self.web.start()

@@ -263,17 +263,17 @@ def _replay(path: str, info: dict, events: list[dict], started: dict, pid, resta
             if not all(k in e for k in ("rank", "node", "code", "message")):
                 raise _Malformed(f"its {Event.NO_REPLICA} event{_seq(e)} lacks rank, node, code or message")
             unprotected.append({k: e[k] for k in ("rank", "node", "code", "message")})
-    web_port = _web_port(info)
+    page_port = web_port(info)
     return JobState(
         job=job, run_dir=path, address=address, command=command, cwd=info.get("cwd"), netns=info.get("netns") or {},
-        nodes=nodes, ranks_per_node=rpn, standbys=standbys, config=_config(events, web_port), roles=roles,
+        nodes=nodes, ranks_per_node=rpn, standbys=standbys, config=_config(events, page_port), roles=roles,
         generation=max(generation, consumed),  # each migration and each recovery plan took one
         last_migration_id=last_mid, last_incident_id=last_incident, cut_migration=migration,
         open_incident=incident,
         lost_ranks={r: node for node, ranks in lost.items() for r in ranks},
         last_seq=max(seqs, default=0), last_ts=stamps[-1] if stamps else time.time(),
         previous_pid=pid if isinstance(pid, int) else None,
-        replicas=replicas, keepers=keepers, unprotected=unprotected, web_port=web_port, restarts=restarts)
+        replicas=replicas, keepers=keepers, unprotected=unprotected, web_port=page_port, restarts=restarts)
 
 
 def _replica_classes(events: list[dict], world: int) -> tuple[dict, dict]:
@@ -389,7 +389,7 @@ def check_owned(layout: RunDir) -> str:
     return real
 
 
-def _web_port(info: dict) -> Optional[int]:
+def web_port(info: dict) -> Optional[int]:
     """The port of tmd.json's ``web`` url (``http://host:port/``); None when the page was off; 0 (any free port)
     when the url does not parse."""
     if not info.get("web"):

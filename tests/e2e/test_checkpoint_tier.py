@@ -165,6 +165,11 @@ def test_no_standby_within_standby_wait_s_restarts_from_the_checkpoint(reference
     assert restart["tier"] == "checkpoint" and "--standby-wait-s" in restart["reason"], restart
     assert restart["ts"] - waiting["ts"] >= 1.0 and restart["step"] % EVERY == 0
     assert finals(job.run_dir) == reference
+    # the relaunch kept the page's address (a Prometheus scrape config points there) and shows no port the user
+    # did not set among its settings
+    pages = [e["page"] for e in job.events("tmd_started")]
+    assert len(pages) == 2 and pages[0] == pages[1] and pages[0], pages
+    assert all(e["config"]["serve"]["port"] == 0 for e in job.events("job_config")), job.events("job_config")
 
 
 @pytest.mark.timeout(300)

@@ -402,9 +402,9 @@ def test_a_resumed_tmd_keeps_the_checkpoint_tier_and_relaunches_the_job_from_a_c
     class FakeDaemon:  # what tmd resume builds; the first one's recovery became impossible
         def __init__(self, job, run_dir, nodes, rpn, standbys, config, **kw):
             self.job, self.run_dir, self.kw, self.cluster, self.launcher = job, run_dir, kw, None, None
-            self.address = f"tcp://{kw.get('host', '127.0.0.1')}:{config.serve.port}"
+            self.port = config.serve.port if kw.get("port") is None else kw["port"]  # the relaunch's: not a setting
+            self.address = f"tcp://{kw.get('host', '127.0.0.1')}:{self.port}"
             self.journal, self.restart = Journal(None), None
-            self.port = config.serve.port
             self.migrations = self.incidents = Episodes()  # none yet: ids go on from 1
             made.append(self)
 
