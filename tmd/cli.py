@@ -490,10 +490,11 @@ def _refuse_unstartable(command: list[str], run_dir: str) -> None:
     reason = unstartable(command)
     if reason is None:
         return
-    from tmd.journal import Journal
+    from tmd.journal import Journal, last_seq
     from tmd.protocol.layout import RunDir
 
-    journal = Journal(RunDir(run_dir).events)
+    events = RunDir(run_dir).events
+    journal = Journal(events, seq=last_seq(events))
     journal.record(Event.JOB_REFUSED, reason=reason, command=command)
     journal.close()
     print(f"error: {reason}: nothing was started (the job's command comes after --)", file=sys.stderr)

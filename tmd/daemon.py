@@ -40,7 +40,7 @@ from tmd.ending import JobEnd
 from tmd.evacuation import Evacuation
 from tmd.faults import Faults, JobFailed
 from tmd.guards import Guards
-from tmd.journal import Journal, cut_text
+from tmd.journal import Journal, cut_text, last_seq
 from tmd.local import LocalLauncher
 from tmd.migration import Migration, MigrationError, Migrations
 from tmd.protocol.keys import KEYS_ENV, Authenticator, JobKeys, limit, role_of_frame
@@ -129,7 +129,8 @@ class Daemon:
         self.rebuild: Optional["Rebuild"] = None  # SLURM mode: that restart's world inside the allocation
         restarted = resume is None and tier is not None and bool(tier.restarts)  # a relaunch after a restart
         self.journal = Journal(self.layout.events, echo=echo,
-                               seq=resume.last_seq if resume else tier.last_seq if restarted else 0)
+                               seq=resume.last_seq if resume else tier.last_seq if restarted else
+                               last_seq(self.layout.events))
         if tier is not None:
             tier.attach(self.journal)
             if not restarted:

@@ -99,6 +99,8 @@ class Journal:
         ``seq``: the last sequence number already in the file (a restarted tmd goes on after it). The file is
         created 0600 and never opened through a symlink (OSError ELOOP)."""
         self._file = open(path, "a", buffering=1, encoding="utf-8", opener=no_follow) if path else None
+        if self._file is not None and _ends_cut(path):  # a line cut short (tmd killed as it wrote): end it, or
+            self._file.write("\n")  # the next event would be glued to it and lost with it
         self._recent: collections.deque[tuple[dict, int]] = collections.deque(maxlen=keep)  # (entry, line bytes)
         self._seq = seq
         self._echo = echo
@@ -228,3 +230,24 @@ def read_events(path: str) -> list[dict]:
             if isinstance(entry, dict) and "event" in entry:
                 out.append(entry)
     return out
+
+
+def last_seq(path: str) -> int:
+    """The highest sequence number in the journal file at ``path`` (0: no file, or no event in it): where a new
+    job's journal goes on in a run directory used before (a refused or ended job), so that ``seq`` stays unique
+    and ``tmctl events --after N`` skips nothing of it."""
+    try:
+        events = read_events(path)
+    except FileNotFoundError:
+        return 0
+    return max((e["seq"] for e in events if isinstance(e.get("seq"), int) and not isinstance(e["seq"], bool)),
+               default=0)
+
+
+def _ends_cut(path: str) -> bool:
+    """Whether the file at ``path`` is non-empty and its last line has no newline."""
+    with open(path, "rb", opener=no_follow) as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"

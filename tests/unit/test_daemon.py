@@ -350,3 +350,22 @@ def test_a_flood_of_frames_does_not_hold_back_the_ticks(tmp_path, monkeypatch):
     # gave none before the last frame
     assert len(ticks_mid_flood) >= 10, ticks_mid_flood
     assert daemon_module.TICK_S == 0.05
+
+
+def test_a_new_job_in_a_used_run_directory_goes_on_with_its_journals_numbers(tmp_path):
+    """A refused job (job_refused, seq 1) or an ended one left events.jsonl: the next job's events follow its
+    numbers, so that seq stays unique and tmctl events --after N skips nothing of the new job."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    (run_dir / "events.jsonl").write_text(
+        '{"seq": 1, "ts": 1.0, "event": "job_refused", "reason": "no such command"}\n'
+        '{"seq": 2, "ts": 2.0, "event": "tmd_stopped", "exit_code": 2}\n{"cut sh')
+    d = Daemon("t", str(run_dir), ["n1"], 1, [], RECORD_2, echo=False)
+    try:
+        started = [e for e in d.journal.since(0, 100) if e["event"] == Event.TMD_STARTED]
+    finally:
+        d.close()
+    assert started[0]["seq"] == 3
+    from tmd.journal import read_events
+    seqs = [e["seq"] for e in read_events(str(run_dir / "events.jsonl"))]
+    assert len(seqs) == len(set(seqs)) and seqs[:3] == [1, 2, 3]
