@@ -156,8 +156,10 @@ class Session:
         self._control.attach(groups)
         settings = CheckpointSettings.from_env()
         if settings.active:
-            self._checkpoints = SessionCheckpoints(settings, lambda: groups.store, groups.host,
-                                                   self._reports.warning, self._hooks.disarmed)
+            self._checkpoints = checkpoints = SessionCheckpoints(settings, lambda: groups.store, groups.host,
+                                                                 self._reports.warning, self._hooks.disarmed)
+            if checkpoints.saving:  # every live exchange publishes this rank's saver status
+                self._exchange.saver = lambda: checkpoints.status(self.rank, self.world_size, groups.world_generation)
         if settings.resume_from is not None and a.role == p.WorkerRole.ACTIVE:
             track_ddp_modules()  # before the script builds its model: its DDP is regrouped after the load
             self._recording_kept = settings.restart and os.path.exists(
@@ -402,6 +404,8 @@ class Session:
                 self._migration.before_switch(step)
             if step > first and not self._misuse_checked and control.role == p.WorkerRole.ACTIVE:
                 self._check_misuse()
+            if exchange.saver is not None and control.role == p.WorkerRole.ACTIVE:
+                exchange.saver()  # a new generation's checkpoint saver group starts building at its first boundary
             self._begin_step()
             if failure(control) is None:
                 yield step
@@ -411,7 +415,8 @@ class Session:
                     self._groups.step_committed(self._stopper.at_next_backward)
                     if self._checkpoints is not None and control.role == p.WorkerRole.ACTIVE:
                         self._checkpoints.after_commit(step, self.rank, self.world_size, self._groups.world_generation,
-                                                       self._ledger.replicated, self._ledger.local)
+                                                       self._ledger.replicated, self._ledger.local,
+                                                       exchange.saver_statuses(step - 1))
                     continue
                 done = self._ledger.committed(step)
             else:

@@ -25,6 +25,9 @@ classes from its recording of that step. After a migration or recovery, at the f
 (``RankFailed(STATE_MISMATCH)``, exit ``FAILED``). Only then is a fingerprint computed (~10 ms on the demo GPT);
 ``VERIFY_EVERY_STEP`` compares at every step.
 
+**Checkpoint saver agreement.** Each rank publishes the state of its build of the checkpoint tier's saver group
+(worker.checkpointing): every rank decides from the same gathered statuses whether a due save is taken.
+
 **Snapshot agreement.** Each rank publishes the buddy snapshots it holds and whether it wants a fresh round
 (worker.snapshot); the exchange prunes what not every rank holds and decides whether a round is due, which
 :meth:`StepExchange.take_due_snapshot` takes as the next step begins.
@@ -93,6 +96,9 @@ class StepExchange:
         self._at_update: Optional[tuple[int, dict[str, Any]]] = None
         self._warned_after_update = False
         self._plain_checked = False  # the managed state_dicts were checked for plain data (check_plain)
+        # this rank's checkpoint saver status, published in every live exchange (worker.checkpointing
+        # SessionCheckpoints.status); None: the job saves no checkpoints
+        self.saver: Optional[Callable[[], Optional[list[int]]]] = None
 
     def _live(self) -> bool:
         return self.control.stage != Stage.SHADOW and self.control.role == p.WorkerRole.ACTIVE
@@ -122,6 +128,8 @@ class StepExchange:
         snaps = self.snapshots
         meta = {"node": self.node, "nonce": os.urandom(8).hex(),
                 "held": snaps.held() if snaps else [], "want": bool(snaps and snaps.want)}
+        if self.saver is not None:
+            meta["saver"] = self.saver() if self._live() else None
         state = rank_state.capture(ledger.local)
         if not self._plain_checked and self._live():
             self.check_plain(state["local"])
@@ -188,6 +196,14 @@ class StepExchange:
         if self.kept is None or self.kept[0] != step or not 0 <= rank < len(self.kept[1]):
             return None
         return unpack(self.kept[1][rank])[2]
+
+    def saver_statuses(self, step: int) -> Optional[list[Optional[list[int]]]]:
+        """Every rank's checkpoint saver status (``meta["saver"]``, in rank order) from the exchange kept at
+        committed step ``step``: the same on every rank that committed it, so what every rank decides a save by
+        (worker.checkpointing.agree). None when no exchange of that step is kept (no managed optimizer)."""
+        if self.saver is None or self.kept is None or self.kept[0] != step:
+            return None
+        return [unpack(blob)[1].get("saver") for blob in self.kept[1]]
 
     def after_recovery(self) -> None:
         """A recovery swapped the new groups in: the next exchange compares fingerprints (``verify_next``) and

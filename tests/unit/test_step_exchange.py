@@ -139,6 +139,22 @@ def test_any_rank_wanting_a_snapshot_makes_the_next_commit_take_one(monkeypatch)
     assert sorted(rec.exchange.snapshots.own) == [5]
 
 
+def test_the_checkpoint_savers_statuses_are_read_from_the_exchange_of_the_step_just_committed(monkeypatch):
+    """worker.checkpointing decides a save from them: every rank that committed a step holds the same."""
+    rec = make(rank=0)
+    model, opt, sched = trained()
+    rec.manage({"model": model, "optimizer": opt, "scheduler": sched}, rank_local=False)
+    rec.exchange.classes = {r: [0, 1] for r in range(2)}
+    assert rec.exchange.saver_statuses(0) is None  # the job saves no checkpoints: nothing published
+    rec.exchange.saver = lambda: [2, 0, 1]
+    peer = pack(NO_FINGERPRINT, {"node": "n2", "nonce": "00", "held": [], "want": False, "saver": [2, 0, 0]}, b"")
+    world = World(rec, [None, peer], monkeypatch)
+    one_step(rec, model, opt, sched, 4)
+    assert world.calls[0][1]["saver"] == [2, 0, 1]
+    assert rec.exchange.saver_statuses(4) == [[2, 0, 1], [2, 0, 0]]
+    assert rec.exchange.saver_statuses(3) is None  # not the committed step's exchange
+
+
 @pytest.mark.parametrize("after_update, named", [
     (None, None),
     ("rng", "the CPU RNG"),
