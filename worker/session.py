@@ -342,6 +342,8 @@ class Session:
             # stayers where a standby shares their host. Demo GPT on a 2-core host, one against three shadow
             # iterations, 7 + 7 jobs alternated: joiner lag at the switch step 52 against 47 ms (median; 24-89 ms
             # either way), warm-up 2.4 against 4.1 s, the stayers' lost time per migration 1.3-1.4 against 1.9 s.
+            # A replacement or guard runs more, up to record_steps, while the next recorded step issues
+            # collectives the last did not (_another_shadow_iteration: DDP's static-graph regrouping in its third).
             planned = a.incident_id == 0 and not a.guard
             shadow_steps = a.record_steps if planned else min(a.record_steps, REPLACEMENT_SHADOW_STEPS)
             self._regroup_as_resumed()
@@ -351,7 +353,8 @@ class Session:
                     shadow_steps = 0
             yield from self._migration.shadow(
                 min(shadow_steps, total), report_warmed=planned, pretouch=planned,
-                enough_after_one=self._one_shadow_iteration_enough)
+                enough_after_one=self._one_shadow_iteration_enough,
+                another=None if planned else self._another_shadow_iteration, limit=min(a.record_steps, total))
             if a.guard:  # waits until a recovery adopts it (0) or a migration of the node it guards takes it
                 self._migration.drop_buffers()
                 self._migration.migration_id = recovery.guard(self._migration.shadow_steps)
@@ -550,6 +553,18 @@ class Session:
             log.info("rank %d: one shadow iteration is enough%s", self.rank,
                      " (DDP's buckets regrouped from the recording)" if regrouped else "")
         return not why
+
+    def _another_shadow_iteration(self, done: int) -> bool:
+        """A failure's replacement or a guard that ran its ``done`` shadow iterations (``REPLACEMENT_SHADOW_STEPS``):
+        whether it must run another before its first live step, because the job's recorded step ``done`` issued
+        collectives its step ``done - 1`` did not (``sandbox.new_ops_at``): DDP with ``static_graph=True``
+        regroups its buckets with two broadcasts in a process's third iteration, which a replacement that went
+        live after two made where the survivors made none (the redone step hung until gloo's timeout, then a
+        second incident)."""
+        why = sandbox.new_ops_at(self._replay_state()[0], done)
+        if why:
+            log.info("rank %d: shadow iteration %d (%s)", self.rank, done + 1, why)
+        return bool(why)
 
     def finish(self, note: Optional[str] = None) -> None:
         """Report the end of training to tmd (``note``, e.g. a final state hash, goes to the log) and close:
