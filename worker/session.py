@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from tmd import protocol as p
 from tmd.netif import InterfaceError
-from worker import backend, misuse, sandbox
+from worker import backend, misuse, object_collectives, sandbox
 from worker.agent import Agent
 from worker.checkpoint import CheckpointError, LayoutMismatch
 from worker.checkpointing import SessionCheckpoints, Settings as CheckpointSettings
@@ -68,6 +68,10 @@ log = logging.getLogger("worker.session")
 CATCH_STEP_ABORTED = ("In a session.steps() loop, catch worker.StepAborted and continue: the runtime recovers and "
                       "yields the step again; or use session.run(step_fn, total), which does (see session.steps in "
                       "the README and docs/user-guide.md)")
+# what a script that died of another exception while a peer's failure was latched must do
+CATCH_DURING_FAILURE = ("Use session.run(step_fn, total), which recovers from any exception raised while a failure is "
+                        "latched, or catch it in the steps() loop (worker.StepAborted and the script's own checks of "
+                        "values a failed step left stale) and continue")
 
 
 def _prewarm() -> None:
@@ -236,15 +240,26 @@ class Session:
             return
         self._report(p.FailureKind.SCRIPT_ERROR, exc, exc)
 
-    def _uncaught(self, exc: BaseException) -> None:
-        """``exc`` ends the process (or a thread): report it as the script's error (:meth:`_script_error`). A
-        :class:`StepAborted` that got this far was not caught in the ``steps()`` loop: the rank's state goes with
-        the process, and tmd would see only that a survivor died too. Reported as ``STEP_ABORTED_UNCAUGHT``,
-        saying what to do, so the job fails with that reason."""
-        if isinstance(exc, StepAborted) and not self._failure_reported:
+    def _uncaught(self, exc: BaseException, ends_process: bool = True) -> None:
+        """``exc`` ends the process (or, not ``ends_process``, a thread): report it as the script's error
+        (:meth:`_script_error`). A :class:`StepAborted` that got this far was not caught in the ``steps()`` loop:
+        the rank's state goes with the process, and tmd would see only that a survivor died too. Reported as
+        ``STEP_ABORTED_UNCAUGHT``, saying what to do, so the job fails with that reason. Another exception that
+        ends the process while a peer's failure is latched (the script's own check of a value a failed collective
+        left stale, say) is reported too, as ``SCRIPT_ERROR`` naming the exception and the failure: the rank is
+        lost with it (it was not reported before, and the job failed as if every survivor had died)."""
+        if self._failure_reported or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return
+        if isinstance(exc, StepAborted):
             self._report(p.FailureKind.STEP_ABORTED_UNCAUGHT, f"{exc}. {CATCH_STEP_ABORTED}", exc)
-        else:
-            self._script_error(exc)
+            return
+        why = failure(self._control)
+        if why is not None and ends_process:
+            self._report(p.FailureKind.SCRIPT_ERROR, f"{type(exc).__name__}: {exc} (raised while a peer's failure "
+                                                     f"was latched: {why}; this rank is lost with it). "
+                                                     f"{CATCH_DURING_FAILURE}", exc)
+            return
+        self._script_error(exc)
 
     def _report(self, kind: p.FailureKind, error: Union[str, BaseException], exc: BaseException) -> None:
         """Send ``RankFailed(kind)`` with ``error`` and ``exc``'s traceback, once per process, and flush the
@@ -275,7 +290,7 @@ class Session:
         def thread_hook(args):
             try:
                 if args.exc_value is not None:
-                    self._uncaught(args.exc_value)
+                    self._uncaught(args.exc_value, ends_process=False)
             finally:
                 previous_thread(args)
 
@@ -626,5 +641,6 @@ def init(coordinator: Optional[str] = None, store_timeout_s: float = 120.0) -> S
     reports = Reporter(agent.send, lambda: control.rank)
     commands = Commands(control, reports, agent.rejoin, probe_from_env().sample)
     session = Session(agent, control, reports, node, local_rank, run_dir)
+    object_collectives.install(control)  # all_gather_object & co. raise StepAborted under a latched failure
     session._start(store_timeout_s)
     return session

@@ -131,15 +131,19 @@ def plain_command(run_dir: str, standbys: int, *script_args: str) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_a_static_graph_s_replacement_replays_its_regrouping_in_a_third_shadow_iteration(tmp_path):
+def test_a_kill_in_the_plain_loop_with_a_static_graph_and_an_object_all_gather_recovers_once(tmp_path):
     """tests/e2e/scripts/plain_loop.py: DDP(static_graph=True) regroups its buckets in a process's third iteration,
     with two broadcasts the job's recorded steps 0 and 1 lack. n2 kills itself in step 12: its replacements run
     3 shadow iterations (worker.sandbox.new_ops_at), not 2, whose limit made them issue those broadcasts live in
-    the redone step where the survivors issue none (a hang until gloo's 120 s timeout, then a second incident)."""
+    the redone step where the survivors issue none (a hang until gloo's 120 s timeout, then a second incident).
+    The survivors were waiting in ``dist.all_gather_object``: it raises StepAborted, which the plain loop
+    catches (worker.object_collectives), where it unpickled a latched collective's empty buffer (EOFError: every
+    survivor died, and the job failed)."""
     reference = str(tmp_path / "reference")
-    run_tmd(plain_command(reference, 0), reference, timeout_s=120)
+    run_tmd(plain_command(reference, 0, "--gather-objects"), reference, timeout_s=120)
     run_dir = str(tmp_path / "job")
-    run_tmd(plain_command(run_dir, 1, "--fault", "n2:12", "--step-time-s", "0.1"), run_dir, timeout_s=240)
+    run_tmd(plain_command(run_dir, 1, "--gather-objects", "--fault", "n2:12", "--step-time-s", "0.1"), run_dir,
+            timeout_s=240)
     journal = events(run_dir)
     done, = [e for e in journal if e["event"] == p.Event.RECOVERY_DONE]
     assert done["standbys"] == {"n2": "s1"} and done["shadow_steps"] == {"2": 3, "3": 3}, done

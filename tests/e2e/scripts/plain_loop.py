@@ -3,10 +3,15 @@ tests/e2e/test_varied_script.py: a model wrapped in ``DistributedDataParallel(st
 its gradient buckets with two broadcasts in a process's third iteration (a failure's replacement must replay it in
 a third shadow iteration). Writes ``<run_dir>/final/rank<R>.json`` like examples/train_gpt.py.
 
-    python tests/e2e/scripts/plain_loop.py --steps 20 [--fault NODE:STEP] [--step-time-s S]
+    python tests/e2e/scripts/plain_loop.py --steps 20 [--fault NODE:STEP] [--step-time-s S] [--gather-objects]
+
+``--gather-objects``: every step, after the backward pass, ``dist.all_gather_object`` of each rank's loss (checked:
+one entry per rank, in rank order), as scripts log a metric: once a peer died, it must raise ``StepAborted``
+(worker.object_collectives), not unpickle what a latched collective left (``EOFError``).
 
 ``--fault NODE:STEP``: every process started on NODE (``TM_NODE``) kills itself with SIGKILL in STEP, after its
-backward pass and before the optimizer's step; not in shadow iterations, not on a replacement.
+backward pass and before the object all-gather and the optimizer's step; not in shadow iterations, not on a
+replacement.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--fault", default="", metavar="NODE:STEP")
     ap.add_argument("--step-time-s", type=float, default=0.0, help="pad each step to at least this (seconds)")
+    ap.add_argument("--gather-objects", action="store_true", help="all_gather_object every step")
     args = ap.parse_args()
 
     import torch
@@ -50,9 +56,14 @@ def main() -> None:
             g = torch.Generator().manual_seed(step * 73 + session.rank)
             x = torch.randn(16, 8, generator=g)
             opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), x[:, :1].tanh()).backward()
+            loss = torch.nn.functional.mse_loss(model(x), x[:, :1].tanh())
+            loss.backward()
             if args.fault and started_on == fault_node and step == int(fault_step) and not session.is_shadow:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.gather_objects:
+                losses = [None] * session.world_size
+                torch.distributed.all_gather_object(losses, {"rank": session.rank, "loss": loss.item()})
+                assert [o["rank"] for o in losses] == list(range(session.world_size)), losses
             opt.step()
         except worker.StepAborted:
             continue  # a peer failed: the runtime recovers and yields this step again
