@@ -157,6 +157,7 @@ class Session:
         # so every store connection (this one, a recovery's own, the one after a tmd restart) is covered.
         store = JobStore.of_job(a.store_host, a.store_port, timeout_s)  # tmd's store, over CURVE with the worker key
         groups = self._groups = GroupManager(store, a.rank, a.world_size, backend.gloo_host(a.store_host))
+        groups.on_created = self._group_created
         self._control.attach(groups)
         settings = CheckpointSettings.from_env()
         if settings.active:
@@ -302,12 +303,34 @@ class Session:
         managed (worker.misuse); rank 0 also warns on stderr."""
         self._misuse_checked = True
         found = misuse.check(self._ledger.replicated)
-        if found is None:
-            return
-        code, message = found
+        if found is not None:
+            self._warn(*found)
+
+    def _warn(self, code: p.WarningCode, message: str) -> None:
+        """Report misuse to tmd (``RankWarning``); rank 0 also prints it on stderr."""
         self._reports.warning(code, message)
         if self.rank == 0:
             print(f"[worker] WARNING ({code.value}): {message}", file=sys.stderr, flush=True)
+
+    def _group_created(self, name: str, ranks: list[int]) -> None:
+        """A process group the script created, connected live on this rank (worker.groups ``create_group``). On an
+        active rank whose recording of the job's first steps is over (written, or kept from the run this one
+        relaunches, without this group), a joiner could not replay the group: its sandbox would wait for a
+        recording that never comes, and a joiner that never reaches the step that creates it would join without
+        it (a migration committed, then the stayers' collective on it failed, and every recovery rebuilt a group
+        the joiners never created). Reported as ``RankWarning(late_group)``, naming the group and the step: tmd
+        refuses the job's migrations and recoveries (tmd.faults)."""
+        a = self._assign
+        if a is None or self._control.role != p.WorkerRole.ACTIVE:
+            return
+        kept_without = self._recording_kept and not os.path.exists(p.layout.recording_path(a.record_dir, a.rank, name))
+        if self._record_writer is None and not kept_without:
+            return  # still recording: a joiner replays it
+        self._warn(p.WarningCode.LATE_GROUP,
+                   f"process group {name} (ranks {ranks}) was created at step {self._control.step}, after the job "
+                   f"recorded its first {a.record_steps} steps (--record-steps): a joiner cannot replay it, so "
+                   "migrations and recoveries of this job are refused; create every group before the recorded "
+                   "steps end (before the training loop, say)")
 
     # --- the training loop ----------------------------------------------------------------------------------
     def run(self, step_fn: Callable[[int], Any], total: int) -> None:

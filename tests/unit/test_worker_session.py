@@ -121,3 +121,34 @@ def test_a_zero_redundancy_optimizer_is_refused_with_what_to_manage_instead():
     with pytest.raises(TypeError, match=r"is a ZeroRedundancyOptimizer.*session.manage\(optimizer=optimizer.optim\)"):
         rec.session.manage(optimizer=zero)
     assert "optimizer" not in rec.session.objects and rec.ledger.optimizers == []
+
+
+def test_a_group_created_after_the_recorded_steps_is_reported_naming_it_and_the_step(tmp_path):
+    """(outside review m01) A group created at step 8 was refused only in a joiner's sandbox that reached step 8: a
+    migration whose joiners did not committed, then the stayers' collective on it failed. An active rank reports it
+    as RankWarning(late_group), which refuses migrations and recoveries (tmd.faults)."""
+    import threading
+
+    from tests.unit.rank_rooms import make
+    from tmd import protocol as p
+
+    rec = make(rank=0)
+    s = rec.session
+    s._assign = p.Assign(role=p.WorkerRole.ACTIVE, rank=0, world_size=4, store_host="h", store_port=1, generation=0,
+                         record_steps=3, record_dir=str(tmp_path), migration_id=0, incident_id=0)
+    rec.control.set_step(2)
+    s._group_created("pg2", [0, 1])  # still recording: a joiner replays it
+    rec.control.set_step(8)
+    s._record_writer = threading.Thread()  # the recording of the first 3 steps was written
+    s._group_created("pg3", [0, 1, 2, 3])
+    warnings = [m for m in rec.sent if isinstance(m, p.RankWarning)]
+    assert [(w.rank, w.code) for w in warnings] == [(0, p.WarningCode.LATE_GROUP)]
+    assert warnings[0].message.startswith("process group pg3 (ranks [0, 1, 2, 3]) was created at step 8, after the "
+                                          "job recorded its first 3 steps")
+    # a job relaunched with the recording of its first run kept: a group that run recorded is no late one
+    s._record_writer, s._recording_kept = None, True
+    open(p.layout.recording_path(str(tmp_path), 0, "pg2"), "w").close()
+    s._group_created("pg2", [0, 1])
+    assert len([m for m in rec.sent if isinstance(m, p.RankWarning)]) == 1
+    s._group_created("pg4", [0, 1])
+    assert len([m for m in rec.sent if isinstance(m, p.RankWarning)]) == 2
