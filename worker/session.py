@@ -227,6 +227,7 @@ class Session:
         self.objects.update(objects)
         for opt in self._ledger.manage(objects, rank_local):
             self._hooks.add(opt)
+            opt.register_step_pre_hook(self._ledger.before_closure_step)  # after the pipeline's: not refused
         self._stopper.hook(objects)
 
     # --- the script's own errors ------------------------------------------------------------------------------
