@@ -19,7 +19,8 @@ move or recover it. Decides and journals; the daemon applies (:class:`JobFailed`
   unmanaged state or a process group created after the recorded steps (``REFUSING_WARNINGS``) a migration of the
   job is refused (``ErrorCode.UNMANAGED_STATE``; the daemon aborts one not yet decided) and a failure fails the job
   instead of recovering into a state that diverged (a regroup too: tmd.recovery ``Incidents.refusal``). ``state_after_update`` (rank state
-  changed after an optimizer update) refuses nothing: only a replacement's RNG or data position may differ.
+  changed after an optimizer update) refuses nothing: only a replacement's RNG or data position may differ; nor does
+  ``stateful_comm_hook`` (a DDP comm hook's state that no migration or recovery moves: the user is told).
 """
 from __future__ import annotations
 

@@ -301,10 +301,10 @@ class Session:
 
     def _check_misuse(self) -> None:
         """Once, at the first step boundary on an active rank: report a job whose replicated state is not all
-        managed (worker.misuse); rank 0 also warns on stderr."""
+        managed, or whose DDP model has a stateful communication hook (worker.misuse ``check_all``); rank 0 also
+        warns on stderr."""
         self._misuse_checked = True
-        found = misuse.check(self._ledger.replicated)
-        if found is not None:
+        for found in misuse.check_all(self._ledger.replicated):
             self._warn(*found)
 
     def _warn(self, code: p.WarningCode, message: str) -> None:

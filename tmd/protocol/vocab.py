@@ -219,11 +219,13 @@ class WarningCode(StrEnum):
     cannot replay it, and tmd refuses likewise. While training: the script changed its RNG or a rank-local object between a
     step's optimizer update and the next step's start (``state_after_update``); a failure's replacement then
     resumes from that state as it stood at the update, so its RNG stream or data position may differ from an
-    uninterrupted run's. Migrations stay exact; tmd journals it and refuses nothing."""
+    uninterrupted run's. Migrations stay exact; tmd journals it and refuses nothing. At start, a DDP model's
+    communication hook with a state (``stateful_comm_hook``: PowerSGD's, in no state_dict): journalled only."""
 
     NOTHING_MANAGED = "nothing_managed"
     UNMANAGED_PARAMETERS = "unmanaged_parameters"
     LATE_GROUP = "late_group"  # a process group created after the recorded steps (worker.session)
+    STATEFUL_COMM_HOOK = "stateful_comm_hook"  # a DDP comm hook's state (PowerSGD's) moves with no one: warned only
     STATE_AFTER_UPDATE = "state_after_update"
     CHECKPOINT_FAILED = "checkpoint_failed"  # a save failed (worker.checkpointing); training goes on
 
