@@ -151,6 +151,7 @@ class Daemon:
             self.incidents.first_id = resume.last_incident_id + 1  # incident ids go on after a restart too
             self.incidents.restore(resume.replicas, resume.keepers, resume.unprotected)
         self.faults = Faults(self.registry, self.journal, self.layout, self.incidents)
+        self.incidents.refusal = self.faults.unmanaged
         self.guards = Guards(self.registry, self.journal, self, self.layout, config.standby.guards, record_steps,
                              suspects=self._suspects)
         self.incidents.free_standby = self.guards.free_one
@@ -669,6 +670,10 @@ class Daemon:
             self.tier.save_failed(msg.rank, w.node, msg.message)  # every failed save, not the first one only
             return
         self.faults.warned(w, msg)
+        m = self.migrations.current
+        if msg.code in p.REFUSING_WARNINGS and m is not None and not m.finished and \
+                m.state != MigrationState.TRANSFERRED:  # (after the decision nothing aborts: it commits)
+            self.migrations.abort(m, f"rank {msg.rank} on {w.node} reported {msg.code}: {msg.message}")
 
     # --- verdicts of failure detection --------------------------------------------------------------------------
     def _apply(self, v: Verdict) -> None:
@@ -793,8 +798,8 @@ class Daemon:
                           require_healthy: bool = True) -> Migration:
         unmanaged = self.faults.unmanaged()
         if unmanaged:
-            raise MigrationError(ErrorCode.UNMANAGED_STATE, f"refused: the joiners would not get the job's state "
-                                                            f"and the ranks would diverge ({unmanaged})")
+            raise MigrationError(ErrorCode.UNMANAGED_STATE, f"refused: the joiners could not take the ranks over "
+                                                            f"without diverging ({unmanaged})")
         return self.migrations.request(sources, targets, require_healthy=require_healthy)
 
     def migration(self, migration_id: int) -> Migration:

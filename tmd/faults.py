@@ -16,9 +16,11 @@ move or recover it. Decides and journals; the daemon applies (:class:`JobFailed`
   lost node, a RankFailed) before every rank committed step S fails the job: "step S failed again after
   recovery" (redoing it once more would fail the same way, spending a standby each time).
 - **Misuse** (:class:`~tmd.protocol.RankWarning`): journalled ``job_warning`` and kept for ``tmctl status``; for
-  unmanaged state (``REFUSING_WARNINGS``) a migration of the job is refused (``ErrorCode.UNMANAGED_STATE``) and a
-  failure fails the job instead of recovering into a state that diverged. ``state_after_update`` (rank state
-  changed after an optimizer update) refuses nothing: only a replacement's RNG or data position may differ.
+  unmanaged state or a process group created after the recorded steps (``REFUSING_WARNINGS``) a migration of the
+  job is refused (``ErrorCode.UNMANAGED_STATE``; the daemon aborts one not yet decided) and a failure fails the job
+  instead of recovering into a state that diverged (a regroup too: tmd.recovery ``Incidents.refusal``). ``state_after_update`` (rank state
+  changed after an optimizer update) refuses nothing: only a replacement's RNG or data position may differ; nor does
+  ``stateful_comm_hook`` (a DDP comm hook's state that no migration or recovery moves: the user is told).
 """
 from __future__ import annotations
 

@@ -133,6 +133,8 @@ class Incidents(Episodes[Incident]):
         # seconds an incident waits for a standby before it fails (RecoveryError: tmd then restarts the job from
         # its newest checkpoint, tmd.tiers); 0: it waits as long as it takes
         self.standby_wait_s = 0.0
+        # why no incident may start (tmd.faults ``unmanaged``: misuse a rank reported), or None
+        self.refusal: Callable[[], Optional[str]] = lambda: None
 
     # ---------------------------------------------------------------------------------------------------------
     def on_node_failed(self, node_name: str, reason: str, adopt: Optional[Adoption] = None) -> None:
@@ -207,7 +209,12 @@ class Incidents(Episodes[Incident]):
         that are alive and still needed are kept). ``adopt``: (failed node, the joiners warm for its ranks) that
         become replacements. Every survivor is told to halt; failed nodes without a
         replacement get a warm standby, or the incident waits for one. Raises RecoveryError when no rank
-        survives or a lost rank has no recording yet."""
+        survives or a lost rank has no recording yet, or when :attr:`refusal` gives a reason (a regroup after a
+        collective failure too: a process group created after the recorded steps, which joiners lack, hung every
+        regroup's setup until the store's timeout, incident after incident)."""
+        refused = self.refusal()
+        if refused:
+            raise RecoveryError(f"cannot recover ({reason}): {refused}")
         reg = self.registry
         old = self.current
         if old is not None:

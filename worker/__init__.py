@@ -5,7 +5,7 @@ thread's handling of tmd's commands), ``control`` (where the process stands: the
 ``migration`` (joiner, leaver, stayers), ``recovery`` (survivors and replacements after a failure), ``reports``
 (what a rank tells tmd), ``exit`` (the one way to end the process early), ``groups`` (generations, two-phase
 setup), ``sandbox`` (record/replay), ``transfer`` (peer-to-peer state transfer), ``rank_state`` (each rank's
-own RNG and rank-local state, kept by every rank; the replica fingerprint), ``misuse`` (unmanaged DDP/FSDP state), ``gpu_health`` (NVML probe),
+own RNG and rank-local state, kept by every rank; the replica fingerprint), ``misuse`` (unmanaged DDP/FSDP state), ``object_collectives`` (``all_gather_object`` & co. under a failure), ``gpu_health`` (NVML probe),
 ``backend`` and ``_C`` (the mover Backend).
 Imports are lazy so that ``import worker`` stays cheap until ``init()`` is called.
 """

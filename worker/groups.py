@@ -121,6 +121,8 @@ class GroupManager:
         self.timeout_s = timeout_s
         self.world: Optional[mb.MoverBackend] = None
         self.replay_dir: Optional[str] = None  # a joiner in its sandbox: where the groups' recordings are
+        # called with (name, ranks) after a group the script created is connected live (not on a joiner's replay)
+        self.on_created: Optional[Callable[[str, list[int]], None]] = None
         self.groups: dict[str, Group] = {}  # this rank's groups by name, the world group included
         self.generation = -1  # the highest generation this process built or installed a group of
         # the generation of the world group in use: the same on every active rank at a step boundary (a phase 1
@@ -172,7 +174,8 @@ class GroupManager:
         global ranks. An active rank connects it under ``layout.created_group_prefix`` in the world group's
         current mode (recording while the world records); a joiner in its sandbox does not connect and replays
         the group from its recording (:attr:`replay_dir`). Raises FileNotFoundError on a joiner when the group
-        has no recording (it was created after the job recorded its first steps)."""
+        has no recording (it was created after the job recorded its first steps). A group connected live is then
+        passed to :attr:`on_created` (the session reports one created after the recorded steps)."""
         from worker import sandbox
 
         name = f"pg{torch_name}"
@@ -190,6 +193,8 @@ class GroupManager:
             mover.set_mode(self.world.mode)
             mover.tolerant = self.world.tolerant
         self.groups[name] = Group(name, list(ranks), mover, recording, setup)
+        if recording is None and self.on_created is not None:
+            self.on_created(name, list(ranks))
         return mover
 
     # --- phase 1 -----------------------------------------------------------------------------------------------

@@ -89,16 +89,20 @@ class Migration:
 
     # --- joiner ------------------------------------------------------------------------------------------------------
     def shadow(self, n: int, report_warmed: bool, pretouch: bool = True,
-               enough_after_one: Optional[Callable[[], bool]] = None) -> Iterator[int]:
+               enough_after_one: Optional[Callable[[], bool]] = None,
+               another: Optional[Callable[[int], bool]] = None, limit: int = 0) -> Iterator[int]:
         """Yield the ``n`` shadow steps ``0 .. n-1`` (stage SHADOW: collectives replayed, results thrown away),
         then free the recordings, pre-touch the receive buffers, for the state and for the gradients of replayed
         optimizer steps (if ``pretouch``: a failure's replacement receives into fresh ones) and, if
         ``report_warmed``, report ``warmed``. ``enough_after_one``: called (still in SHADOW) after the first step;
-        True ends the shadow iterations there."""
+        True ends the shadow iterations there. ``another(k)``: called after the ``n``-th step (``k`` steps run),
+        while ``k`` < ``limit``; True runs one more (worker.sandbox ``new_ops_at``: the next recorded step issued
+        collectives the last one did not)."""
         groups = self.control.groups
         self.control.enter(Stage.SHADOW)
         prev = time.perf_counter()
-        for step in range(n):
+        step = 0
+        while step < n:
             self.control.set_step(step)
             yield step
             now = time.perf_counter()
@@ -107,6 +111,9 @@ class Migration:
             self.shadow_steps = step + 1
             if step == 0 and n > 1 and enough_after_one is not None and enough_after_one():
                 break
+            step += 1
+            if step == n < limit and another is not None and another(step):
+                n += 1
         self.control.enter(Stage.JOINING)
         for g in groups.groups.values():
             g.mover.load_recording([])  # free the recordings

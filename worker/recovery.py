@@ -64,8 +64,9 @@ RECOVERY_TIMEOUT_S = 600.0  # a halted rank that hears nothing from tmd this lon
 # worker.ddp_regroup can do DDP's regrouping itself after it and the recorded steps 1 and 2 are alike
 # (_one_shadow_iteration_enough), else two, because DDP regroups its gradient buckets in the forward of a process's
 # second iteration with a broadcast from rank 0 (a replacement that skipped it would make that broadcast live, where
-# the survivors make none). What the skipped iterations would warm (the allocator, lazily built optimizer state)
-# the redone step warms at a small cost.
+# the survivors make none); and one more, up to record_steps, while the next recorded step issued collectives the
+# last one did not (_another_shadow_iteration: DDP with static_graph=True regroups in its third iteration). What the
+# skipped iterations would warm (the allocator, lazily built optimizer state) the redone step warms at a small cost.
 REPLACEMENT_SHADOW_STEPS = 2
 
 
@@ -107,6 +108,7 @@ class Recovery:
         if not done and self.ledger.copied_at == attempted:  # before this rank's state is sent to anyone
             self.ledger.restore_buffers()
             self.ledger.restore_objects()
+            self.ledger.restore_closure_steps(attempted)
         self.control.enter(Stage.HALTED)
         if self.control.halt is None:  # we saw it first (a peer's socket closed): a detection signal for tmd
             self.reports.report(0, p.RecoveryPhase.COLLECTIVE_FAILED, ok=False, error=failure(self.control) or "",

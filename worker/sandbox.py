@@ -14,10 +14,13 @@ joiner can tell, after its first shadow iteration, whether the rest of the job's
 collectives of its third (:func:`unsteady_after_first`): then a process's second iteration does what every later
 one does, and the joiner may run it live. A script whose second step differs (DDP's one-time regrouping of its
 buckets, which worker.ddp_regroup ``regroup_ddp_buckets`` replays without an iteration's compute; a collective of
-the script's own at step 1 only; a group created after the first step) keeps running shadow iterations.
+the script's own at step 1 only; a group created after the first step) keeps running shadow iterations. A
+failure's replacement runs one more than its limit while the next recorded step issues collectives its previous
+step did not (:func:`new_ops_at`: DDP with ``static_graph=True`` regroups its buckets in its third iteration).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import threading
@@ -199,6 +202,29 @@ def unsteady_from_start(recordings: dict[str, Optional[Recording]], positions: d
                 rec.signatures[second + skip:third] != steady:
             return (f"group {name}: step 1 issued other collectives ({third - second} ops"
                     f"{f', {skip} of them regrouping DDP' if skip else ''}) than step 2 ({end - third})")
+    return ""
+
+
+def new_ops_at(recordings: dict[str, Optional[Recording]], step: int) -> str:
+    """Why a joiner that ran ``step`` shadow iterations (``step`` >= 1) must run another, or "": in some group, the
+    job's recorded step ``step`` (what the joiner's next iteration would issue live) made collectives its recorded
+    step ``step - 1`` did not (compared as multisets of signatures, DDP's gradient buckets merged: a regrouped
+    layout reduces the same gradients). A DDP model with ``static_graph=True`` regroups its buckets in a process's
+    third iteration with two broadcasts from rank 0: a replacement that ran two shadow iterations made them live
+    while the survivors made none, and the redone step hung until gloo's timeout. "" where no group recorded that
+    step, or a group is not replayed (nothing to compare)."""
+    for name, rec in sorted(recordings.items()):
+        if rec is None or step < 1 or len(rec.step_starts) <= step:
+            continue
+        starts = rec.step_starts
+        end = starts[step + 1] if len(starts) > step + 1 else rec.ops
+        before = collections.Counter(_bucket_runs_merged(rec.signatures[starts[step - 1]:starts[step]]))
+        now = collections.Counter(_bucket_runs_merged(rec.signatures[starts[step]:end]))
+        new = now - before
+        if new:
+            shown = ", ".join(sorted({op for op, _ in new}))
+            return (f"group {name}: the job's step {step} issued {sum(new.values())} collective(s) ({shown}) that "
+                    f"its step {step - 1} did not")
     return ""
 
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from tmd import protocol as p
 from tmd.netif import InterfaceError
-from worker import backend, misuse, sandbox
+from worker import backend, misuse, object_collectives, sandbox
 from worker.agent import Agent
 from worker.checkpoint import CheckpointError, LayoutMismatch
 from worker.checkpointing import SessionCheckpoints, Settings as CheckpointSettings
@@ -68,6 +68,10 @@ log = logging.getLogger("worker.session")
 CATCH_STEP_ABORTED = ("In a session.steps() loop, catch worker.StepAborted and continue: the runtime recovers and "
                       "yields the step again; or use session.run(step_fn, total), which does (see session.steps in "
                       "the README and docs/user-guide.md)")
+# what a script that died of another exception while a peer's failure was latched must do
+CATCH_DURING_FAILURE = ("Use session.run(step_fn, total), which recovers from any exception raised while a failure is "
+                        "latched, or catch it in the steps() loop (worker.StepAborted and the script's own checks of "
+                        "values a failed step left stale) and continue")
 
 
 def _prewarm() -> None:
@@ -153,6 +157,7 @@ class Session:
         # so every store connection (this one, a recovery's own, the one after a tmd restart) is covered.
         store = JobStore.of_job(a.store_host, a.store_port, timeout_s)  # tmd's store, over CURVE with the worker key
         groups = self._groups = GroupManager(store, a.rank, a.world_size, backend.gloo_host(a.store_host))
+        groups.on_created = self._group_created
         self._control.attach(groups)
         settings = CheckpointSettings.from_env()
         if settings.active:
@@ -224,6 +229,7 @@ class Session:
         self.objects.update(objects)
         for opt in self._ledger.manage(objects, rank_local):
             self._hooks.add(opt)
+            opt.register_step_pre_hook(self._ledger.before_closure_step)  # after the pipeline's: not refused
         self._stopper.hook(objects)
 
     # --- the script's own errors ------------------------------------------------------------------------------
@@ -238,15 +244,26 @@ class Session:
             return
         self._report(p.FailureKind.SCRIPT_ERROR, exc, exc)
 
-    def _uncaught(self, exc: BaseException) -> None:
-        """``exc`` ends the process (or a thread): report it as the script's error (:meth:`_script_error`). A
-        :class:`StepAborted` that got this far was not caught in the ``steps()`` loop: the rank's state goes with
-        the process, and tmd would see only that a survivor died too. Reported as ``STEP_ABORTED_UNCAUGHT``,
-        saying what to do, so the job fails with that reason."""
-        if isinstance(exc, StepAborted) and not self._failure_reported:
+    def _uncaught(self, exc: BaseException, ends_process: bool = True) -> None:
+        """``exc`` ends the process (or, not ``ends_process``, a thread): report it as the script's error
+        (:meth:`_script_error`). A :class:`StepAborted` that got this far was not caught in the ``steps()`` loop:
+        the rank's state goes with the process, and tmd would see only that a survivor died too. Reported as
+        ``STEP_ABORTED_UNCAUGHT``, saying what to do, so the job fails with that reason. Another exception that
+        ends the process while a peer's failure is latched (the script's own check of a value a failed collective
+        left stale, say) is reported too, as ``SCRIPT_ERROR`` naming the exception and the failure: the rank is
+        lost with it (it was not reported before, and the job failed as if every survivor had died)."""
+        if self._failure_reported or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return
+        if isinstance(exc, StepAborted):
             self._report(p.FailureKind.STEP_ABORTED_UNCAUGHT, f"{exc}. {CATCH_STEP_ABORTED}", exc)
-        else:
-            self._script_error(exc)
+            return
+        why = failure(self._control)
+        if why is not None and ends_process:
+            self._report(p.FailureKind.SCRIPT_ERROR, f"{type(exc).__name__}: {exc} (raised while a peer's failure "
+                                                     f"was latched: {why}; this rank is lost with it). "
+                                                     f"{CATCH_DURING_FAILURE}", exc)
+            return
+        self._script_error(exc)
 
     def _report(self, kind: p.FailureKind, error: Union[str, BaseException], exc: BaseException) -> None:
         """Send ``RankFailed(kind)`` with ``error`` and ``exc``'s traceback, once per process, and flush the
@@ -277,7 +294,7 @@ class Session:
         def thread_hook(args):
             try:
                 if args.exc_value is not None:
-                    self._uncaught(args.exc_value)
+                    self._uncaught(args.exc_value, ends_process=False)
             finally:
                 previous_thread(args)
 
@@ -286,15 +303,37 @@ class Session:
 
     def _check_misuse(self) -> None:
         """Once, at the first step boundary on an active rank: report a job whose replicated state is not all
-        managed (worker.misuse); rank 0 also warns on stderr."""
+        managed, or whose DDP model has a stateful communication hook (worker.misuse ``check_all``); rank 0 also
+        warns on stderr."""
         self._misuse_checked = True
-        found = misuse.check(self._ledger.replicated)
-        if found is None:
-            return
-        code, message = found
+        for found in misuse.check_all(self._ledger.replicated):
+            self._warn(*found)
+
+    def _warn(self, code: p.WarningCode, message: str) -> None:
+        """Report misuse to tmd (``RankWarning``); rank 0 also prints it on stderr."""
         self._reports.warning(code, message)
         if self.rank == 0:
             print(f"[worker] WARNING ({code.value}): {message}", file=sys.stderr, flush=True)
+
+    def _group_created(self, name: str, ranks: list[int]) -> None:
+        """A process group the script created, connected live on this rank (worker.groups ``create_group``). On an
+        active rank whose recording of the job's first steps is over (written, or kept from the run this one
+        relaunches, without this group), a joiner could not replay the group: its sandbox would wait for a
+        recording that never comes, and a joiner that never reaches the step that creates it would join without
+        it (a migration committed, then the stayers' collective on it failed, and every recovery rebuilt a group
+        the joiners never created). Reported as ``RankWarning(late_group)``, naming the group and the step: tmd
+        refuses the job's migrations and recoveries (tmd.faults)."""
+        a = self._assign
+        if a is None or self._control.role != p.WorkerRole.ACTIVE:
+            return
+        kept_without = self._recording_kept and not os.path.exists(p.layout.recording_path(a.record_dir, a.rank, name))
+        if self._record_writer is None and not kept_without:
+            return  # still recording: a joiner replays it
+        self._warn(p.WarningCode.LATE_GROUP,
+                   f"process group {name} (ranks {ranks}) was created at step {self._control.step}, after the job "
+                   f"recorded its first {a.record_steps} steps (--record-steps): a joiner cannot replay it, so "
+                   "migrations and recoveries of this job are refused; create every group before the recorded "
+                   "steps end (before the training loop, say)")
 
     # --- the training loop ----------------------------------------------------------------------------------
     def run(self, step_fn: Callable[[int], Any], total: int) -> None:
@@ -344,6 +383,8 @@ class Session:
             # stayers where a standby shares their host. Demo GPT on a 2-core host, one against three shadow
             # iterations, 7 + 7 jobs alternated: joiner lag at the switch step 52 against 47 ms (median; 24-89 ms
             # either way), warm-up 2.4 against 4.1 s, the stayers' lost time per migration 1.3-1.4 against 1.9 s.
+            # A replacement or guard runs more, up to record_steps, while the next recorded step issues
+            # collectives the last did not (_another_shadow_iteration: DDP's static-graph regrouping in its third).
             planned = a.incident_id == 0 and not a.guard
             shadow_steps = a.record_steps if planned else min(a.record_steps, REPLACEMENT_SHADOW_STEPS)
             self._regroup_as_resumed()
@@ -353,7 +394,8 @@ class Session:
                     shadow_steps = 0
             yield from self._migration.shadow(
                 min(shadow_steps, total), report_warmed=planned, pretouch=planned,
-                enough_after_one=self._one_shadow_iteration_enough)
+                enough_after_one=self._one_shadow_iteration_enough,
+                another=None if planned else self._another_shadow_iteration, limit=min(a.record_steps, total))
             if a.guard:  # waits until a recovery adopts it (0) or a migration of the node it guards takes it
                 self._migration.drop_buffers()
                 self._migration.migration_id = recovery.guard(self._migration.shadow_steps)
@@ -556,6 +598,18 @@ class Session:
                      " (DDP's buckets regrouped from the recording)" if regrouped else "")
         return not why
 
+    def _another_shadow_iteration(self, done: int) -> bool:
+        """A failure's replacement or a guard that ran its ``done`` shadow iterations (``REPLACEMENT_SHADOW_STEPS``):
+        whether it must run another before its first live step, because the job's recorded step ``done`` issued
+        collectives its step ``done - 1`` did not (``sandbox.new_ops_at``): DDP with ``static_graph=True``
+        regroups its buckets with two broadcasts in a process's third iteration, which a replacement that went
+        live after two made where the survivors made none (the redone step hung until gloo's timeout, then a
+        second incident)."""
+        why = sandbox.new_ops_at(self._replay_state()[0], done)
+        if why:
+            log.info("rank %d: shadow iteration %d (%s)", self.rank, done + 1, why)
+        return bool(why)
+
     def finish(self, note: Optional[str] = None) -> None:
         """Report the end of training to tmd (``note``, e.g. a final state hash, goes to the log) and close:
         waits for the recording writer, flushes the agent (up to 2 s) and destroys the default process group.
@@ -616,5 +670,6 @@ def init(coordinator: Optional[str] = None, store_timeout_s: float = 120.0) -> S
     reports = Reporter(agent.send, lambda: control.rank)
     commands = Commands(control, reports, agent.rejoin, probe_from_env().sample)
     session = Session(agent, control, reports, node, local_rank, run_dir)
+    object_collectives.install(control)  # all_gather_object & co. raise StepAborted under a latched failure
     session._start(store_timeout_s)
     return session

@@ -36,6 +36,14 @@ the attempt must put back before it sends its state to anyone or redoes the step
   which the refused ``scaler.step(opt)`` never reached; a managed ``torch.amp.GradScaler`` forgets that mark
   (:meth:`StepLedger.restore_grad_scalers`).
 - *The RNG* as the attempt began (:attr:`StepLedger.rng_snapshot`): the redone step draws the same numbers.
+- *An optimizer step given a closure* (``torch.optim.LBFGS``): its forward and backward passes and their
+  collectives run inside ``step()``, after the step hooks' refusal, and move the parameters and the optimizer's
+  state before a failure among them can stop the step. A managed optimizer's step that gets a closure therefore
+  copies its parameters (local shards) and a deep copy of its state_dict first (:meth:`StepLedger.before_closure_step`,
+  a pre-hook after worker.step_hooks' pipeline), its ``commit`` is refused (StepAborted) when a failure latched
+  during the step, and :meth:`StepLedger.restore_closure_steps` puts both back. Memory: one more copy of those
+  parameters and that state while such a step runs. Without it, a survivor that did not commit sent or kept
+  parameters its aborted closure had moved (outside review s17: ``state_mismatch`` after the recovery).
 
 The ledger is the training thread's own; its ``refuse`` and ``commit`` are stages of worker.step_hooks.
 """
@@ -76,6 +84,10 @@ def copied_object(obj: Any) -> bool:
     return not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler))
 
 
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [q for group in optimizer.param_groups for q in group["params"]]
+
+
 def _fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype
 
@@ -100,6 +112,9 @@ class StepLedger:
         self.copied_at = -1  # the step whose begin() took ``buffer_copies`` and ``local_copies``
         self.local_copies: dict[str, Any] = {}  # the rank-local objects' state_dicts as the attempt began
         self.object_copies: dict[str, Any] = {}  # the other replicated objects' (copied_object), likewise
+        self.closure_at = -1  # the step whose closure_copies were taken
+        # (optimizer, its parameters' local shards, a deep copy of its state_dict) as its closure step began
+        self.closure_copies: list[tuple[torch.optim.Optimizer, list[torch.Tensor], dict]] = []
 
     def manage(self, objects: dict[str, Any], rank_local: bool) -> list[torch.optim.Optimizer]:
         """Track ``objects``: replicated unless ``rank_local``. Returns the optimizers among them not managed
@@ -169,9 +184,39 @@ class StepLedger:
         if why:
             raise StepAborted(f"rank {self.control.rank} step {self.control.step}: update refused, {why}")
 
+    def before_closure_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """A managed optimizer's step pre-hook, after worker.step_hooks' pipeline: a step given a closure copies
+        the optimizer's parameters and state first (see the module docstring)."""
+        if kwargs.get("closure", args[0] if args else None) is None:
+            return
+        step = self.control.step
+        if self.closure_at != step:
+            self.closure_copies, self.closure_at = [], step
+        with torch.no_grad():
+            params = [local_shard(q).detach().clone() for q in _params(optimizer)]
+        self.closure_copies.append((optimizer, params, copy.deepcopy(optimizer.state_dict())))
+
+    def restore_closure_steps(self, step: int) -> None:
+        """Put back the parameters and state of the optimizers whose closure step ``step`` began (a survivor that
+        did not commit it)."""
+        if self.closure_at != step:
+            return
+        with torch.no_grad():
+            for optimizer, params, state in self.closure_copies:
+                for q, saved in zip(_params(optimizer), params):
+                    local_shard(q).copy_(saved)
+                optimizer.load_state_dict(copy.deepcopy(state))
+        self.closure_copies, self.closure_at = [], -1
+
     def commit(self, optimizer: torch.optim.Optimizer) -> None:
         """Step hook stage ``commit``: ``optimizer`` applied its update; once every managed optimizer did, the
-        current step is committed."""
+        current step is committed. Raises StepAborted instead when the update ran a closure (its collectives
+        inside ``step()``) and a failure latched meanwhile: its update is void."""
+        if self.closure_at == self.control.step and any(o is optimizer for o, _, _ in self.closure_copies):
+            why = failure(self.control)
+            if why:
+                raise StepAborted(f"rank {self.control.rank} step {self.control.step}: update void (a collective "
+                                  f"of its closure failed), {why}")
         self.stepped.add(id(optimizer))
         if len(self.stepped) == len(self.optimizers):
             self.committed_step = self.control.step

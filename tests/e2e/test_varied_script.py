@@ -120,3 +120,34 @@ def test_a_collective_of_a_process_s_first_iteration_gives_a_replacement_a_shado
     assert done["standbys"] == {"n2": "s1"} and done["shadow_steps"] == {"2": 1, "3": 1}, done
     assert done["phases_s"]["total"] < 30, done  # no gloo timeout on the way
     assert final_hashes(run_dir) == expected
+
+
+PLAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "plain_loop.py")
+
+
+def plain_command(run_dir: str, standbys: int, *script_args: str) -> list[str]:
+    return [sys.executable, "-m", "tmd.cli", "local", "--nodes", "2", "--ranks-per-node", "2", "--standbys",
+            str(standbys), "--run-dir", run_dir, "--quiet", "--", sys.executable, PLAIN, "--steps", "20", *script_args]
+
+
+@pytest.mark.timeout(300)
+def test_a_kill_in_the_plain_loop_with_a_static_graph_and_an_object_all_gather_recovers_once(tmp_path):
+    """tests/e2e/scripts/plain_loop.py: DDP(static_graph=True) regroups its buckets in a process's third iteration,
+    with two broadcasts the job's recorded steps 0 and 1 lack. n2 kills itself in step 12: its replacements run
+    3 shadow iterations (worker.sandbox.new_ops_at), not 2, whose limit made them issue those broadcasts live in
+    the redone step where the survivors issue none (a hang until gloo's 120 s timeout, then a second incident).
+    The survivors were waiting in ``dist.all_gather_object``: it raises StepAborted, which the plain loop
+    catches (worker.object_collectives), where it unpickled a latched collective's empty buffer (EOFError: every
+    survivor died, and the job failed)."""
+    reference = str(tmp_path / "reference")
+    run_tmd(plain_command(reference, 0, "--gather-objects"), reference, timeout_s=120)
+    run_dir = str(tmp_path / "job")
+    run_tmd(plain_command(run_dir, 1, "--gather-objects", "--fault", "n2:12", "--step-time-s", "0.1"), run_dir,
+            timeout_s=240)
+    journal = events(run_dir)
+    done, = [e for e in journal if e["event"] == p.Event.RECOVERY_DONE]
+    assert done["standbys"] == {"n2": "s1"} and done["shadow_steps"] == {"2": 3, "3": 3}, done
+    assert done["phases_s"]["total"] < 30, done  # no gloo timeout on the way
+    assert len([e for e in journal if e["event"] == p.Event.RECOVERY_STARTED]) == 1  # no second incident
+    hashes = final_hashes(run_dir)
+    assert len(hashes) == 4 and hashes == final_hashes(reference), hashes

@@ -138,6 +138,27 @@ def test_a_warning_is_shown_and_refuses_migrations(daemon):
     assert daemon.status().nodes[0]["pids"] == {"0": 1}
 
 
+def test_a_late_group_aborts_a_migration_not_yet_decided_and_refuses_the_next(daemon):
+    """A process group created after the recorded steps: a migration whose joiners warmed without it committed, and
+    the stayers' collective on it then failed (outside review m01). tmd aborts a migration not yet decided."""
+    from tmd.migration import MigrationError
+
+    n1 = register(daemon, "n1")
+    register(daemon, "n2")
+    register(daemon, "s1")
+    for w in daemon.registry.rank_owner.values():
+        w.step = 9  # past the recorded steps
+    m = daemon.request_migration("n2", "s1")
+    assert not m.finished
+    warning = p.RankWarning(rank=0, code=p.WarningCode.LATE_GROUP, message="process group pg2 (ranks [0, 1]) was "
+                            "created at step 8, after the job recorded its first 2 steps")
+    daemon.on_frames([n1, p.encode(warning)])
+    assert m.state == p.MigrationState.ABORTED and "reported late_group: process group pg2" in m.reason
+    with pytest.raises(MigrationError) as e:
+        daemon.request_migration("n2", "s1")
+    assert e.value.code == p.ErrorCode.UNMANAGED_STATE and "created at step 8" in str(e.value)
+
+
 def test_a_worker_speaks_only_for_its_own_rank_and_no_process_joins_a_node_that_left(daemon):
     """Every process of the job holds the worker key: what one says of another rank, or a process that registers
     on a node that left the job, is refused, and the job is untouched."""

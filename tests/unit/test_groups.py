@@ -120,3 +120,18 @@ def test_the_world_generation_is_the_one_in_use_not_the_highest_built(monkeypatc
     assert manager.world_generation == 1
     manager.install({p.layout.WORLD_GROUP: object()}, 5)  # a recovery's generation 5
     assert manager.world_generation == 5
+
+
+def test_a_group_the_script_creates_live_is_passed_to_on_created(monkeypatch):
+    """The session reports a group created after the recorded steps (worker.session ``_group_created``)."""
+    from worker import backend as mb
+    from worker import groups
+
+    monkeypatch.setattr(groups.mb, "build_inner", lambda *a, **k: None)
+    monkeypatch.setattr(groups.mb, "setup_of", lambda inner: None)
+    manager = groups.GroupManager(None, 0, 2, None)
+    manager.world = mb.MoverBackend(0, 2, None)
+    created = []
+    manager.on_created = lambda name, ranks: created.append((name, ranks))
+    manager.create_group("2", [0, 1], 0, 2)
+    assert created == [("pg2", [0, 1])] and "pg2" in manager.groups

@@ -311,6 +311,19 @@ def test_an_unexplained_collective_failure_regroups_every_rank(world):
     assert inc.state == IncidentState.RECOVERING and world.sent_of(p.Recover)[0][1].sends == []
 
 
+def test_a_refused_job_regroups_no_more(world):
+    """tmd.faults' refusal (a rank reported a process group created after the recorded steps, which joiners lack)
+    stops a regroup after a collective failure too: each one's setup waited for the store's timeout, incident after
+    incident (outside review m01)."""
+    world.incidents.refusal = lambda: "rank 0 on n1 reported late_group: process group pg2 was created at step 8"
+    world.report("n1/0", RecoveryPhase.COLLECTIVE_FAILED, incident_id=0, error="connection reset")
+    with pytest.raises(RecoveryError, match=r"cannot recover \(rank 0 saw a collective fail: connection reset; no "
+                                            r"node failed, regrouping\): rank 0 on n1 reported late_group: process "
+                                            r"group pg2 was created at step 8"):
+        world.incidents.tick(math.inf)
+    assert world.incidents.current is None and not world.sent_of(p.Halt)
+
+
 # --- replica classes and buddy snapshots ------------------------------------------------------------------------------
 # HSDP: replicas across nodes
 ACROSS = {0: [0, 2, 4], 2: [0, 2, 4], 4: [0, 2, 4], 1: [1, 3, 5], 3: [1, 3, 5], 5: [1, 3, 5]}

@@ -164,6 +164,24 @@ def test_a_replacement_s_missing_groups_or_short_recordings_need_a_shadow_iterat
     assert "group pg2 is not replayed" in _from_start({"world": three, "pg2": None}, {"world": 0, "pg2": 0})
 
 
+def test_a_static_graph_s_regrouping_in_step_2_needs_a_third_shadow_iteration(tmp_path):
+    # DDP(static_graph=True), as recorded by the job (tests' outside review r05): steps 0 and 1 reduce their
+    # gradients, step 2 begins with the regrouping's two broadcasts, then reduces them in the regrouped buckets
+    gather, used = ("allgather", [torch.ones(1)]), ("allreduce", [torch.ones(4, dtype=torch.int32)])
+    entries = [_op(4, "broadcast"), used, _op(12), gather, _op(12), gather,
+               _op(5, "broadcast"), _op(2, "broadcast"), _op(4), _op(8), gather]
+    rec = _recording(tmp_path, "world", entries, [1, 4, 6])
+    assert sandbox.new_ops_at({"world": rec}, 2) == \
+        "group world: the job's step 2 issued 2 collective(s) (broadcast) that its step 1 did not"
+    assert sandbox.new_ops_at({"world": rec}, 1) == ""  # step 1 did less than step 0: nothing new
+    assert sandbox.new_ops_at({"world": rec}, 3) == ""  # no step 3 recorded
+    # plain DDP: the regrouping's broadcasts in step 1, step 2 reduces the same gradients: two are enough
+    plain = [_op(4, "broadcast"), _op(12), gather, _op(5, "broadcast"), _op(2, "broadcast"), _op(4), _op(8),
+             gather, _op(4), _op(8), gather]
+    assert sandbox.new_ops_at({"world": _recording(tmp_path, "world", plain, [1, 3, 8])}, 2) == ""
+    assert sandbox.new_ops_at({"world": None}, 2) == ""
+
+
 def test_replay_seeks_within_the_recording_only(tmp_path):
     mover = mb.MoverBackend(0, 1, None)
     mover.load_recording([("allreduce", [torch.full((2,), float(i))]) for i in range(3)])

@@ -201,3 +201,46 @@ def test_a_replicated_object_changed_before_the_update_is_put_back_with_the_rank
     rec.ledger.restore_objects()  # step 2 was interrupted before its update
     assert (progress.samples, progress.seen) == (32, [0, 1]) and (position.samples, position.seen) == (32, [0, 1])
     assert sched.last_epoch == 2
+
+
+def test_an_lbfgs_step_whose_closure_saw_a_failure_is_void_and_put_back(monkeypatch):
+    """(outside review s17) LBFGS runs forward, backward and collectives inside step(), after the refusal: a peer's
+    failure during them left the parameters and the optimizer's history moved on a survivor that did not commit,
+    and the replicas diverged after the recovery (state_mismatch). The update is now void and put back."""
+    from worker.step_ledger import StepAborted
+
+    rec = make(rank=0)
+    model, _, _ = trained()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=3)
+    rec.manage({"model": model, "optimizer": opt}, rank_local=False)
+    World(rec, [None] + [blob(NO_FINGERPRINT, n) for n in ("n1", "n2", "n2")], monkeypatch)
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(1))
+    calls = []
+
+    def closure(fail_at=None):
+        calls.append(1)
+        if len(calls) == fail_at:  # a collective of the closure failed: the mover latched it (here: tmd's halt)
+            rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    rec.control.set_step(0)
+    rec.begin_step()
+    opt.step(closure)  # no failure: committed as any step
+    assert rec.ledger.committed(0)
+    before = [t.clone() for t in model.parameters()]
+    history = [t.clone() for t in opt.state_dict()["state"][0]["old_dirs"]]
+    rec.control.set_step(1)
+    rec.begin_step()
+    calls.clear()
+    with pytest.raises(StepAborted, match="update void"):
+        opt.step(lambda: closure(fail_at=2))
+    assert not rec.ledger.committed(1)
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before))  # the closure moved them
+    rec.ledger.restore_closure_steps(1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    restored = opt.state_dict()["state"][0]
+    assert len(restored["old_dirs"]) == len(history) and all(
+        torch.equal(a, b) for a, b in zip(restored["old_dirs"], history))

@@ -215,19 +215,25 @@ class FailureKind(StrEnum):
 class WarningCode(StrEnum):
     """Misuse a rank finds (``RankWarning.code``). At start: nothing replicated was managed, or a DDP/FSDP module's
     parameters are not all in managed state; such a job cannot be migrated or recovered without diverging, and
-    tmd refuses to (tmd.faults). While training: the script changed its RNG or a rank-local object between a
+    tmd refuses to (tmd.faults). A process group created after the job's recorded steps (``late_group``): a joiner
+    cannot replay it, and tmd refuses likewise. While training: the script changed its RNG or a rank-local object between a
     step's optimizer update and the next step's start (``state_after_update``); a failure's replacement then
     resumes from that state as it stood at the update, so its RNG stream or data position may differ from an
-    uninterrupted run's. Migrations stay exact; tmd journals it and refuses nothing."""
+    uninterrupted run's. Migrations stay exact; tmd journals it and refuses nothing. At start, a DDP model's
+    communication hook with a state (``stateful_comm_hook``: PowerSGD's, in no state_dict): journalled only."""
 
     NOTHING_MANAGED = "nothing_managed"
     UNMANAGED_PARAMETERS = "unmanaged_parameters"
+    LATE_GROUP = "late_group"  # a process group created after the recorded steps (worker.session)
+    STATEFUL_COMM_HOOK = "stateful_comm_hook"  # a DDP comm hook's state (PowerSGD's) moves with no one: warned only
     STATE_AFTER_UPDATE = "state_after_update"
     CHECKPOINT_FAILED = "checkpoint_failed"  # a save failed (worker.checkpointing); training goes on
 
 
-# the warnings that make a job's state unmovable: tmd refuses its migrations, and a failure fails it (tmd.faults)
-REFUSING_WARNINGS = frozenset({WarningCode.NOTHING_MANAGED, WarningCode.UNMANAGED_PARAMETERS})
+# the warnings that make a job's state unmovable: tmd refuses its migrations (and aborts one not yet decided), and a
+# failure fails it (tmd.faults)
+REFUSING_WARNINGS = frozenset({WarningCode.NOTHING_MANAGED, WarningCode.UNMANAGED_PARAMETERS,
+                               WarningCode.LATE_GROUP})
 
 
 class HookKind(StrEnum):
