@@ -187,7 +187,8 @@ class StepLedger:
     def before_closure_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """A managed optimizer's step pre-hook, after worker.step_hooks' pipeline: a step given a closure copies
         the optimizer's parameters and state first (see the module docstring)."""
-        if kwargs.get("closure", args[0] if args else None) is None:
+        # torch passes step()'s own args with the optimizer first: (optimizer, closure?)
+        if kwargs.get("closure", args[1] if len(args) > 1 else None) is None:
             return
         step = self.control.step
         if self.closure_at != step:

@@ -244,3 +244,24 @@ def test_an_lbfgs_step_whose_closure_saw_a_failure_is_void_and_put_back(monkeypa
     restored = opt.state_dict()["state"][0]
     assert len(restored["old_dirs"]) == len(history) and all(
         torch.equal(a, b) for a, b in zip(restored["old_dirs"], history))
+
+
+def test_a_step_without_a_closure_copies_nothing_and_a_failure_after_its_refusal_still_commits(monkeypatch):
+    """torch calls a step pre-hook with step()'s args, the optimizer first: a plain ``opt.step()`` must not be
+    taken for a closure step (it deep-copied every optimizer's state at every step, which failed on FSDP2's
+    DTensors), and its update, once past the refusal, commits as before."""
+    rec = make(rank=0)
+    model, _, _ = trained()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    rec.manage({"model": model, "optimizer": opt}, rank_local=False)
+    World(rec, [None] + [blob(NO_FINGERPRINT, n) for n in ("n1", "n2", "n2")], monkeypatch)
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(1))
+    rec.control.set_step(0)
+    rec.begin_step()
+    model(x).pow(2).mean().backward()
+    def peer_fails(o, a, k):  # once this step is past the refusal (its all-reduce done here)
+        rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))
+
+    opt.register_step_pre_hook(peer_fails)
+    opt.step()
+    assert rec.ledger.closure_copies == [] and rec.ledger.committed(0)
