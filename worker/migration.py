@@ -89,18 +89,22 @@ class Migration:
 
     # --- joiner ------------------------------------------------------------------------------------------------------
     def shadow(self, n: int, report_warmed: bool, pretouch: bool = True,
-               enough_after_one: Optional[Callable[[], bool]] = None) -> Iterator[int]:
+               enough_after_one: Optional[Callable[[], bool]] = None,
+               close_step: Optional[Callable[[], None]] = None) -> Iterator[int]:
         """Yield the ``n`` shadow steps ``0 .. n-1`` (stage SHADOW: collectives replayed, results thrown away),
         then free the recordings, pre-touch the receive buffers, for the state and for the gradients of replayed
         optimizer steps (if ``pretouch``: a failure's replacement receives into fresh ones) and, if
         ``report_warmed``, report ``warmed``. ``enough_after_one``: called (still in SHADOW) after the first step;
-        True ends the shadow iterations there."""
+        True ends the shadow iterations there. ``close_step``: called after each step, as the live loop does (the
+        per-step exchange of a step without an update is replayed there, where the job recorded it)."""
         groups = self.control.groups
         self.control.enter(Stage.SHADOW)
         prev = time.perf_counter()
         for step in range(n):
             self.control.set_step(step)
             yield step
+            if close_step is not None:
+                close_step()
             now = time.perf_counter()
             self.reports.step_time(step, now - prev, shadow=True)
             prev = now

@@ -1,7 +1,9 @@
 """The step ledger: what a step attempt began from, what it committed, and putting back what a void attempt changed.
 
-A step commits when every managed optimizer applied its update (without managed optimizers: when the step
-function returned). A step whose update is refused (:class:`StepAborted`: a collective of the step failed, or tmd
+A step commits when every managed optimizer applied its update, or, at the step's end (worker.session
+``_close_step``), when the step made no update or not every managed optimizer's (a GradScaler's overflow skip, a
+skipped batch, no managed optimizer at all) and its per-step exchange completed with no failure known
+(:meth:`StepLedger.commit_without_update`). A step whose update is refused (:class:`StepAborted`: a collective of the step failed, or tmd
 halted the job for a failure) committed nothing, but its forward and backward passes ran, and they change state
 too. So as every attempt begins (:meth:`StepLedger.begin`) the ledger notes what a survivor that does not commit
 the attempt must put back before it sends its state to anyone or redoes the step:
@@ -90,8 +92,7 @@ class StepLedger:
         self.local: dict[str, Any] = {}  # rank-local state (e.g. this rank's data sampler)
         self.optimizers: list[torch.optim.Optimizer] = []
         self.stepped: set[int] = set()  # ids of the managed optimizers that stepped in this attempt
-        self.committed_step = -1  # last step whose optimizer update this process applied
-        self.step_raised = False  # set by Session.run(): the step function raised
+        self.committed_step = -1  # last step this process committed (its updates applied, or none made)
         self.rng_snapshot: Optional[torch.Tensor] = None  # CPU RNG at the start of the current attempt
         self.trained: list[torch.Tensor] = []  # the managed optimizers' and modules' parameters, once each
         self.no_grad_at_begin: list[bool] = []  # per trained parameter: ``.grad`` was None as the attempt began
@@ -176,10 +177,15 @@ class StepLedger:
         if len(self.stepped) == len(self.optimizers):
             self.committed_step = self.control.step
 
+    def commit_without_update(self) -> None:
+        """The step's end (worker.session ``_close_step``): the current step is committed although not every
+        managed optimizer applied an update in it; its exchange ran and no failure is known."""
+        self.committed_step = self.control.step
+
     def committed(self, step: int) -> bool:
         """After a failure noticed in ``step``: did this rank commit that step anyway (every managed optimizer
-        stepped; without managed optimizers, the step function returned)?"""
-        return self.committed_step == step if self.optimizers else not self.step_raised
+        stepped, or the step made no update and its exchange completed at its end)?"""
+        return self.committed_step == step
 
     # --- putting back what a void attempt changed ----------------------------------------------------------------
     def restore_objects(self) -> None:
