@@ -107,6 +107,7 @@ class Recovery:
         if not done and self.ledger.copied_at == attempted:  # before this rank's state is sent to anyone
             self.ledger.restore_buffers()
             self.ledger.restore_objects()
+            self.ledger.restore_grad_scaler_scales()
         self.control.enter(Stage.HALTED)
         if self.control.halt is None:  # we saw it first (a peer's socket closed): a detection signal for tmd
             self.reports.report(0, p.RecoveryPhase.COLLECTIVE_FAILED, ok=False, error=failure(self.control) or "",
