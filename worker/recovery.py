@@ -12,11 +12,11 @@ Then, on every survivor:
    commit it (worker.step_ledger: buffers, rank-local objects), reports ``collective_failed`` (if it saw the
    failure before tmd said anything) and, once tmd's Halt is there, ``halted`` with its last committed step;
 3. it waits for tmd's ``Recover`` plan, then carries it out on a helper thread: send its replicated state to the
-   ranks the plan names (with the copy of their rank state it kept: worker.step_exchange; a sender without that
-   copy fails the recovery rather than send its own RNG in its place), receive it if it is one step behind, build generation ``plan.generation`` of every group, load what it received, restore the RNG,
-   gradients and GradScalers, reset the DDP reducers and swap the groups in; it reports ``recovered`` and redoes
-   the interrupted step with the same data. A plan with ``rollback_step`` loads buddy snapshots instead
-   (worker.snapshot).
+   ranks the plan names (with the copy of their rank state it kept: worker.step_exchange; a sender without that copy
+   fails the recovery rather than send its own RNG in its place), receive it if it is one step behind, build
+   generation ``plan.generation`` of every group, load what it received, restore the RNG, gradients and GradScalers,
+   reset the DDP reducers and swap the groups in; it reports ``recovered`` and redoes the interrupted step with the
+   same data. A plan with ``rollback_step`` loads buddy snapshots instead (worker.snapshot).
 
 A replacement (a standby given a lost rank) runs at most ``REPLACEMENT_SHADOW_STEPS`` shadow iterations: its warm-up
 is on the failure's critical path; one only, when the second would do what the job's later steps do (DDP's one-time

@@ -3,10 +3,10 @@
 A step commits when every managed optimizer applied its update, or, at the step's end (worker.session
 ``_close_step``), when the step made no update or not every managed optimizer's (a GradScaler's overflow skip, a
 skipped batch, no managed optimizer at all) and its per-step exchange completed with no failure known
-(:meth:`StepLedger.commit_without_update`). A step whose update is refused (:class:`StepAborted`: a collective of the step failed, or tmd
-halted the job for a failure) committed nothing, but its forward and backward passes ran, and they change state
-too. So as every attempt begins (:meth:`StepLedger.begin`) the ledger notes what a survivor that does not commit
-the attempt must put back before it sends its state to anyone or redoes the step:
+(:meth:`StepLedger.commit_without_update`). A step whose update is refused (:class:`StepAborted`: a collective of
+the step failed, or tmd halted the job for a failure) committed nothing, but its forward and backward passes ran,
+and they change state too. So as every attempt begins (:meth:`StepLedger.begin`) the ledger notes what a survivor
+that does not commit the attempt must put back before it sends its state to anyone or redoes the step:
 
 - *Buffers.* A forward pass updates running statistics (SyncBatchNorm's, identical on every replica; BatchNorm's,
   each rank its own), counters, running averages. Redone, the step would count its batch twice. Every buffer of
