@@ -90,14 +90,16 @@ class Migration:
     # --- joiner ------------------------------------------------------------------------------------------------------
     def shadow(self, n: int, report_warmed: bool, pretouch: bool = True,
                enough_after_one: Optional[Callable[[], bool]] = None,
-               another: Optional[Callable[[int], bool]] = None, limit: int = 0) -> Iterator[int]:
+               another: Optional[Callable[[int], bool]] = None, limit: int = 0,
+               close_step: Optional[Callable[[], None]] = None) -> Iterator[int]:
         """Yield the ``n`` shadow steps ``0 .. n-1`` (stage SHADOW: collectives replayed, results thrown away),
         then free the recordings, pre-touch the receive buffers, for the state and for the gradients of replayed
         optimizer steps (if ``pretouch``: a failure's replacement receives into fresh ones) and, if
         ``report_warmed``, report ``warmed``. ``enough_after_one``: called (still in SHADOW) after the first step;
         True ends the shadow iterations there. ``another(k)``: called after the ``n``-th step (``k`` steps run),
         while ``k`` < ``limit``; True runs one more (worker.sandbox ``new_ops_at``: the next recorded step issued
-        collectives the last one did not)."""
+        collectives the last one did not). ``close_step``: called after each step, as the live loop does (the
+        per-step exchange of a step without an update is replayed there, where the job recorded it)."""
         groups = self.control.groups
         self.control.enter(Stage.SHADOW)
         prev = time.perf_counter()
@@ -105,6 +107,8 @@ class Migration:
         while step < n:
             self.control.set_step(step)
             yield step
+            if close_step is not None:
+                close_step()
             now = time.perf_counter()
             self.reports.step_time(step, now - prev, shadow=True)
             prev = now

@@ -138,15 +138,17 @@ def check_plain(states: dict[str, Any], rank_local: bool) -> Optional[str]:
 
 
 def restore(state: dict[str, Any], local_objects: dict[str, Any]) -> None:
-    """Load a deserialised rank state: the RNG states, and the rank-local objects' state_dicts. Raises KeyError
-    when the sets of rank-local objects differ."""
+    """Load a deserialised rank state: the rank-local objects' state_dicts, then the RNG states (last: a
+    ``load_state_dict`` may draw from the RNG, e.g. a loader rebuilding its DataLoader iterator, which draws its
+    ``_base_seed``; the migration path and a survivor set the RNG after loading too). Raises KeyError when the sets
+    of rank-local objects differ."""
     if set(state["local"]) != set(local_objects):
         raise KeyError(f"rank-local objects differ: local {sorted(local_objects)}, received {sorted(state['local'])}")
+    for name, obj in local_objects.items():
+        obj.load_state_dict(state["local"][name])
     torch.set_rng_state(state["cpu_rng"])
     if state["cuda_rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
-    for name, obj in local_objects.items():
-        obj.load_state_dict(state["local"][name])
 
 
 def _leaves(node: Any, path: str, out: list) -> None:

@@ -12,11 +12,11 @@ Then, on every survivor:
    commit it (worker.step_ledger: buffers, rank-local objects), reports ``collective_failed`` (if it saw the
    failure before tmd said anything) and, once tmd's Halt is there, ``halted`` with its last committed step;
 3. it waits for tmd's ``Recover`` plan, then carries it out on a helper thread: send its replicated state to the
-   ranks the plan names (with the copy of their rank state it kept: worker.step_exchange), receive it if it is one
-   step behind, build generation ``plan.generation`` of every group, load what it received, restore the RNG,
-   gradients and GradScalers, reset the DDP reducers and swap the groups in; it reports ``recovered`` and redoes
-   the interrupted step with the same data. A plan with ``rollback_step`` loads buddy snapshots instead
-   (worker.snapshot).
+   ranks the plan names (with the copy of their rank state it kept: worker.step_exchange; a sender without that copy
+   fails the recovery rather than send its own RNG in its place), receive it if it is one step behind, build
+   generation ``plan.generation`` of every group, load what it received, restore the RNG, gradients and GradScalers,
+   reset the DDP reducers and swap the groups in; it reports ``recovered`` and redoes the interrupted step with the
+   same data. A plan with ``rollback_step`` loads buddy snapshots instead (worker.snapshot).
 
 A replacement (a standby given a lost rank) runs at most ``REPLACEMENT_SHADOW_STEPS`` shadow iterations: its warm-up
 is on the failure's critical path; one only, when the second would do what the job's later steps do (DDP's one-time
@@ -109,6 +109,7 @@ class Recovery:
             self.ledger.restore_buffers()
             self.ledger.restore_objects()
             self.ledger.restore_closure_steps(attempted)
+            self.ledger.restore_grad_scaler_scales()
         self.control.enter(Stage.HALTED)
         if self.control.halt is None:  # we saw it first (a peer's socket closed): a detection signal for tmd
             self.reports.report(0, p.RecoveryPhase.COLLECTIVE_FAILED, ok=False, error=failure(self.control) or "",
@@ -158,7 +159,7 @@ class Recovery:
                 if any(s == self.control.rank for s, _ in plan.sends) and plan.rollback_step < 0:
                     return  # a sender of live state: after the shadow iterations (never in plans tmd makes today)
                 try:
-                    self._prefetched = self._launch(plan, None, None)
+                    self._prefetched = self._launch(plan, None)
                 except Exception as e:  # noqa: BLE001 - replace() checks the plan again and reports the error
                     log.warning("not prefetching recovery %d: %s", plan.incident_id, e)
 
@@ -200,7 +201,7 @@ class Recovery:
             self._wait(lambda: self.control.plan is not None, "a recovery plan")
             plan = self.control.plan
             try:
-                launched = self._take_prefetched(plan) or self._launch(plan, None, None)
+                launched = self._take_prefetched(plan) or self._launch(plan, None)
                 resume = self._complete(launched, None)
             except _Superseded:
                 continue
@@ -223,12 +224,12 @@ class Recovery:
     def _carry_out(self, plan: p.Recover, committed: Optional[int], rng_next: Optional[torch.Tensor]) -> int:
         """Carry out ``plan`` (survivor: ``committed`` is its last committed step, ``rng_next`` its RNG at the
         start of the next one) and return the step to resume at (:meth:`_launch`, then :meth:`_complete`)."""
-        resume = self._complete(self._launch(plan, committed, rng_next), rng_next)
+        resume = self._complete(self._launch(plan, committed), rng_next)
         self.ledger.restore_gradients()
         self.ledger.restore_grad_scalers()
         return resume
 
-    def _launch(self, plan: p.Recover, committed: Optional[int], rng_next: Optional[torch.Tensor]) -> _Launched:
+    def _launch(self, plan: p.Recover, committed: Optional[int]) -> _Launched:
         """Start carrying out ``plan`` on a helper thread (a dead peer can block a rendezvous or a transfer for
         the gloo timeout): send what the plan names, receive this rank's state, build the next generation of
         every group. Raises RuntimeError when the plan does not fit this rank (nothing started then)."""
@@ -254,10 +255,12 @@ class Recovery:
             state, or (rolling back) the snapshot it keeps of ``dst``."""
             if rollback:
                 snap = self.exchange.snapshots.kept_copy(plan.rollback_step)  # KeyError: not held (tmd checked it is)
-                return self.exchange.snapshots.frozen(snap), {"step": plan.resume_step, "rng": None,
-                                                     "rank_state": snap.rank_state}
-            return self.ledger.replicated, {"step": plan.resume_step, "rng": rng_next,
-                                     "rank_state": self.exchange.own_state(dst, plan.resume_step - 1)}
+                return self.exchange.snapshots.frozen(snap), {"step": plan.resume_step, "rank_state": snap.rank_state}
+            own = self.exchange.own_state(dst, plan.resume_step - 1)
+            if own is None:  # never the sender's RNG in its place: the receiver would silently diverge
+                raise RuntimeError(f"rank {rank} keeps no rank state (RNG, rank-local objects) of rank {dst} at "
+                                   f"step {plan.resume_step - 1}, the step rank {dst} resumes after")
+            return self.ledger.replicated, {"step": plan.resume_step, "rank_state": own}
 
         def work() -> None:
             started = time.perf_counter()
@@ -314,11 +317,12 @@ class Recovery:
             raise result["error"]
         if "received" in result:
             states, extra = result["received"]
+            if extra.get("rank_state") is None:  # never the sender's RNG and no rank-local state: a silent divergence
+                raise RuntimeError(f"recovery {incident}: rank {rank} was sent no rank state of its own (RNG, "
+                                   f"rank-local objects) for step {plan.resume_step}")
             transfer.load_state(self.ledger.replicated, states)  # KeyError if the sets of objects differ
-            rng_next = extra["rng"]  # the sender's RNG: only where the sender kept no copy of this rank's state
-            if extra.get("rank_state") is not None:
-                rank_state.restore(rank_state.deserialize(extra["rank_state"]), self.ledger.local)
-                rng_next = None
+            rank_state.restore(rank_state.deserialize(extra["rank_state"]), self.ledger.local)
+            rng_next = None
             if rollback and self.exchange.snapshots is not None:  # hold what came as this rank's snapshot of that step
                 live = {name: obj.state_dict() for name, obj in self.ledger.replicated.items()}  # adopt() copies it
                 self.exchange.snapshots.adopt(Snapshot(plan.rollback_step, live, extra["rank_state"]))

@@ -345,7 +345,6 @@ class Session:
         and do at most one update per managed optimizer. Exceptions not caused by a failure are raised;
         :class:`LeaverExit` ends a leaver's loop."""
         for step in self.steps(total):
-            self._ledger.step_raised = False
             try:
                 step_fn(step)
             except Exception as e:
@@ -353,7 +352,6 @@ class Session:
                 if why is None:
                     self._script_error(e)
                     raise
-                self._ledger.step_raised = True
                 log.warning("rank %d step %d interrupted by a failure: %s", self.rank, step, why)
 
     def steps(self, total: int) -> Iterator[int]:
@@ -395,7 +393,8 @@ class Session:
             yield from self._migration.shadow(
                 min(shadow_steps, total), report_warmed=planned, pretouch=planned,
                 enough_after_one=self._one_shadow_iteration_enough,
-                another=None if planned else self._another_shadow_iteration, limit=min(a.record_steps, total))
+                another=None if planned else self._another_shadow_iteration, limit=min(a.record_steps, total),
+                close_step=self._close_step)
             if a.guard:  # waits until a recovery adopts it (0) or a migration of the node it guards takes it
                 self._migration.drop_buffers()
                 self._migration.migration_id = recovery.guard(self._migration.shadow_steps)
@@ -452,6 +451,7 @@ class Session:
             if failure(control) is None:
                 yield step
                 self._stopper.in_step = False
+                self._close_step()
                 if failure(control) is None:
                     step += 1
                     self._groups.step_committed(self._stopper.at_next_backward)
@@ -477,6 +477,22 @@ class Session:
         self._stopper.in_step = True
         self._ledger.begin(self._control.step)
         self._exchange.begin()
+
+    def _close_step(self) -> None:
+        """The step just yielded ended (a live or a shadow iteration). A step in which not every managed optimizer
+        applied its update (a GradScaler's overflow skip, a skipped batch, no managed optimizer) still counts as
+        committed in the loop, so it is committed here, its per-step exchange run now if no optimizer's pre-hook
+        ran it: every committed step then has every rank's state (what a recovery's receiver loads) and its
+        snapshot agreement. Under data parallelism every rank skips the same updates (the averaged gradients, so a
+        GradScaler's inf check, agree), so they all run it here, at the same point of their collectives. A step
+        whose updates committed it costs nothing more (no extra collective); a failure known here commits
+        nothing."""
+        if self._ledger.committed_step == self._control.step:
+            return
+        self._exchange.before_update()
+        if failure(self._control) is None:
+            self._ledger.commit_without_update()
+            self._exchange.keep()
 
     def _mark_recorded_step(self, step: int, record_steps: int, record_dir: str) -> None:
         """At the boundary before ``step`` of an active rank still recording: note where that step begins in each

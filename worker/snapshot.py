@@ -15,7 +15,10 @@ as step S + 1 starts (after S committed, and after what steps after the optimize
 ``S % K == K - 1``, at the job's last recorded step (``record_steps - 1``: a failure before that ends the job
 anyway, and a failure after it then finds a snapshot without waiting for step K - 1), and after the first commit
 after a migration or recovery (a rank that joined or recovered asks for one through the exchange; everyone sees
-the same request).
+the same request). A round is decided in the per-step exchange, so a due step whose exchange did not run has its
+round at the next exchange (:meth:`Snapshots.due`: every step due since the previous exchange counts); every
+committed step has one (worker.session ``_close_step`` runs it at the end of a step without an update: a
+GradScaler's overflow skip on exactly a due step left an unreplicated job with no snapshot to roll back to).
 
 **Cost.** At S every rank copies its replicated managed state into host memory (a device-to-host copy; on the CPU
 a memcpy, measured as the step-time overhead), then a background thread sends that copy to its keeper while
@@ -130,6 +133,7 @@ class Snapshots:
         self.own: dict[int, Snapshot] = {}
         self.kept: dict[int, Snapshot] = {}  # copies of ``buddy``'s snapshots
         self.want = False  # ask every rank for a snapshot at the next commit (after a migration or recovery)
+        self._asked = -1  # the step of the latest exchange that asked due() (rounds due since then are due next)
         self.lock = threading.Lock()
         self.bytes_per_copy = 0  # bytes of this rank's latest own copy
         self.take_s = 0.0  # seconds the latest host copy took (the step-time overhead)
@@ -158,8 +162,17 @@ class Snapshots:
             return sorted(set(self.own) & set(self.kept))
 
     def due(self, step: int, wants: list[bool]) -> bool:
-        """Whether step ``step`` takes a snapshot when it commits (``wants``: every rank's request)."""
-        return self.enabled and (step % self.every == self.every - 1 or step == self.first or any(wants))
+        """Whether step ``step``'s exchange starts a round (taken when the step commits; ``wants``: every rank's
+        request): some rank wants one, or a due step (``S % K == K - 1``, or ``first``) lies after the previous
+        exchange's step and at or before ``step``, so a due step that had no exchange has its round at the next
+        one. Every live rank asks at every exchange; where their previous exchanges differed (a joiner, a rank one
+        step behind after a failure) some rank wants a round anyway."""
+        since = self._asked + 1 if self._asked < step else step  # a redone step: only itself
+        self._asked = step
+        if not self.enabled:
+            return False
+        k = self.every
+        return any(wants) or since <= self.first <= step or (step + 1) // k > since // k
 
     def prune(self, held: list[list[int]]) -> None:
         """Drop snapshots older than the newest step every rank holds complete (``held``: each rank's

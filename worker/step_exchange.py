@@ -1,19 +1,21 @@
 """The per-step exchange: every rank's fingerprint, rank state and snapshot agreement, all-gathered once a step.
 
 **Each rank's own state.** In the first managed optimizer's step pre-hook of every step (only when the step is not
-already void: worker.step_hooks' stage ``exchange``), every rank serialises its rank state (CPU and CUDA RNG, the
-``rank_local`` managed objects; worker.rank_state) and the world group all-gathers them (two tiny collectives
-through the mover: a failure latches and the step is refused like any other). A rank that commits step S
-therefore holds every rank's state as of the end of S's compute, which is the state at the start of S + 1
-(assumed: no RNG draws between the optimizer step and the start of the next step). Every managed state_dict
-must be plain data (worker.rank_state ``PLAIN_RULE``): a process's first exchange checks that and fails the job
-(``SCRIPT_ERROR``, naming the object and the offending type) otherwise, at once rather than at the first
-migration or recovery. Only the latest committed step's copy is kept (``world_size`` x a few KB of host memory). In a
-recovery every receiver (a replacement, or a survivor one step behind) gets, with the replicated state from its
-sender, *its own* rank state from the sender's copy (:meth:`StepExchange.own_state`) and loads it; survivors that
-committed keep their own. During a joiner's shadow iterations the exchange is replayed like any collective. A
-change to the RNG or a rank-local object after the optimizer update, which a replacement would miss, is reported
-once as ``state_after_update`` (:meth:`StepExchange.begin`).
+already void: worker.step_hooks' stage ``exchange``), or at the end of a step in which not every managed optimizer
+stepped (a GradScaler's overflow skip, a skipped batch; worker.session ``_close_step``, which then commits the step:
+every committed step has its exchange), every rank serialises its rank state (CPU and CUDA RNG, the ``rank_local``
+managed objects; worker.rank_state) and the world group all-gathers them (two tiny collectives through the mover: a
+failure latches and the step is refused like any other). A rank that commits step S therefore holds every rank's
+state as of the end of S's compute, which is the state at the start of S + 1 (assumed: no RNG draws between the
+optimizer step and the start of the next step). Every managed state_dict must be plain data (worker.rank_state
+``PLAIN_RULE``): a process's first exchange checks that and fails the job (``SCRIPT_ERROR``, naming the object and
+the offending type) otherwise, at once rather than at the first migration or recovery. Only the latest committed
+step's copy is kept (``world_size`` x a few KB of host memory). In a recovery every receiver (a replacement, or a
+survivor one step behind) gets, with the replicated state from its sender, *its own* rank state from the sender's
+copy (:meth:`StepExchange.own_state`) and loads it (never the sender's RNG instead: without that copy the recovery
+fails); survivors that committed keep their own. During a joiner's shadow iterations the exchange is replayed like
+any collective. A change to the RNG or a rank-local object after the optimizer update, which a replacement would
+miss, is reported once as ``state_after_update`` (:meth:`StepExchange.begin`).
 
 **Replica classes and the fingerprint check.** The same exchange carries a fingerprint of the replicated state
 (worker.rank_state; a DTensor's local shard). At the job's first step every rank sends one, and the ranks whose
@@ -105,8 +107,9 @@ class StepExchange:
 
     # --- step hook stages (worker.step_hooks) -------------------------------------------------------------------
     def before_update(self) -> None:
-        """Stage ``exchange``: run the exchange once per step, in the first managed optimizer's pre-hook, unless
-        the step is void already (shadow iterations do not call begin: the step is compared)."""
+        """Stage ``exchange``: run the exchange once per step, in the first managed optimizer's pre-hook (or at the
+        end of a step without an update: worker.session ``_close_step``), unless the step is void already (shadow
+        iterations do not call begin: the step is compared)."""
         if failure(self.control) is None and (self.exchanged is None or self.exchanged[0] != self.control.step):
             self.run()
 
@@ -192,7 +195,8 @@ class StepExchange:
 
     def own_state(self, rank: int, step: int) -> Optional[bytes]:
         """Rank ``rank``'s state (worker.rank_state bytes) at the start of step ``step + 1``, from the copy kept
-        at committed step ``step``; None when no such copy is kept (no managed optimizer, or another step)."""
+        at committed step ``step``; None when no such copy is kept (the copy is of another step: a recovery's
+        sender then fails rather than send its own RNG in its place)."""
         if self.kept is None or self.kept[0] != step or not 0 <= rank < len(self.kept[1]):
             return None
         return unpack(self.kept[1][rank])[2]

@@ -4,7 +4,8 @@ managed optimizer's ``step()``, stated here only.
 Before the update (torch's step pre-hooks)::
 
     1. exchange   the per-step exchange, by the first managed optimizer of a step that is not void already
-                  (worker.step_exchange: fingerprints, rank states, snapshot agreement; two collectives)
+                  (worker.step_exchange: fingerprints, rank states, snapshot agreement; two collectives; a step
+                  in which no managed optimizer steps runs it at its end instead: worker.session _close_step)
     2. refuse     StepAborted when the step is void (a latched collective, the exchange's own included, or tmd's
                   halt: worker.step_ledger): nothing below runs and nothing is updated
        ...        the script's own pre-hooks

@@ -1,10 +1,12 @@
 """The step ledger: what a step attempt began from, what it committed, and putting back what a void attempt changed.
 
-A step commits when every managed optimizer applied its update (without managed optimizers: when the step
-function returned). A step whose update is refused (:class:`StepAborted`: a collective of the step failed, or tmd
-halted the job for a failure) committed nothing, but its forward and backward passes ran, and they change state
-too. So as every attempt begins (:meth:`StepLedger.begin`) the ledger notes what a survivor that does not commit
-the attempt must put back before it sends its state to anyone or redoes the step:
+A step commits when every managed optimizer applied its update, or, at the step's end (worker.session
+``_close_step``), when the step made no update or not every managed optimizer's (a GradScaler's overflow skip, a
+skipped batch, no managed optimizer at all) and its per-step exchange completed with no failure known
+(:meth:`StepLedger.commit_without_update`). A step whose update is refused (:class:`StepAborted`: a collective of
+the step failed, or tmd halted the job for a failure) committed nothing, but its forward and backward passes ran,
+and they change state too. So as every attempt begins (:meth:`StepLedger.begin`) the ledger notes what a survivor
+that does not commit the attempt must put back before it sends its state to anyone or redoes the step:
 
 - *Buffers.* A forward pass updates running statistics (SyncBatchNorm's, identical on every replica; BatchNorm's,
   each rank its own), counters, running averages. Redone, the step would count its batch twice. Every buffer of
@@ -34,7 +36,12 @@ the attempt must put back before it sends its state to anyone or redoes the step
   and :meth:`StepLedger.restore_objects` loads it back with the rank-local ones.
 - *A GradScaler's bookkeeping.* ``scaler.unscale_(opt)`` marks the optimizer as unscaled until ``scaler.update()``,
   which the refused ``scaler.step(opt)`` never reached; a managed ``torch.amp.GradScaler`` forgets that mark
-  (:meth:`StepLedger.restore_grad_scalers`).
+  (:meth:`StepLedger.restore_grad_scalers`). In a step that makes no update (an overflow: ``scaler.step`` skips
+  ``optimizer.step()``, so nothing is refused) ``update()`` does run, and backs the scale off, before a failure
+  can be noticed at the step's end (its exchange: worker.session ``_close_step``); so each managed GradScaler's
+  scale and growth tracker (two one-element tensors) are copied as every attempt begins, into the same copies each
+  time (an asynchronous device copy on a GPU: nothing is read), and :meth:`StepLedger.restore_grad_scaler_scales`
+  puts them back, so the redone step backs off once.
 - *The RNG* as the attempt began (:attr:`StepLedger.rng_snapshot`): the redone step draws the same numbers.
 - *An optimizer step given a closure* (``torch.optim.LBFGS``): its forward and backward passes and their
   collectives run inside ``step()``, after the step hooks' refusal, and move the parameters and the optimizer's
@@ -102,8 +109,7 @@ class StepLedger:
         self.local: dict[str, Any] = {}  # rank-local state (e.g. this rank's data sampler)
         self.optimizers: list[torch.optim.Optimizer] = []
         self.stepped: set[int] = set()  # ids of the managed optimizers that stepped in this attempt
-        self.committed_step = -1  # last step whose optimizer update this process applied
-        self.step_raised = False  # set by Session.run(): the step function raised
+        self.committed_step = -1  # last step this process committed (its updates applied, or none made)
         self.rng_snapshot: Optional[torch.Tensor] = None  # CPU RNG at the start of the current attempt
         self.trained: list[torch.Tensor] = []  # the managed optimizers' and modules' parameters, once each
         self.no_grad_at_begin: list[bool] = []  # per trained parameter: ``.grad`` was None as the attempt began
@@ -115,6 +121,8 @@ class StepLedger:
         self.closure_at = -1  # the step whose closure_copies were taken
         # (optimizer, its parameters' local shards, a deep copy of its state_dict) as its closure step began
         self.closure_copies: list[tuple[torch.optim.Optimizer, list[torch.Tensor], dict]] = []
+        # a managed GradScaler's name -> its (scale, growth tracker) as the attempt began (None: not initialised yet)
+        self.scale_copies: dict[str, Optional[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def manage(self, objects: dict[str, Any], rank_local: bool) -> list[torch.optim.Optimizer]:
         """Track ``objects``: replicated unless ``rank_local``. Returns the optimizers among them not managed
@@ -173,10 +181,33 @@ class StepLedger:
                     saved.copy_(buf)
                 copies[k] = saved
         self.buffer_copies = copies
+        self.scale_copies = self._copy_scales()
         self.local_copies = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.local.items()}
         self.object_copies = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.replicated.items()
                               if copied_object(obj)}
         self.copied_at = step
+
+    def _scalers(self) -> list[tuple[str, torch.amp.GradScaler]]:
+        return [(name, obj) for name, obj in self.managed() if isinstance(obj, torch.amp.GradScaler)]
+
+    def _copy_scales(self) -> dict[str, Optional[tuple[torch.Tensor, torch.Tensor]]]:
+        """Each managed GradScaler's scale and growth tracker now, into the copies of the last attempt where they
+        fit (None for a scaler whose first ``scale()`` has not run: no tensors yet)."""
+        copies: dict[str, Optional[tuple[torch.Tensor, torch.Tensor]]] = {}
+        with torch.no_grad():
+            for name, scaler in self._scalers():
+                now = (getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None))
+                if now[0] is None or now[1] is None:
+                    copies[name] = None
+                    continue
+                saved = self.scale_copies.get(name)
+                if saved is None or not all(_fits(a, b) for a, b in zip(saved, now)):
+                    saved = (now[0].detach().clone(), now[1].detach().clone())
+                else:
+                    saved[0].copy_(now[0])
+                    saved[1].copy_(now[1])
+                copies[name] = saved
+        return copies
 
     def refuse(self) -> None:
         """Step hook stage ``refuse``: raise StepAborted when the current step cannot commit."""
@@ -222,10 +253,15 @@ class StepLedger:
         if len(self.stepped) == len(self.optimizers):
             self.committed_step = self.control.step
 
+    def commit_without_update(self) -> None:
+        """The step's end (worker.session ``_close_step``): the current step is committed although not every
+        managed optimizer applied an update in it; its exchange ran and no failure is known."""
+        self.committed_step = self.control.step
+
     def committed(self, step: int) -> bool:
         """After a failure noticed in ``step``: did this rank commit that step anyway (every managed optimizer
-        stepped; without managed optimizers, the step function returned)?"""
-        return self.committed_step == step if self.optimizers else not self.step_raised
+        stepped, or the step made no update and its exchange completed at its end)?"""
+        return self.committed_step == step
 
     # --- putting back what a void attempt changed ----------------------------------------------------------------
     def restore_objects(self) -> None:
@@ -245,6 +281,24 @@ class StepLedger:
                 buf = now.get(k)
                 if buf is not None and _fits(buf, saved):
                     buf.copy_(saved)
+
+    def restore_grad_scaler_scales(self) -> None:
+        """Put each managed GradScaler's scale and growth tracker back as the interrupted attempt began (a survivor
+        that did not commit it: an overflow step's ``update()`` ran; see the module docstring). A scaler that had
+        none then is made to initialise them again at its next ``scale()``."""
+        with torch.no_grad():
+            for name, scaler in self._scalers():
+                if name not in self.scale_copies:
+                    continue
+                saved = self.scale_copies[name]
+                if saved is None:
+                    scaler._scale, scaler._growth_tracker = None, None
+                elif scaler._scale is not None and scaler._growth_tracker is not None \
+                        and _fits(scaler._scale, saved[0]) and _fits(scaler._growth_tracker, saved[1]):
+                    scaler._scale.copy_(saved[0])
+                    scaler._growth_tracker.copy_(saved[1])
+                else:
+                    scaler._scale, scaler._growth_tracker = saved[0].clone(), saved[1].clone()
 
     def restore_grad_scalers(self) -> None:
         """A managed ``torch.amp.GradScaler`` forgets which optimizers the interrupted step unscaled, as its

@@ -69,6 +69,7 @@ class VoidPassStopper:
         self.in_step = False  # between begin and the step's end (Session.steps): a pass may be stopped
         self._hooked: set[int] = set()  # ids of the modules (parameters) that have the forward (gradient) hook
         self._resettable: list[Any] = []  # the managed DDP models whose backward pass may stop: reset_reducers
+        self._stoppable: list[Any] = []  # the managed DDP models whose forward pass may stop: reset_reducers too
         self._at_backward: Optional[Callable[[], None]] = None  # see at_next_backward
 
     def hook(self, objects: dict[str, Any]) -> None:
@@ -77,6 +78,8 @@ class VoidPassStopper:
         for obj in objects.values():
             if not (_stoppable(obj) and _stopping_void_passes()):
                 continue
+            if not any(obj is m for m in self._stoppable):
+                self._stoppable.append(obj)
             for module in obj.module.modules():
                 if id(module) not in self._hooked:
                     self._hooked.add(id(module))
@@ -128,7 +131,16 @@ class VoidPassStopper:
         next forward may run although a backward did not finish). The reset also makes DDP regroup its gradient
         buckets once more after the redone step, as after a job's first step: the same assignment (the gradients'
         order is the model's), broadcast from rank 0 in the next step's forward. So every party resets, whether its
-        own step stopped in the forward, the backward or the optimizer, and that broadcast is a collective of all."""
+        own step stopped in the forward, the backward or the optimizer, and that broadcast is a collective of all.
+
+        Every managed DDP model whose forward pass may stop also gets ``require_forward_param_sync`` back to True,
+        a fresh DDP model's value and a synced forward's: DDP broadcasts its buffers at a forward's start when the
+        *previous* forward synced, and a forward stopped half-way never set that flag. A survivor stopped in the
+        synced micro-batch's forward after a ``no_sync()`` one kept False, a replacement had True, and the redone
+        step's first forward broadcast on one side only: every rank hung there until gloo's timeout, and again
+        after (tests/e2e/test_varied_script.py, once in two runs)."""
         for ddp in self._resettable:
             ddp.reducer._reset_state()
             ddp._has_rebuilt_buckets = False
+        for ddp in self._stoppable:
+            ddp.require_forward_param_sync = True

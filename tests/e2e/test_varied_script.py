@@ -7,6 +7,10 @@ with momentum and a managed OneCycle schedule for the body, AdamW for the output
 session.steps(n)`` loop catching ``StepAborted``, and ``zero_grad()`` after ``optimizer.step()``; a MultiStepLR
 (its state holds a ``collections.Counter``), a rank-local list that grows every step and a replicated count of
 samples changed before the update (each broke a migration or a kill before 2026-11-29: an outside tester's scripts).
+In every job the GradScaler skips the update of the steps OVERFLOW_AT (non-finite gradients): the last recorded step
+(a migration's joiner replays its exchange at the step's end in its sandbox) and the step before each kill, so the
+redone step's receivers get their own RNG and loader from a step without an update (before 2026-11-29 they got
+their sender's RNG and no loader state: the final states differed).
 
 One job (2 nodes x 2 ranks, 2 standbys): ``n2 -> s1`` is migrated at step 4 or later, then n1's processes kill
 themselves in step KILL_AT's forward pass, after its buffers changed and before the backward; n1 is recovered on s2
@@ -33,12 +37,14 @@ from tmd import protocol as p
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "varied.py")
 STEPS = 40
 KILL_AT = 30  # after the switch step (about step 10-20 here: the joiner's warm-up runs while training goes on)
+EARLY_KILL_AT = 12  # the third job's kill of n2
+OVERFLOW_AT = (2, EARLY_KILL_AT - 1, KILL_AT - 1)  # steps whose updates the GradScaler skips (see above)
 
 
 def command(run_dir: str, standbys: int, *script_args: str) -> list[str]:
     return [sys.executable, "-m", "tmd.cli", "local", "--nodes", "2", "--ranks-per-node", "2", "--standbys",
             str(standbys), "--run-dir", run_dir, "--quiet", "--", sys.executable, SCRIPT, "--steps", str(STEPS),
-            "--stats-from", str(KILL_AT), *script_args]
+            "--stats-from", str(KILL_AT), "--overflow-at", ",".join(map(str, OVERFLOW_AT)), *script_args]
 
 
 def migrate_n2_and_finish(run_dir: str, standbys: int, *script_args: str) -> list[dict]:
@@ -109,8 +115,8 @@ def test_a_collective_of_a_process_s_first_iteration_gives_a_replacement_a_shado
     their redone step would make that all-reduce live where the survivors make none, and the job would hang until
     gloo's timeout."""
     run_dir = str(tmp_path / "job")
-    proc = start_tmd(command(run_dir, 1, "--calibrate-first", "--fault", "n2:12", "--step-time-s", "0.15"),
-                     tmd_log(run_dir))
+    proc = start_tmd(command(run_dir, 1, "--calibrate-first", "--fault", f"n2:{EARLY_KILL_AT}",
+                             "--step-time-s", "0.15"), tmd_log(run_dir))
     try:
         assert proc.wait(timeout=240) == 0
     finally:

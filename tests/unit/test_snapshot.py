@@ -329,3 +329,14 @@ def test_copy_state_keeps_a_counter():
     sched = torch.optim.lr_scheduler.MultiStepLR(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0), [3, 3])
     copied = copy_state(sched.state_dict())
     assert type(copied["milestones"]) is collections.Counter and copied["milestones"] == {3: 2}
+
+
+def test_a_round_due_at_a_step_without_an_exchange_is_due_at_the_next_one():
+    """A round was due only at the exact steps, checked in the exchange: a due step whose exchange did not run (its
+    optimizer update skipped) took no snapshot, and an unreplicated job then had none to roll back to (outside
+    review: "the survivors hold no common buddy snapshot"). Now the next exchange takes it, once."""
+    s = Snapshots(10, 0, groups=None, first=2)  # record_steps 3
+    s.configure(TWO_NODES, FSDP_CLASSES)
+    exchanged = [0, 1, 3, 4, 5, 6, 7, 8, 10, 11, 12, 19, 20, 27, 31]  # none at 2, 9, 13-18, 21-26, 28-30
+    assert [step for step in exchanged if s.due(step, [False] * 4)] == [3, 10, 19, 31]
+    assert not s.due(31, [False] * 4) and s.due(29, [False] * 4)  # a redone step: itself only

@@ -155,6 +155,26 @@ def test_the_checkpoint_savers_statuses_are_read_from_the_exchange_of_the_step_j
     assert rec.exchange.saver_statuses(3) is None  # not the committed step's exchange
 
 
+def test_a_round_due_at_a_step_without_an_update_is_taken_as_the_next_step_begins(monkeypatch):
+    """Steps 2 (the last recorded one) and 5 (K - 1) are due but make no update (a GradScaler's overflow skip):
+    their exchange runs at the step's end (worker.session ``_close_step``) and their snapshots are taken; the job
+    held none before 9 (outside review: an unreplicated job killed at step 13 had nothing to roll back to)."""
+    rec, model, opt, sched = fsdp_rank(monkeypatch, 6)
+    rec.exchange.snapshots.first = 2
+    World(rec, [None] + [blob(NO_FINGERPRINT, n) for n in ("n1", "n2", "n2")], monkeypatch)
+    for step in range(7):
+        rec.control.set_step(step)
+        rec.begin_step()
+        model(torch.ones(4, 3)).sum().backward()
+        if step not in (2, 5):
+            opt.step()
+        opt.zero_grad()
+        rec.session._close_step()
+    rec.begin_step()
+    assert sorted(rec.exchange.snapshots.own) == [2, 5]
+    assert rank_state.deserialize(rec.exchange.snapshots.own[5].rank_state)["local"] == {}
+
+
 @pytest.mark.parametrize("after_update, named", [
     (None, None),
     ("rng", "the CPU RNG"),

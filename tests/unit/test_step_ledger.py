@@ -137,6 +137,47 @@ def _run_steps(rec, model, opt, steps):
         opt.zero_grad()
 
 
+def test_an_overflow_step_s_scale_backoff_is_put_back_by_a_survivor_that_did_not_commit_it(monkeypatch):
+    """An overflow step makes no update, so nothing is refused: scaler.update() backs the scale off, then a failure
+    is noticed at the step's end (its exchange). The survivor put its buffers and objects back but not the scale,
+    and the redone step backed off twice (an outside review's GradScaler script, killed in an overflow step: only
+    the scaler's state differed from the uninterrupted run's)."""
+    rec = make(rank=0)
+    model, opt, sched = trained()
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
+    rec.manage({"model": model, "optimizer": opt, "scaler": scaler}, rank_local=False)
+    World(rec, [None] + [blob(NO_FINGERPRINT, n) for n in ("n1", "n2", "n2")], monkeypatch)
+
+    def attempt(step, overflow):
+        rec.control.set_step(step)
+        rec.begin_step()
+        loss = model(torch.ones(4, 3)).sum()
+        scaler.scale(loss * float("inf") if overflow else loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    attempt(0, False)
+    rec.session._close_step()
+    assert scaler.get_scale() == 16.0  # grown after one good step
+    began = scaler.state_dict()
+    attempt(1, True)
+    assert scaler.get_scale() == 8.0 and rec.ledger.committed_step == 0  # backed off; no update
+    rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))
+    rec.control.on_recover(p.Recover(incident_id=1, generation=1, resume_step=1, sends=[], rollback_step=-1))
+    assert rec.recovery.recover(1, False) == 1
+    assert scaler.state_dict() == began
+    # a scaler whose first scale() ran in an interrupted attempt initialises again at the redone step's
+    fresh = torch.amp.GradScaler("cpu", init_scale=4.0)
+    rec.manage({"fresh": fresh}, rank_local=False)
+    rec.control.set_step(1)
+    rec.begin_step()
+    fresh.scale(torch.ones(()))
+    fresh._scale.fill_(1.0)
+    rec.ledger.restore_grad_scaler_scales()
+    assert fresh._scale is None and fresh.scale(torch.ones(())).item() == 4.0
+
+
 @pytest.mark.parametrize("first_change", ["interrupted", "committed"])
 def test_a_buffer_that_starts_changing_after_the_first_step_is_put_back_too(monkeypatch, first_change):
     """The first steps leave the buffer alone. ``interrupted``: the step that changes it first is interrupted, and

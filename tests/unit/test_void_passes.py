@@ -101,6 +101,35 @@ def test_a_ddp_backward_pass_stops_once_the_step_is_void_and_the_reset_reducer_r
     model(torch.ones(2, 3)).sum().backward()
 
 
+def test_a_forward_stopped_after_a_no_sync_one_leaves_the_redone_step_syncing_buffers_as_a_fresh_model(world_of_one):
+    """DDP broadcasts its buffers at a forward's start only when the previous forward synced. A survivor stopped in
+    the synced micro-batch's forward, after a ``no_sync()`` one, kept the no_sync forward's False; a replacement
+    (a fresh DDP model) has True: the redone step's first forward broadcast on one side only and every rank hung."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rec = make(rank=0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 1))
+    model = DDP(net)
+    assert model.require_forward_param_sync  # fresh
+    rec.manage({"model": model}, rank_local=False)
+    rec.control.set_step(4)
+    rec.begin_step()
+    with model.no_sync():
+        model(torch.ones(2, 3)).sum().backward()
+    assert not model.require_forward_param_sync
+
+    def halt(module, args):  # the halt arrives as the synced micro-batch's forward runs
+        rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))
+
+    net[1].register_forward_pre_hook(halt, prepend=True)
+    with pytest.raises(StepAborted, match="forward pass stopped"):
+        model(torch.ones(2, 3))
+    assert not model.require_forward_param_sync  # never reached DDP's post-forward
+    rec.control.recovered(Attempt(rec.control.halt, None))
+    rec.stopper.reset_reducers()
+    assert model.require_forward_param_sync and model.will_sync_module_buffers()
+
+
 def test_what_is_armed_for_the_next_backward_pass_runs_at_its_first_gradient_once(world_of_one):
     from torch.nn.parallel import DistributedDataParallel as DDP
 

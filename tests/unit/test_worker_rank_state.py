@@ -39,6 +39,39 @@ def test_rank_state_round_trip_restores_rng_and_rank_local_objects():
         rank_state.restore(rank_state.deserialize(data), {"sampler": Sampler()})
 
 
+class EagerLoader:
+    """A rank-local loader whose load_state_dict rebuilds its DataLoader iterator at once: ``iter(DataLoader)``
+    draws its ``_base_seed`` from the global RNG."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2,
+                                              shuffle=True)
+        self.it = iter(self.dl)
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+        self.it = iter(self.dl)  # draws from the global RNG
+
+
+def test_restore_sets_the_rng_after_loading_rank_local_objects():
+    # The RNG restored first, then a loader's load_state_dict drawing from it: the replacement would end one draw
+    # ahead of the rank it replaces (outside review). The RNG is restored last, as the migration path does.
+    torch.manual_seed(5)
+    loader = EagerLoader()
+    loader.pos = 3
+    data = rank_state.serialize({"data": loader})
+    expected = torch.rand(4)
+    other = EagerLoader()
+    torch.manual_seed(99)
+    rank_state.restore(rank_state.deserialize(data), {"data": other})
+    assert other.pos == 3
+    assert torch.equal(torch.rand(4), expected)
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_deserialize_refuses_arbitrary_objects():
     class Evil:

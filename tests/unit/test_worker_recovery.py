@@ -92,9 +92,10 @@ class JoinerGroups(Groups):
         pass
 
 
-def replacement(monkeypatch, rank=2):
+def replacement(monkeypatch, rank=2, own=True):
     """A joiner replacing lost rank ``rank`` of incident 1, managing a small model; its state transfers are
-    stubs that hand over ``sent_state`` (and count the receptions)."""
+    stubs that hand over a source model's state and (if ``own``) this rank's own rank state (and count the
+    receptions)."""
     from worker import recovery as wr
 
     rec = make(rank=rank, role=p.WorkerRole.JOINER, incident_id=1, groups=JoinerGroups())
@@ -106,7 +107,8 @@ def replacement(monkeypatch, rank=2):
     def recv_state(pg, src):
         received.append(pg)
         return {"model": {k: v.clone() for k, v in source.state_dict().items()}}, \
-            {"step": 8, "rng": None, "rank_state": None}, 100, 0.0
+            {"step": 8, "rank_state": rank_state.serialize({})} if own else \
+            {"step": 8, "rng": torch.Generator().manual_seed(1).get_state(), "rank_state": None}, 100, 0.0
 
     monkeypatch.setattr(wr.mb, "build_inner", lambda *a, **k: object())
     monkeypatch.setattr(wr.mb, "release_in_background", lambda pg: None)
@@ -154,6 +156,48 @@ def test_a_prefetched_plan_superseded_by_a_newer_one_is_dropped(monkeypatch):
     assert rec.recovery.replace(1) == 8
     assert rec.control.groups.built == [1, 2] and rec.control.groups.installed == [{"world": "gen2"}]
     assert rec.sent[-1].phase == p.RecoveryPhase.RECOVERED and rec.sent[-1].incident_id == 2
+
+
+def test_a_receiver_sent_no_rank_state_of_its_own_fails_the_recovery_and_loads_nothing(monkeypatch):
+    """It took its sender's RNG and loaded no rank-local state (a silent divergence: every rank ends on one rank's
+    RNG, outside review); now the recovery fails, loudly, before anything is loaded (a fresh standby takes over)."""
+    from worker import recovery as wr
+
+    rec = replacement(monkeypatch, own=False)  # sent the sender's RNG in place of its own state (the old sender)
+    exits = []
+
+    def exit_process(code, why):
+        exits.append(why)
+        raise SystemExit(int(code))
+
+    monkeypatch.setattr(wr, "exit_process", exit_process)
+    rng = torch.get_rng_state()
+    rec.control.on_recover(plan())
+    with pytest.raises(SystemExit):
+        rec.recovery.replace(1)
+    assert "was sent no rank state of its own" in exits[0] and rec.sent[-1].ok is False
+    assert not torch.equal(rec.model.weight, rec.source.weight) and torch.equal(torch.get_rng_state(), rng)
+    assert rec.control.groups.installed == []
+
+
+def test_a_sender_keeping_no_rank_state_of_its_receiver_fails_instead_of_sending(monkeypatch):
+    """The copy kept is of step 1; a plan resuming at step 3 needs the receiver's state after step 2."""
+    from worker import recovery as wr
+
+    rec, model, opt, loader = with_loader(monkeypatch)
+    loader_steps(rec, model, opt, loader, 2)
+    sent = []
+    monkeypatch.setattr(wr.mb, "build_inner", lambda *a, **k: object())
+    monkeypatch.setattr(wr.mb, "release_in_background", lambda pg: None)
+    monkeypatch.setattr(wr.transfer, "send_state", lambda pg, objects, extra: sent.append(extra))
+    rec.control.on_halt(p.Halt(incident_id=1, reason="n2 lost", failed_ranks=[2, 3]))
+    rec.control.on_recover(p.Recover(incident_id=1, generation=1, resume_step=3, sends=[[0, 2]], rollback_step=-1))
+    with pytest.raises(RuntimeError, match="keeps no rank state .* of rank 2 at step 2"):
+        rec.recovery._carry_out(rec.control.plan, 2, torch.get_rng_state())
+    assert sent == []
+    rec.control.on_recover(p.Recover(incident_id=1, generation=1, resume_step=2, sends=[[0, 2]], rollback_step=-1))
+    assert rec.recovery._carry_out(rec.control.plan, 1, torch.get_rng_state()) == 2  # step 1's copy: sent
+    assert sent[0]["rank_state"] == rec.exchange.own_state(2, 1) and "rng" not in sent[0]
 
 
 def test_a_replacement_is_never_prefetched_into_sending_its_live_state(monkeypatch):

@@ -152,3 +152,35 @@ def test_a_group_created_after_the_recorded_steps_is_reported_naming_it_and_the_
     assert len([m for m in rec.sent if isinstance(m, p.RankWarning)]) == 1
     s._group_created("pg4", [0, 1])
     assert len([m for m in rec.sent if isinstance(m, p.RankWarning)]) == 2
+
+
+def test_a_step_without_an_update_is_committed_at_its_end_with_every_rank_s_state(monkeypatch):
+    """A step whose optimizer.step() is skipped (a GradScaler's overflow, a skipped batch) still counts as committed
+    in the loop. Its exchange ran nowhere (only in an optimizer's pre-hook), so a recovery resuming after it found
+    no copy of the lost rank's state and the receiver silently took its sender's RNG (outside review). The step's
+    end runs the exchange and commits the step; a step with its update issues no extra exchange."""
+    import torch
+
+    from tests.unit.rank_rooms import loader_steps, with_loader
+    from worker import rank_state
+    from worker.step_exchange import unpack
+
+    rec, model, opt, loader = with_loader(monkeypatch)
+    gathered = []
+    monkeypatch.setattr(rank_state, "all_gather_bytes", lambda data, _g=rank_state.all_gather_bytes: (
+        gathered.append(rec.control.step), _g(data))[1])
+    loader_steps(rec, model, opt, loader, 2)
+    rec.session._close_step()  # step 1 committed by its update: nothing more
+    assert gathered == [0, 1] and rec.ledger.committed_step == 1
+    rec.control.set_step(2)
+    rec.begin_step()
+    model(loader.batch(2)).sum().backward()
+    opt.zero_grad()  # no update in step 2
+    drawn = torch.get_rng_state()
+    rec.session._close_step()
+    assert gathered == [0, 1, 2] and rec.ledger.committed_step == 2 and rec.ledger.committed(2)
+    own = rank_state.deserialize(rec.exchange.own_state(0, 2))
+    assert own["local"]["data"]["served"] == 3 and torch.equal(own["cpu_rng"], drawn)
+    assert unpack(rec.exchange.kept[1][2])[2] == b""  # the peers' parts of step 2 are kept too (stub: empty)
+    rec.session._close_step()  # once per step
+    assert gathered == [0, 1, 2]

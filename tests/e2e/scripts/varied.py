@@ -11,6 +11,7 @@ update), and the output layer's ``MultiStepLR`` holds a ``collections.Counter``.
 
     python tests/e2e/scripts/varied.py --steps 30 [--norm layer|batch] [--fault NODE:STEP] [--step-time-s S]
                                        [--stats-from STEP] [--calibrate-once] [--calibrate-first]
+                                       [--overflow-at STEP,STEP]
 
 Two optimizers (the output layer's AdamW, the body's SGD) and two micro-batches per step (the first under DDP's
 ``no_sync()``, ``--accumulate``). Mixed precision as GPU scripts do it: the forward pass under ``torch.autocast``
@@ -29,6 +30,11 @@ iterations count), all-reduces a calibration statistic once, as a lazily initial
 of its buckets is torch's own such collective): a joiner must run that iteration in its sandbox, not live.
 ``--calibrate-first``: the same in each process's own first iteration: a failure's replacement must run one shadow
 iteration (it runs none where the job's first steps are alike).
+
+``--overflow-at STEP,...``: in those steps the loss is scaled to infinity, so the GradScaler finds non-finite
+gradients on every rank, skips both optimizers' updates (no ``optimizer.step()`` call: the step still counts as
+committed) and lowers its scale. Before 2026-11-29 a kill in the step after one (``--fault NODE:STEP+1``) left the
+replacements on their senders' RNG and without their loaders' state.
 
 ``--fault NODE:STEP``: every process started on NODE (``TM_NODE``) kills itself with SIGKILL in STEP, after the
 last micro-batch's forward pass (the buffers changed, the first micro-batch's gradients accumulated) and before its
@@ -62,7 +68,10 @@ def main() -> None:
                     help="a collective in each process's own second iteration only")
     ap.add_argument("--calibrate-first", action="store_true",
                     help="a collective in each process's own first iteration only")
+    ap.add_argument("--overflow-at", default="", metavar="STEP,STEP",
+                    help="steps whose gradients overflow: the GradScaler skips their updates")
     args = ap.parse_args()
+    overflow = {int(s) for s in args.overflow_at.split(",") if s}
 
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -168,6 +177,8 @@ def main() -> None:
                     with torch.autocast("cpu", dtype=torch.bfloat16):
                         out = model(x)
                     loss = torch.nn.functional.mse_loss(out.float(), y) / args.accumulate
+                    if step in overflow:
+                        loss = loss * float("inf")  # non-finite gradients: scaler.step skips the update
                     if last and args.fault and started_on == fault_node and step == int(fault_step) \
                             and not session.is_shadow:
                         os.kill(os.getpid(), signal.SIGKILL)
