@@ -44,7 +44,7 @@ from tmd.journal import Journal, cut_text, last_seq
 from tmd.local import LocalLauncher
 from tmd.migration import Migration, MigrationError, Migrations
 from tmd.protocol.keys import KEYS_ENV, Authenticator, JobKeys, limit, role_of_frame
-from tmd.rundir import write_atomic
+from tmd.rundir import no_follow, write_atomic
 from tmd.protocol.layout import RunDir
 from tmd.protocol.vocab import (
     ErrorCode, Event, ExitCode, FailureSignal, Health, MigrationPhase, MigrationState, NodeRole, Sender,
@@ -81,7 +81,7 @@ def _web_port_of(tmd_json: str) -> Optional[int]:
     from tmd.resume import web_port
 
     try:
-        with open(tmd_json, "rb") as f:
+        with open(tmd_json, "rb", opener=no_follow) as f:
             info = json.loads(f.read())
     except (OSError, ValueError):
         return None

@@ -42,7 +42,7 @@ class Evacuation:
         if not owner:
             return None
         if self._owners.get(w.rank) is not w:
-            self._moved(w, now)
+            self._moved(w)
         problem = None
         if "busy_s" in counters:
             busy = finite(counters["busy_s"])
@@ -57,7 +57,7 @@ class Evacuation:
             problem = "gpu is not an object"
         return problem
 
-    def _moved(self, w: Worker, now: float) -> None:
+    def _moved(self, w: Worker) -> None:
         """Rank ``w.rank`` is held by a new process (a migration's joiner, a recovery's replacement): the
         verdicts on its old process and GPU do not follow it. A straggler flag is cleared (journalled, with
         why) and its GPU verdict and windows start over; otherwise the node it moved to would inherit them, be

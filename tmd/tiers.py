@@ -206,12 +206,9 @@ class Tier:
     def skip_existing(self) -> None:
         """A daemon starts (a new job or ``tmd resume``): the checkpoints already committed under
         ``--checkpoint-dir`` count as seen (:attr:`latest`) but are not journalled again by :meth:`tick`."""
-        if self.config.checkpoint_dir is None:
-            return
-        for step, path in ck.checkpoints(self.config.checkpoint_dir):
-            if os.path.exists(os.path.join(path, ck.MANIFEST)):
-                self.latest = step if self.latest is None else max(self.latest, step)
-                return
+        new = self._committed_since_latest()
+        if new:
+            self.latest = new[0][0]
 
     # --- while training -----------------------------------------------------------------------------------------
     def tick(self, now_mono: float) -> None:
@@ -221,11 +218,17 @@ class Tier:
         if self.config.checkpoint_dir is None or now_mono - self._watched_at < WATCH_EVERY_S:
             return
         self._watched_at = now_mono
-        new = [(step, path) for step, path in ck.checkpoints(self.config.checkpoint_dir)
-               if (self.latest is None or step > self.latest) and os.path.exists(os.path.join(path, ck.MANIFEST))]
-        for step, path in reversed(new):
+        for step, path in reversed(self._committed_since_latest()):
             self.latest = step
             self._record(Event.CHECKPOINT_COMMITTED, step=step, path=path)
+
+    def _committed_since_latest(self) -> list[tuple[int, str]]:
+        """The checkpoints under ``--checkpoint-dir`` newer than :attr:`latest` whose manifest exists, as (step,
+        path), newest first ([] without a checkpoint directory)."""
+        if self.config.checkpoint_dir is None:
+            return []
+        return [(step, path) for step, path in ck.checkpoints(self.config.checkpoint_dir)
+                if (self.latest is None or step > self.latest) and os.path.exists(os.path.join(path, ck.MANIFEST))]
 
     def save_failed(self, rank: int, node: str, message: str) -> None:
         """A rank reported a failed save: journalled; the warning shows in ``tmctl status`` (beside the newest

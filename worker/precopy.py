@@ -79,6 +79,7 @@ import torch
 from worker import datapath, transfer
 from worker.dtensor import is_dtensor, local_shard
 from worker.step_hooks import StepHooks
+from worker.step_ledger import params_of
 from worker.transfer import TransferRefused
 
 log = logging.getLogger("worker.precopy")
@@ -182,13 +183,9 @@ def _key(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
 
-def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in opt.param_groups for p in group["params"]]
-
-
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """An optimizer's parameters and every tensor of its per-parameter state."""
-    out = _params(opt)
+    out = params_of(opt)
     for p in list(out):
         for v in opt.state.get(p, {}).values():
             if isinstance(v, torch.Tensor):
@@ -280,9 +277,9 @@ class Precopy:
         for name, o in objects.items():
             if isinstance(o, torch.optim.Optimizer):
                 why = "" if replayable_class(o) else "not one of torch.optim's optimizers"
-                why = why or ("" if all(_plain(p) for p in _params(o)) else "its parameters are not dense tensors "
-                                                                           "or DTensors of dense shards")
-                why = why or ("" if ops_issued is not None or not any(map(is_dtensor, _params(o)))
+                why = why or ("" if all(_plain(p) for p in params_of(o)) else "its parameters are not dense tensors "
+                                                                            "or DTensors of dense shards")
+                why = why or ("" if ops_issued is not None or not any(map(is_dtensor, params_of(o)))
                               else "its parameters are DTensors and no count of collectives is available")
                 if why:
                     self._turn_off(name, why)
@@ -384,7 +381,7 @@ class Precopy:
         if why:
             self._turn_off(name, why)
             return
-        grads = [p.grad for p in _params(opt)]
+        grads = [p.grad for p in params_of(opt)]
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]  # a scheduler's lr...
         job = self._grads = _Job(lambda job: self._send_grads(job, name, groups), in_place=self.in_place,
                                  tensors=grads)
@@ -424,7 +421,7 @@ class Precopy:
             return "its step takes a closure"
         if not self._pipeline.precopy_in_place(opt):
             return "a step hook was registered after the pre-copy started"
-        for p in _params(opt):
+        for p in params_of(opt):
             if not _plain(p) or (p.grad is not None and (not _plain(p.grad) or p.grad.shape != p.shape
                                                           or _placed(p.grad) != _placed(p))):
                 return "a parameter or gradient is not a dense tensor, or a gradient is placed unlike its parameter"
@@ -741,7 +738,7 @@ def _replay(objects: dict[str, Any], name: Any, state: Any) -> None:
     opt = objects.get(name) if type(name) is str else None
     if opt is None or not replayable_class(opt):
         raise TransferRefused(f"gradients for {name!r}, which is not a replayable managed optimizer")
-    params = _params(opt)
+    params = params_of(opt)
     grads = state.get("grads") if type(state) is dict else None
     groups = state.get("groups") if type(state) is dict else None
     if type(grads) is not list or len(grads) != len(params):
@@ -796,7 +793,7 @@ def gradient_buffers(objects: dict[str, Any]) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for obj in objects.values():
         if isinstance(obj, torch.optim.Optimizer) and replayable_class(obj):
-            out.extend(transfer.pretouch(transfer.plan_buffers({"grads": _Fixed({"grads": _params(obj)})})))
+            out.extend(transfer.pretouch(transfer.plan_buffers({"grads": _Fixed({"grads": params_of(obj)})})))
     return out
 
 

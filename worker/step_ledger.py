@@ -91,7 +91,8 @@ def copied_object(obj: Any) -> bool:
     return not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler))
 
 
-def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters ``optimizer`` updates, group by group, in its order."""
     return [q for group in optimizer.param_groups for q in group["params"]]
 
 
@@ -225,7 +226,7 @@ class StepLedger:
         if self.closure_at != step:
             self.closure_copies, self.closure_at = [], step
         with torch.no_grad():
-            params = [local_shard(q).detach().clone() for q in _params(optimizer)]
+            params = [local_shard(q).detach().clone() for q in params_of(optimizer)]
         self.closure_copies.append((optimizer, params, copy.deepcopy(optimizer.state_dict())))
 
     def restore_closure_steps(self, step: int) -> None:
@@ -235,7 +236,7 @@ class StepLedger:
             return
         with torch.no_grad():
             for optimizer, params, state in self.closure_copies:
-                for q, saved in zip(_params(optimizer), params):
+                for q, saved in zip(params_of(optimizer), params):
                     local_shard(q).copy_(saved)
                 optimizer.load_state_dict(copy.deepcopy(state))
         self.closure_copies, self.closure_at = [], -1
